@@ -1,0 +1,82 @@
+"""Two-model speculative decoding: a separate draft model with its own KV cache.
+
+Leviathan et al. 2023 / Chen et al. 2023.  The draft model must share the
+target's tokenizer.  ``truncated_copy`` builds the standalone first-E-layers
+copy of the target (shares no tensor and no cache with it): the baseline that
+measures what LayerSkip's shared KV and exit-query caches buy.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ..errors import SpeculantError
+from ..models.llama import LlamaDecoder
+from .base import DecodingState, ModelDrafterBase
+
+
+def truncated_copy(target: LlamaDecoder, exit_layer: int) -> LlamaDecoder:
+    """A deep copy of layers ``[0, exit_layer)`` + final norm + LM head of ``target``.
+
+    Raises:
+        SpeculantError: ``exit_layer`` outside ``[1, L-1]``.
+    """
+    if not 1 <= exit_layer < target.num_layers:
+        raise SpeculantError(f"truncated:{exit_layer} is out of range; allowed: truncated:1..truncated:{target.num_layers - 1}")
+    layers = target.layers
+    target.layers = torch.nn.ModuleList(list(layers)[:exit_layer])
+    try:
+        draft = copy.deepcopy(target)
+    finally:
+        target.layers = layers
+    draft.config = target.config.with_layers(exit_layer)
+    draft.layer_token_counts = [0] * exit_layer
+    return draft
+
+
+def check_vocab_compatible(target_tok, draft_tok, target: LlamaDecoder, draft: LlamaDecoder) -> None:
+    """Raise :class:`SpeculantError` unless the draft model shares the target's vocabulary."""
+    if target.config.vocab_size != draft.config.vocab_size:
+        raise SpeculantError(f"draft vocab_size={draft.config.vocab_size} differs from the target's "
+                             f"{target.config.vocab_size}; a draft model must share the target's tokenizer")
+    if target_tok is not None and draft_tok is not None and target_tok is not draft_tok:
+        if target_tok.get_vocab() != draft_tok.get_vocab():
+            raise SpeculantError("the draft model's tokenizer vocabulary differs from the target's; "
+                                 "a draft model must share the target's tokenizer")
+
+
+class DraftModelDrafter(ModelDrafterBase):
+    """Drafts with a separate decoder and KV cache (``self.cache``; ``self.cache.length`` tokens cached)."""
+
+    name = "draft-model"
+
+    def __init__(self, draft: LlamaDecoder):
+        self.model = draft
+        self.cache = None
+
+    def begin(self, state: DecodingState) -> None:
+        if self.cache is None or self.cache.max_length != state.cache.max_length:
+            self.cache = self.model.new_cache(state.cache.max_length)
+        self.cache.crop(0)
+
+    def frontier_logits(self, state, tree, first_entry, depth):
+        m = self.cache.length
+        if first_entry == 0:
+            # catch up on every committed token not yet cached, the root last
+            ids = torch.tensor([state.tokens[m:]], dtype=torch.long)
+            return self.model(ids, None, None, self.cache, m)[0, -1:]
+        n = len(state.tokens)           # slots m .. n-1 hold the committed tokens, root included
+        ids = torch.tensor([tree.tokens[first_entry - 1:]], dtype=torch.long)
+        positions = tree.block_positions(n - 1)[first_entry:]
+        mask = None if tree.is_chain else tree.attention_mask(n - 1, slice(first_entry, None))
+        return self.model(ids, positions, mask, self.cache, n - 1 + first_entry)[0]
+
+    def commit(self, state, path):
+        # keep the root and the accepted nodes the draft model has already processed
+        n = len(state.tokens)
+        done = [i for i in path if i + 1 < self.processed]
+        self.cache.crop(n if self.processed else self.cache.length)
+        if self.processed:
+            self.cache.keep([n + i for i in done], start=n)

@@ -1,0 +1,80 @@
+"""LayerSkip self-speculative drafter: the target's own first E layers draft.
+
+Elhoushi et al. 2024, "LayerSkip: Enabling Early Exit Inference and
+Self-Speculative Decoding", Sec. 5: the draft exits after layer E through the
+shared final norm and LM head (or a trained exit adapter); verification runs
+only the remaining layers, reusing
+
+* the KV entries of layers < E that drafting wrote into the one target cache, and
+* the *exit-query cache*: hidden states entering layer E for every drafted entry,
+
+so each layer processes each token exactly once (the decoder's
+``layer_token_counts`` proves it).  Works for chains and for trees (the
+frontier of each depth runs as one batch with the tree mask), which makes
+self-speculative RSD possible.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..errors import SpeculantError
+from ..trees.tree import DraftTree
+from .base import DecodingState, ModelDrafterBase
+
+
+class EarlyExitDrafter(ModelDrafterBase):
+    """Drafts with layers ``[0, exit_layer)`` of the target.
+
+    Args:
+        exit_layer: E, 1 <= E < number of layers.
+        exit_head: optional module mapping hidden states ``[..., D]`` leaving layer
+            E-1 to hidden states fed to the shared final norm (a trained exit adapter);
+            ``None`` uses the final norm and LM head directly.
+    Raises:
+        SpeculantError: E outside ``[1, L-1]``.
+    """
+
+    name = "early-exit"
+
+    def __init__(self, num_layers: int, exit_layer: int, exit_head: Callable | None = None):
+        if not 1 <= exit_layer < num_layers:
+            raise SpeculantError(f"exit_layer={exit_layer} is out of range; allowed: 1..{num_layers - 1}")
+        self.exit_layer = exit_layer
+        self.exit_head = exit_head
+        self._exit_hidden: list[torch.Tensor] = []   # [F_d, D] per drafting forward, block order
+
+    def _exit_logits(self, state: DecodingState, h: torch.Tensor) -> torch.Tensor:
+        if self.exit_head is not None:
+            h = self.exit_head(h)
+        return state.target.lm_head(state.target.final_norm(h))
+
+    def _run_prefix(self, state: DecodingState, tree: DraftTree, first_entry: int) -> torch.Tensor:
+        """Layers < E over block entries ``first_entry ..`` (KV into the target cache); returns ``[1, F, D]``."""
+        target, n = state.target, state.n
+        ids = torch.tensor([[state.tokens[-1]] + tree.tokens], dtype=torch.long)[:, first_entry:]
+        positions = tree.block_positions(n)[first_entry:]
+        mask = None if tree.is_chain else tree.attention_mask(n, slice(first_entry, None))
+        h = target.run_layers(target.embed(ids), 0, self.exit_layer, positions, mask, state.cache, n + first_entry)
+        self._exit_hidden.append(h)
+        return h
+
+    def frontier_logits(self, state, tree, first_entry, depth):
+        if first_entry == 0:
+            self._exit_hidden = []
+        h = self._run_prefix(state, tree, first_entry)
+        return self._exit_logits(state, h[0])
+
+    def verify_logits(self, state, tree):
+        target, n = state.target, state.n
+        if self.processed < len(tree) + 1:           # the deepest frontier, or everything (nothing drafted)
+            if self.processed == 0:
+                self._exit_hidden = []
+            self._run_prefix(state, tree, self.processed)
+        h = torch.cat(self._exit_hidden, dim=1)      # exit-query cache: [1, N+1, D]
+        self._exit_hidden = []
+        mask = None if tree.is_chain else tree.attention_mask(n)
+        h = target.run_layers(h, self.exit_layer, target.num_layers, tree.block_positions(n), mask, state.cache, n)
+        return target.lm_head(target.final_norm(h))[0]

@@ -1,0 +1,102 @@
+"""Method names -> (drafter, tree builder): what ``--method`` selects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..drafters.base import Drafter
+from ..drafters.draft_model import DraftModelDrafter, check_vocab_compatible, truncated_copy
+from ..drafters.early_exit import EarlyExitDrafter
+from ..drafters.prompt_lookup import PromptLookupDrafter
+from ..errors import SpeculantError
+from ..models.loading import LoadedModel, load_model
+from ..trees.builders import (ChainBuilder, ConstantBranchingBuilder, IIDTreeBuilder, StochasticBeamBuilder,
+                              TreeBuilder)
+from .generator import SpeculativeGenerator
+
+METHODS = ("ar", "early-exit", "draft-model", "prompt-lookup", "rsd-c", "rsd-s", "specinfer")
+TREE_METHODS = ("rsd-c", "rsd-s", "specinfer")
+
+
+@dataclass
+class MethodSpec:
+    """Parameters of a decoding method (CLI flags map 1:1 onto these fields).
+
+    ``drafter`` picks what drafts for chain/tree methods: ``early-exit`` (layers < exit_layer
+    of the target) or ``draft-model`` (``draft_model``: a known name, a path, or ``truncated:E``).
+    """
+
+    method: str = "ar"
+    exit_layer: int | None = None
+    num_speculations: int | str = 4         # int, or "auto" (adaptive chain length)
+    draft_model: str | None = None
+    max_ngram: int = 3
+    min_ngram: int = 1
+    branching: str | list[int] = "2,2,2"
+    beam_width: int = 4
+    draft_length: int = 4
+    exit_adapter: str | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise SpeculantError(f"method={self.method!r} is unknown; allowed: {', '.join(METHODS)}")
+
+
+def _builder(spec: MethodSpec) -> TreeBuilder | None:
+    if spec.method == "ar":
+        return None
+    if spec.method == "rsd-c":
+        return ConstantBranchingBuilder(spec.branching)
+    if spec.method == "specinfer":
+        return IIDTreeBuilder(spec.branching)
+    if spec.method == "rsd-s":
+        return StochasticBeamBuilder(spec.beam_width, spec.draft_length)
+    k = spec.num_speculations
+    if k == "auto":
+        return ChainBuilder(8, adaptive=True)
+    try:
+        k = int(k)
+    except (TypeError, ValueError):
+        raise SpeculantError(f"num_speculations={k!r} is invalid; allowed: a positive integer or 'auto'") from None
+    return ChainBuilder(k)
+
+
+DEFAULT_EXIT_LAYER = 8
+
+
+def _drafter(spec: MethodSpec, model: LoadedModel) -> Drafter | None:
+    target = model.decoder
+    if spec.method == "ar":
+        return None
+    if spec.method == "prompt-lookup":
+        return PromptLookupDrafter(spec.max_ngram, spec.min_ngram)
+    use_model = spec.method == "draft-model" or (spec.method in TREE_METHODS and spec.draft_model)
+    if use_model:
+        name = spec.draft_model
+        if not name:
+            raise SpeculantError("--method draft-model needs --draft-model NAME_OR_PATH or truncated:E")
+        if name.startswith("truncated:"):
+            try:
+                e = int(name.split(":", 1)[1])
+            except ValueError:
+                raise SpeculantError(f"draft_model={name!r} is invalid; allowed: truncated:E with an integer E") from None
+            return DraftModelDrafter(truncated_copy(target, e))
+        draft = load_model(name, dtype=target.dtype)
+        check_vocab_compatible(model.tokenizer, draft.tokenizer, target, draft.decoder)
+        return DraftModelDrafter(draft.decoder)
+    exit_layer = spec.exit_layer if spec.exit_layer is not None else DEFAULT_EXIT_LAYER
+    head = None
+    if spec.exit_adapter:
+        from ..training.adapter import load_exit_adapter
+        head, exit_layer = load_exit_adapter(spec.exit_adapter, model, exit_layer)
+    return EarlyExitDrafter(target.num_layers, exit_layer, head)
+
+
+def build_generator(model: LoadedModel, spec: MethodSpec | None = None, **kwargs) -> SpeculativeGenerator:
+    """A :class:`SpeculativeGenerator` for ``spec`` (or ``MethodSpec(**kwargs)``).
+
+    Raises:
+        SpeculantError: unknown method or bad parameters (the message names the value).
+    """
+    spec = spec or MethodSpec(**kwargs)
+    return SpeculativeGenerator(model, _drafter(spec, model), _builder(spec))

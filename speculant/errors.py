@@ -1,0 +1,28 @@
+"""Errors raised for bad user input.
+
+Every error names the bad value and what is allowed; the CLI turns a
+:class:`SpeculantError` into a one-line message and exit code 2.
+"""
+
+
+class SpeculantError(ValueError):
+    """Bad input from a user (model name, option value, prompt length...)."""
+
+
+def check_range(name: str, value, low=None, high=None, *, low_open=False, high_open=False):
+    """Raise :class:`SpeculantError` unless ``low (<|<=) value (<|<=) high``.
+
+    Returns ``value`` so the call can be used inline.
+    """
+    bad = False
+    if low is not None:
+        bad |= value <= low if low_open else value < low
+    if high is not None:
+        bad |= value >= high if high_open else value > high
+    if bad:
+        lo = "-inf" if low is None else str(low)
+        hi = "inf" if high is None else str(high)
+        lb = "(" if low_open or low is None else "["
+        hb = ")" if high_open or high is None else "]"
+        raise SpeculantError(f"{name}={value!r} is out of range; allowed: {lb}{lo}, {hi}{hb}")
+    return value

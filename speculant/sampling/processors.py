@@ -1,0 +1,74 @@
+"""Logits -> probability vectors: temperature, top-k, top-p.
+
+The same processing is applied to draft and target logits at every position,
+so speculative sampling reproduces sampling from the *processed* target
+distribution (Leviathan et al. 2023, Sec. 2.3 "any sampling method").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import SpeculantError, check_range
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How a token is drawn from logits.
+
+    Attributes:
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        top_k: keep the k most likely tokens (0 = all).
+        top_p: keep the smallest set whose probability reaches top_p (1 = all).
+        seed: seed of the ``torch.Generator`` every random draw uses.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        check_range("temperature", self.temperature, 0.0)
+        check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if self.top_k < 0:
+            raise SpeculantError(f"top_k={self.top_k} is out of range; allowed: 0 (off) or a positive integer")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def generator(self) -> torch.Generator:
+        g = torch.Generator()
+        g.manual_seed(self.seed)
+        return g
+
+
+def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Processed distribution ``[..., V]`` (fp32, rows sum to 1) from logits ``[..., V]``.
+
+    Greedy configs give the one-hot vector of the argmax.
+    """
+    logits = logits.float()
+    if cfg.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / cfg.temperature
+    if cfg.top_k and cfg.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if cfg.top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+        cum = sorted_p.cumsum(-1)
+        drop = (cum - sorted_p) >= cfg.top_p          # tokens after the nucleus is complete
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token id drawn from a probability vector ``[V]``."""
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,196 @@
+"""Tree builders: which children each frontier node gets, depth by depth.
+
+A builder sees the draft distributions ``q`` ``[F, V]`` of the current frontier
+(F nodes, all at one depth) and returns, for each frontier node, its children
+in sampling order.  The drafter runs the draft model once per depth over the
+whole frontier (one batched forward with the tree mask), then asks again.
+
+Builders:
+    * :class:`ChainBuilder` - one child per depth (Leviathan et al. 2023), with an
+      optional adaptive length (stop when the draft's top probability is low).
+    * :class:`ConstantBranchingBuilder` - RSD-C (Jeon et al. 2024, Sec. 3.2): b_d
+      children per node sampled *without replacement* with Gumbel-Top-k.
+    * :class:`IIDTreeBuilder` - SpecInfer's i.i.d. tree (Miao et al. 2024):
+      b_d children sampled *with* replacement.
+    * :class:`StochasticBeamBuilder` - RSD-S (Jeon et al. 2024, Sec. 3.3): stochastic
+      beam search (Kool et al. 2019, Alg. 1), W beams sampled without replacement.
+Under greedy decoding each builder falls back to its deterministic analogue
+(argmax chain, top-k tree, beam search).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import SpeculantError
+from ..sampling.gumbel import gumbel_like, gumbel_top_k, truncated_gumbel
+
+
+class TreeBuilder:
+    """Base class. ``max_depth`` bounds the tree depth; ``budget`` the node count."""
+
+    max_depth: int = 0
+
+    def reset(self) -> None:
+        """Called before each new tree."""
+
+    def budget(self) -> int:
+        """Largest number of nodes a tree may get (for KV cache sizing)."""
+        raise NotImplementedError
+
+    def expand(self, depth: int, q: torch.Tensor, greedy: bool,
+               generator: torch.Generator | None) -> list[list[int]]:
+        """Children tokens of each frontier node.
+
+        Args:
+            depth: depth of the children to create (1 = children of the root).
+            q: draft distributions ``[F, V]`` of the frontier (under greedy decoding the
+                untempered softmax, so top-k and beam search can rank tokens).
+            greedy: deterministic decoding.
+        Returns:
+            ``F`` lists of token ids, each in sampling order (may be empty).
+        """
+        raise NotImplementedError
+
+    def observe(self, accepted_length: int, drafted_depth: int) -> None:
+        """Feedback after verification (used by adaptive builders)."""
+
+
+@dataclass
+class ChainBuilder(TreeBuilder):
+    """A single chain of ``num_speculations`` drafted tokens.
+
+    ``adaptive=True`` stops drafting when the draft's top probability falls under
+    ``threshold``, and moves the threshold after each block: up when the block
+    was rejected early, down when fully accepted (in the spirit of the dynamic
+    speculation lookahead of Mamou et al. 2024 / HF's assistant confidence
+    threshold).  Stopping early never changes the output distribution: the
+    acceptance rule is exact for any draft length.
+    """
+
+    num_speculations: int = 4
+    adaptive: bool = False
+    threshold: float = 0.4
+    step: float = 0.05
+    _stopped: bool = field(default=False, repr=False)
+
+    def __post_init__(self):
+        if self.num_speculations < 1:
+            raise SpeculantError(f"num_speculations={self.num_speculations} is out of range; allowed: >= 1")
+        self.max_depth = self.num_speculations
+
+    def budget(self) -> int:
+        return self.num_speculations
+
+    def expand(self, depth, q, greedy, generator):
+        if self.adaptive and depth > 1 and float(q[0].max()) < self.threshold:
+            return [[]]
+        if greedy:
+            return [[int(q[0].argmax())]]
+        return [[int(torch.multinomial(q[0], 1, generator=generator))]]
+
+    def observe(self, accepted_length, drafted_depth):
+        if not self.adaptive or drafted_depth == 0:
+            return
+        if accepted_length >= drafted_depth:
+            self.threshold = max(0.0, self.threshold - self.step)
+        else:
+            self.threshold = min(0.95, self.threshold + self.step)
+
+
+def _parse_branching(branching) -> list[int]:
+    b = [int(x) for x in (branching.split(",") if isinstance(branching, str) else branching)]
+    if not b or any(x < 1 for x in b):
+        raise SpeculantError(f"branching={branching!r} is invalid; allowed: comma-separated integers >= 1, e.g. 3,2,1")
+    return b
+
+
+@dataclass
+class ConstantBranchingBuilder(TreeBuilder):
+    """RSD-C: ``branching[d-1]`` children per node at depth d, sampled without replacement (Gumbel-Top-k)."""
+
+    branching: list[int] | str = (2, 2, 2)
+
+    def __post_init__(self):
+        self.branching = _parse_branching(self.branching)
+        self.max_depth = len(self.branching)
+
+    def budget(self) -> int:
+        total, width = 0, 1
+        for b in self.branching:
+            width *= b
+            total += width
+        return total
+
+    def expand(self, depth, q, greedy, generator):
+        b = self.branching[depth - 1]
+        if greedy:
+            return torch.topk(q, min(b, q.shape[-1]), dim=-1).indices.tolist()
+        return [gumbel_top_k(row, b, generator).tolist() for row in q]
+
+
+@dataclass
+class IIDTreeBuilder(ConstantBranchingBuilder):
+    """SpecInfer's i.i.d. tree: ``branching[d-1]`` children per node sampled *with* replacement."""
+
+    def expand(self, depth, q, greedy, generator):
+        b = self.branching[depth - 1]
+        if greedy:
+            return super().expand(depth, q, greedy, generator)
+        return torch.multinomial(q, b, replacement=True, generator=generator).tolist()
+
+
+@dataclass
+class StochasticBeamBuilder(TreeBuilder):
+    """RSD-S: stochastic beam search of ``beam_width`` W beams over ``draft_length`` L depths.
+
+    At each depth every beam's children are scored with Gumbel perturbations of
+    ``log q`` truncated to the beam's own perturbed score (Kool et al. 2019,
+    Alg. 1); the W best (parent, token) pairs over all beams survive.  Each
+    parent's surviving children are a without-replacement sample listed in
+    sampling order (descending perturbed score); beams that lose every child end
+    early, so a tree has at most W * L nodes.  Greedy decoding runs plain beam search.
+    """
+
+    beam_width: int = 4
+    draft_length: int = 4
+
+    def __post_init__(self):
+        if self.beam_width < 1 or self.draft_length < 1:
+            raise SpeculantError(f"beam_width={self.beam_width}, draft_length={self.draft_length}; allowed: both >= 1")
+        self.max_depth = self.draft_length
+        self.reset()
+
+    def budget(self) -> int:
+        return self.beam_width * self.draft_length
+
+    def reset(self):
+        self._log_p = torch.zeros(1)      # draft log-probability of each frontier beam
+        self._score = torch.zeros(1)      # its perturbed score G
+
+    def expand(self, depth, q, greedy, generator):
+        f, v = q.shape
+        log_p = self._log_p[:, None] + torch.log(q)                       # [F, V]
+        if greedy:
+            score = log_p
+        else:
+            score = truncated_gumbel(log_p + gumbel_like(log_p, generator), self._score[:, None])
+        flat = score.reshape(-1)
+        w = min(self.beam_width, int(torch.isfinite(flat).sum()))
+        top = torch.topk(flat, w).indices                                 # descending score
+        parents, tokens = top // v, top % v
+        kids: list[list[int]] = [[] for _ in range(f)]
+        order = []
+        for par, tok in zip(parents.tolist(), tokens.tolist()):
+            kids[par].append(tok)
+        # new frontier in tree order (grouped by parent), matching how the drafter adds nodes
+        for par in range(f):
+            for j, (pp, tok) in enumerate(zip(parents.tolist(), tokens.tolist())):
+                if pp == par:
+                    order.append(j)
+        order_t = torch.tensor(order, dtype=torch.long)
+        self._log_p = log_p.reshape(-1)[top][order_t]
+        self._score = flat[top][order_t]
+        return kids

@@ -1,0 +1,40 @@
+"""Tiny random models built inside the tests (no download, fixed seeds)."""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from speculant.models.config import ModelConfig
+from speculant.models.llama import LlamaDecoder
+from speculant.models.loading import LoadedModel
+
+
+def tiny_config(vocab=64, layers=4, hidden=64, heads=4, kv_heads=2, inter=128, ctx=512, tie=True, eos=None):
+    return ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=ctx,
+                       rope_theta=10000.0, tie_word_embeddings=tie, eos_token_id=eos)
+
+
+def word_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
+    """Tokens 't0'..'t{V-1}', whitespace separated."""
+    words = {f"t{i}": i for i in range(vocab)}
+    tk = Tokenizer(models.WordLevel(words, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    from tokenizers import decoders
+    tk.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    return PreTrainedTokenizerFast(tokenizer_object=tk)
+
+
+def tiny_model(seed=0, scale=1.0, **kw) -> LoadedModel:
+    """A random Llama decoder; ``scale`` multiplies the weights (larger -> peakier distributions)."""
+    torch.manual_seed(seed)
+    cfg = tiny_config(**kw)
+    dec = LlamaDecoder(cfg)
+    with torch.no_grad():
+        for name, p in dec.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.02 * 10 * scale if "embed" in name else 0.02 * 5 * scale)
+    dec.eval().requires_grad_(False)
+    return LoadedModel("tiny", dec, word_tokenizer(cfg.vocab_size), None)
