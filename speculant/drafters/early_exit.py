@@ -30,9 +30,10 @@ class EarlyExitDrafter(ModelDrafterBase):
 
     Args:
         exit_layer: E, 1 <= E < number of layers.
-        exit_head: optional module mapping hidden states ``[..., D]`` leaving layer
-            E-1 to hidden states fed to the shared final norm (a trained exit adapter);
-            ``None`` uses the final norm and LM head directly.
+        exit_head: optional callable mapping hidden states ``[..., D]`` leaving layer
+            E-1 to fp32 draft logits ``[..., V]`` (a trained exit adapter, possibly with a
+            reduced-vocabulary head that puts -inf outside its vocabulary);
+            ``None`` uses the shared final norm and LM head.
     Raises:
         SpeculantError: E outside ``[1, L-1]``.
     """
@@ -48,7 +49,7 @@ class EarlyExitDrafter(ModelDrafterBase):
 
     def _exit_logits(self, state: DecodingState, h: torch.Tensor) -> torch.Tensor:
         if self.exit_head is not None:
-            h = self.exit_head(h)
+            return self.exit_head(h)
         return state.target.lm_head(state.target.final_norm(h))
 
     def _run_prefix(self, state: DecodingState, tree: DraftTree, first_entry: int) -> torch.Tensor:
