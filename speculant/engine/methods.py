@@ -24,6 +24,9 @@ class MethodSpec:
 
     ``drafter`` picks what drafts for chain/tree methods: ``early-exit`` (layers < exit_layer
     of the target) or ``draft-model`` (``draft_model``: a known name, a path, or ``truncated:E``).
+    ``exit_adapter``: a trained exit head (name or directory); with ``method="early-exit"`` and
+    ``None``, a shipped ``default`` adapter for the model is used when its exit layer fits
+    ``exit_layer`` (or ``exit_layer`` is ``None``); ``"none"`` turns that off.
     """
 
     method: str = "ar"
@@ -84,11 +87,15 @@ def _drafter(spec: MethodSpec, model: LoadedModel) -> Drafter | None:
         draft = load_model(name, dtype=target.dtype)
         check_vocab_compatible(model.tokenizer, draft.tokenizer, target, draft.decoder)
         return DraftModelDrafter(draft.decoder)
-    exit_layer = spec.exit_layer if spec.exit_layer is not None else DEFAULT_EXIT_LAYER
-    head = None
-    if spec.exit_adapter:
+    exit_layer, head, adapter = spec.exit_layer, None, spec.exit_adapter
+    if adapter is None and spec.method == "early-exit":     # a shipped default adapter, if it fits exit_layer
+        from ..training.adapter import default_adapter_for
+        adapter = default_adapter_for(model.name, exit_layer)
+    if adapter and adapter != "none":
         from ..training.adapter import load_exit_adapter
-        head, exit_layer = load_exit_adapter(spec.exit_adapter, model, exit_layer)
+        head, exit_layer = load_exit_adapter(adapter, model, exit_layer)
+    if exit_layer is None:
+        exit_layer = DEFAULT_EXIT_LAYER
     return EarlyExitDrafter(target.num_layers, exit_layer, head)
 
 

