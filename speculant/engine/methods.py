@@ -64,7 +64,7 @@ def _builder(spec: MethodSpec) -> TreeBuilder | None:
     return ChainBuilder(k)
 
 
-DEFAULT_EXIT_LAYER = 8
+DEFAULT_EXIT_LAYER = 8   # used when no exit layer is given (capped at half the layers)
 
 
 def _drafter(spec: MethodSpec, model: LoadedModel) -> Drafter | None:
@@ -95,7 +95,7 @@ def _drafter(spec: MethodSpec, model: LoadedModel) -> Drafter | None:
         from ..training.adapter import load_exit_adapter
         head, exit_layer = load_exit_adapter(adapter, model, exit_layer)
     if exit_layer is None:
-        exit_layer = DEFAULT_EXIT_LAYER
+        exit_layer = min(DEFAULT_EXIT_LAYER, target.num_layers // 2)
     return EarlyExitDrafter(target.num_layers, exit_layer, head)
 
 

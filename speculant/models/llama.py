@@ -28,15 +28,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) * sin == roll(x) * sin_signed``."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 class Attention(nn.Module):
@@ -49,13 +46,11 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, cache_position: int, is_causal: bool):
         b, t, _ = x.shape
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        qkv = self.qkv_proj(x).view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
+        qk = apply_rope(qkv[:, :, :self.n_heads + self.n_kv], cos, sin)     # q and k heads in one go
+        q = qk[:, :, :self.n_heads].transpose(1, 2)
+        k = qk[:, :, self.n_heads:].transpose(1, 2)
+        v = qkv[:, :, self.n_heads + self.n_kv:].transpose(1, 2)
         if cache is not None:
             k, v = cache.write(layer, k, v, cache_position)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
@@ -147,12 +142,8 @@ class LlamaDecoder(nn.Module):
             hidden states ``[B, T, D]`` leaving layer ``end-1``.
         """
         t = hidden.shape[1]
-        cos = self.rope_cos[positions].to(hidden.dtype)
-        sin = self.rope_sin[positions].to(hidden.dtype)
-        if cos.dim() == 2:
-            cos, sin = cos[None, None], sin[None, None]
-        else:
-            cos, sin = cos[:, None], sin[:, None]
+        cos = self.rope_cos[positions].to(hidden.dtype).unsqueeze(-2)     # [(B,) T, 1, Dh]
+        sin = self.rope_sin[positions].to(hidden.dtype).unsqueeze(-2)
         is_causal = False
         mask = attention_mask
         if mask is None and t > 1:
@@ -185,11 +176,11 @@ class LlamaDecoder(nn.Module):
 
 
 def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE cos/sin tables ``[max_position_embeddings, head_dim]`` (Su et al. 2021), fp32."""
+    """RoPE tables ``[max_position_embeddings, head_dim]`` (Su et al. 2021), fp32: cos, and sin with the
+    first half negated (so rotate_half becomes a roll, see :func:`apply_rope`)."""
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
     freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    return torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
 
 
 def causal_mask(t: int, prefix: int, device=None) -> torch.Tensor:

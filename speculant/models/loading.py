@@ -155,6 +155,25 @@ def ours_to_hf_state(decoder: LlamaDecoder) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def save_hf_dir(model: LoadedModel | LlamaDecoder, path: Path, tokenizer=None) -> Path:
+    """Write an HF-format directory (``config.json``, ``model.safetensors``, tokenizer files) that
+    :func:`load_hf_dir` and transformers both read."""
+    from safetensors.torch import save_file
+
+    decoder = model.decoder if isinstance(model, LoadedModel) else model
+    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = ours_to_hf_state(decoder)
+    if decoder.config.tie_word_embeddings:
+        del state["lm_head.weight"]
+    save_file(state, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(decoder.config.to_hf_dict(), indent=2))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+    return path
+
+
 def decoder_from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype=torch.float32) -> LlamaDecoder:
     """Build our decoder from an HF-named state dict."""
     with torch.device("meta"):

@@ -16,7 +16,7 @@ import torch
 def gumbel_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Standard Gumbel noise with the shape of ``x`` (fp32)."""
     u = torch.rand(x.shape, generator=generator, dtype=torch.float32, device=x.device)
-    return -torch.log(-torch.log(u.clamp_min(1e-20)).clamp_min(1e-20))
+    return -torch.log((-torch.log(u.clamp_min(1e-20))).clamp_min(1e-20))
 
 
 def gumbel_top_k(probs: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -36,6 +36,6 @@ def truncated_gumbel(scores: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
     ``G~ = -log(exp(-T) - exp(-Z) + exp(-G))`` with ``Z = max G``, computed in the
     numerically stable form of the reference implementation.
     """
-    z = scores.max(-1, keepdim=True).values
+    z = scores.amax(-1, keepdim=True)
     v = bound - scores + torch.log1p(-torch.exp(scores - z))
     return bound - torch.clamp_min(v, 0) - torch.log1p(torch.exp(-v.abs()))

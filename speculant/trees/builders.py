@@ -128,7 +128,7 @@ class ConstantBranchingBuilder(TreeBuilder):
         b = self.branching[depth - 1]
         if greedy:
             return torch.topk(q, min(b, q.shape[-1]), dim=-1).indices.tolist()
-        return [gumbel_top_k(row, b, generator).tolist() for row in q]
+        return gumbel_top_k(q, b, generator).tolist()
 
 
 @dataclass

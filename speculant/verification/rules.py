@@ -53,6 +53,14 @@ def residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return res / total if total > 0 else r
 
 
+def remove_token(q: torch.Tensor, x: int) -> torch.Tensor | None:
+    """``q`` with token ``x`` removed and renormalised (the next sibling's proposal); ``None`` if nothing is left."""
+    q = q.clone()
+    q[x] = 0.0
+    s = q.sum()
+    return q / s if s > 0 else None
+
+
 def recursive_rejection_sampling(tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None,
                                  without_replacement: bool = True) -> tuple[list[int], int]:
     """Recursive rejection sampling over a draft tree.
@@ -78,7 +86,7 @@ def recursive_rejection_sampling(tree: DraftTree, p: torch.Tensor, generator: to
         kids = tree.children[entry]
         accepted = None
         if kids:
-            big_q = tree.draft_probs[entry].clone()
+            big_q = tree.draft_probs[entry]
             for c in kids:
                 x = tree.tokens[c]
                 qx, rx = float(big_q[x]), float(r[x])
@@ -88,11 +96,9 @@ def recursive_rejection_sampling(tree: DraftTree, p: torch.Tensor, generator: to
                     break
                 r = residual(r, big_q)
                 if without_replacement:
-                    big_q[x] = 0.0
-                    s = big_q.sum()
-                    if s <= 0:
+                    big_q = remove_token(big_q, x)
+                    if big_q is None:
                         break
-                    big_q = big_q / s
         if accepted is None:
             return path, int(torch.multinomial(r, 1, generator=generator))
         path.append(accepted)

@@ -1,0 +1,38 @@
+"""Chi-square goodness of fit with a rejection threshold derived from the sample count."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+Z_1E4 = 3.719   # one-sided standard normal quantile for a false-alarm rate of 1e-4
+
+
+def chi2_quantile(df: int, z: float = Z_1E4) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile with ``df`` degrees of freedom."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def chi_square(samples: list[tuple], law: dict[tuple, float], min_expected: float = 5.0) -> tuple[float, float]:
+    """Pearson's statistic of ``samples`` against the exact ``law`` and its 1e-4 rejection threshold.
+
+    Cells whose expected count is under ``min_expected`` are pooled into one
+    cell, so the chi-square approximation holds.  Returns ``(statistic, threshold)``.
+    """
+    n = len(samples)
+    counts = Counter(samples)
+    assert all(k in law for k in counts), f"sampled an outcome of probability 0: {set(counts) - set(law)}"
+    stat, pooled_obs, pooled_exp, cells = 0.0, 0, 0.0, 0
+    for k, prob in law.items():
+        e = n * prob
+        if e < min_expected:
+            pooled_obs += counts.get(k, 0)
+            pooled_exp += e
+            continue
+        stat += (counts.get(k, 0) - e) ** 2 / e
+        cells += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / max(pooled_exp, 1e-12)
+        cells += 1
+    return stat, chi2_quantile(max(cells - 1, 1))

