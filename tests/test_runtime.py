@@ -122,3 +122,18 @@ def test_smollm2_logits_and_greedy_match_transformers():
     ours = gen.generate(ids, GenerationConfig(max_new_tokens=64)).token_ids
     assert ours == ref_new
     assert len(ours) == 64 or ours[-1] in model.eos_token_ids
+
+
+@smollm2
+def test_smollm2_speculative_methods_match_ar():
+    """On the real model, every method's greedy output equals AR's (40 tokens)."""
+    from speculant import GenerationConfig, build_generator, load_model
+    model = load_model("smollm2-135m")
+    ids = build_generator(model).encode("List three facts about the Moon.")
+    cfg = GenerationConfig(max_new_tokens=40)
+    ar = build_generator(model, method="ar").generate(ids, cfg).token_ids
+    for spec in (dict(method="early-exit", exit_layer=8, num_speculations=4),
+                 dict(method="draft-model", draft_model="truncated:6", num_speculations=3),
+                 dict(method="prompt-lookup", num_speculations=4),
+                 dict(method="rsd-s", exit_layer=8, beam_width=3, draft_length=3)):
+        assert build_generator(model, **spec).generate(ids, cfg).token_ids == ar, spec

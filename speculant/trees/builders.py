@@ -85,11 +85,11 @@ class ChainBuilder(TreeBuilder):
         return self.num_speculations
 
     def expand(self, depth, q, greedy, generator):
-        if self.adaptive and depth > 1 and float(q[0].max()) < self.threshold:
-            return [[]]
-        if greedy:
-            return [[int(q[0].argmax())]]
-        return [[int(torch.multinomial(q[0], 1, generator=generator))]]
+        toks = q.argmax(-1) if greedy else torch.multinomial(q, 1, generator=generator)[:, 0]
+        if self.adaptive and depth > 1:
+            keep = (q.amax(-1) >= self.threshold).tolist()
+            return [[t] if k else [] for t, k in zip(toks.tolist(), keep)]
+        return [[t] for t in toks.tolist()]
 
     def observe(self, accepted_length, drafted_depth):
         if not self.adaptive or drafted_depth == 0:
@@ -167,30 +167,36 @@ class StochasticBeamBuilder(TreeBuilder):
         return self.beam_width * self.draft_length
 
     def reset(self):
-        self._log_p = torch.zeros(1)      # draft log-probability of each frontier beam
-        self._score = torch.zeros(1)      # its perturbed score G
+        self._log_p = torch.zeros(1, 1)      # [B, F] draft log-probability of each frontier beam
+        self._score = torch.zeros(1, 1)      # [B, F] its perturbed score G
 
-    def expand(self, depth, q, greedy, generator):
-        f, v = q.shape
-        log_p = self._log_p[:, None] + torch.log(q)                       # [F, V]
+    def expand_batch(self, q: torch.Tensor, greedy: bool, generator: torch.Generator | None):
+        """One depth for B independent trees: ``q`` ``[B, F, V]`` -> (parents, tokens), each ``[B, W']``.
+
+        Survivors are grouped by parent (frontier order), each group in sampling
+        order; that is also the order of the next frontier.  ``W' = min(W, finite scores)``.
+        """
+        b, f, v = q.shape
+        if self._log_p.shape[0] != b:
+            self._log_p = self._log_p.expand(b, -1)
+            self._score = self._score.expand(b, -1)
+        log_p = self._log_p[:, :, None] + torch.log(q)                      # [B, F, V]
         if greedy:
             score = log_p
         else:
-            score = truncated_gumbel(log_p + gumbel_like(log_p, generator), self._score[:, None])
-        flat = score.reshape(-1)
-        w = min(self.beam_width, int(torch.isfinite(flat).sum()))
-        top = torch.topk(flat, w).indices                                 # descending score
-        parents, tokens = top // v, top % v
-        kids: list[list[int]] = [[] for _ in range(f)]
-        order = []
-        for par, tok in zip(parents.tolist(), tokens.tolist()):
+            score = truncated_gumbel(log_p + gumbel_like(log_p, generator), self._score[:, :, None])
+        flat = score.reshape(b, -1)
+        w = min(self.beam_width, int(torch.isfinite(flat).sum(-1).min()))
+        top = torch.topk(flat, w, dim=-1).indices                            # descending score
+        order = torch.sort(top // v, dim=-1, stable=True).indices            # group by parent
+        top = top.gather(1, order)
+        self._log_p = log_p.reshape(b, -1).gather(1, top)
+        self._score = flat.gather(1, top)
+        return top // v, top % v
+
+    def expand(self, depth, q, greedy, generator):
+        parents, tokens = self.expand_batch(q[None], greedy, generator)
+        kids: list[list[int]] = [[] for _ in range(q.shape[0])]
+        for par, tok in zip(parents[0].tolist(), tokens[0].tolist()):
             kids[par].append(tok)
-        # new frontier in tree order (grouped by parent), matching how the drafter adds nodes
-        for par in range(f):
-            for j, (pp, tok) in enumerate(zip(parents.tolist(), tokens.tolist())):
-                if pp == par:
-                    order.append(j)
-        order_t = torch.tensor(order, dtype=torch.long)
-        self._log_p = log_p.reshape(-1)[top][order_t]
-        self._score = flat[top][order_t]
         return kids

@@ -90,6 +90,22 @@ class DraftTree:
             anc = anc[rows]
         return torch.cat([torch.ones(anc.shape[0], prefix_length, dtype=torch.bool), anc], dim=1)
 
+    def children_table(self) -> torch.Tensor:
+        """Children of every block entry in sampling order, ``[N + 1, C]`` int64, -1 padded."""
+        width = max((len(c) for c in self.children), default=0)
+        table = torch.full((len(self.children), max(width, 1)), -1, dtype=torch.long)
+        for entry, kids in enumerate(self.children):
+            if kids:
+                table[entry, :len(kids)] = torch.tensor(kids)
+        return table
+
+    def draft_prob_matrix(self, vocab_size: int) -> torch.Tensor:
+        """Draft distributions ``[N + 1, V]`` by block entry (zero rows where none was recorded)."""
+        q = torch.zeros(len(self.tokens) + 1, vocab_size)
+        for entry, row in self.draft_probs.items():
+            q[entry] = row
+        return q
+
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node`` (inclusive)."""
         path = []

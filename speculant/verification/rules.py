@@ -44,63 +44,95 @@ def greedy_accept(tree: DraftTree, target_argmax: list[int]) -> tuple[list[int],
 
 
 def residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Residual distribution ``norm(max(0, r - q))`` (Leviathan et al. 2023, Alg. 1).
+    """Residual distribution ``norm(max(0, r - q))`` over the last dim (Leviathan et al. 2023, Alg. 1).
 
-    When ``r == q`` no rejection can happen; ``r`` is then returned unchanged.
+    Rows where ``r == q`` (no rejection possible) keep ``r``.  Shapes ``[..., V]``.
     """
     res = torch.clamp_min(r - q, 0.0)
-    total = res.sum()
-    return res / total if total > 0 else r
+    total = res.sum(-1, keepdim=True)
+    return torch.where(total > 0, res / total.clamp_min(1e-30), r)
 
 
-def remove_token(q: torch.Tensor, x: int) -> torch.Tensor | None:
-    """``q`` with token ``x`` removed and renormalised (the next sibling's proposal); ``None`` if nothing is left."""
-    q = q.clone()
-    q[x] = 0.0
-    s = q.sum()
-    return q / s if s > 0 else None
+def remove_token(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``q`` ``[..., V]`` with token ``x`` ``[...]`` removed and renormalised: the next sibling's proposal.
+
+    A row left with no mass becomes all zeros (no later sibling can then be accepted).
+    """
+    q = q.scatter(-1, x.unsqueeze(-1), 0.0)
+    return q / q.sum(-1, keepdim=True).clamp_min(1e-30)
 
 
-def recursive_rejection_sampling(tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None,
-                                 without_replacement: bool = True) -> tuple[list[int], int]:
-    """Recursive rejection sampling over a draft tree.
+def recursive_rejection_sampling_batch(tokens: torch.Tensor, children: torch.Tensor, q: torch.Tensor,
+                                       p: torch.Tensor, generator: torch.Generator | None = None,
+                                       without_replacement: bool = True):
+    """Recursive rejection sampling over a batch of B independent draft trees.
 
     At a node with target ``r_1 = p`` and children ``x_1..x_m`` in sampling order:
     child j is accepted with probability ``min(1, r_j(x_j) / Q_j(x_j))``; on
     rejection ``r_{j+1} = norm(max(0, r_j - Q_j))``.  With ``without_replacement``
-    (RSD) ``Q_1 = q`` and ``Q_{j+1}`` is ``Q_j`` with ``x_j`` removed and renormalised;
-    otherwise (SpecInfer, i.i.d. siblings) ``Q_j = q``.  When every child is
-    rejected the token is drawn from the last residual; after an accepted leaf,
-    a bonus token is drawn from the target.
+    (RSD, Jeon et al. 2024, Alg. 2) ``Q_1 = q`` and ``Q_{j+1}`` is ``Q_j`` with ``x_j``
+    removed and renormalised; otherwise (SpecInfer, Miao et al. 2024, Alg. 2)
+    ``Q_j = q``.  When every child is rejected the token is drawn from the last
+    residual; after an accepted leaf, a bonus token is drawn from the target.
+    A chain with ``q`` the draft distribution is Leviathan et al.'s Alg. 1; with
+    ``q = one_hot(x)`` (prompt lookup) x is accepted with probability ``p(x)``.
 
     Args:
-        p: target distributions ``[N + 1, V]``.
+        tokens: drafted tokens ``[B, N]`` (node i = block entry i + 1).
+        children: ``[B, N + 1, C]`` node indices of each block entry's children in
+            sampling order, -1 padded.
+        q: draft distributions ``[B, N + 1, V]`` each entry's children were sampled from.
+        p: target distributions ``[B, N + 1, V]``.
         generator: source of every uniform and categorical draw.
     Returns:
-        (accepted node indices, emitted token).
+        ``path`` ``[B, D]`` accepted node indices from the root down (-1 padded) and
+        ``token`` ``[B]``, the token the target emits after the path.
     """
-    path: list[int] = []
-    entry = 0
+    b = tokens.shape[0]
+    rows = torch.arange(b)
+    entry = torch.zeros(b, dtype=torch.long)
+    active = torch.ones(b, dtype=torch.bool)
+    token = torch.full((b,), -1, dtype=torch.long)
+    path = []
     while True:
-        r = p[entry]
-        kids = tree.children[entry]
-        accepted = None
-        if kids:
-            big_q = tree.draft_probs[entry]
-            for c in kids:
-                x = tree.tokens[c]
-                qx, rx = float(big_q[x]), float(r[x])
-                u = float(torch.rand((), generator=generator))
-                if qx > 0 and u * qx < rx:
-                    accepted = c
-                    break
-                r = residual(r, big_q)
-                if without_replacement:
-                    big_q = remove_token(big_q, x)
-                    if big_q is None:
-                        break
-        if accepted is None:
-            return path, int(torch.multinomial(r, 1, generator=generator))
+        r, big_q, kids = p[rows, entry], q[rows, entry], children[rows, entry]
+        accepted = torch.full((b,), -1, dtype=torch.long)
+        trying = active
+        for j in range(kids.shape[1]):
+            child = kids[:, j]
+            trying = trying & (child >= 0)
+            if not bool(trying.any()):
+                break
+            x = tokens[rows, child.clamp_min(0)]
+            qx = big_q.gather(1, x[:, None])[:, 0]
+            rx = r.gather(1, x[:, None])[:, 0]
+            u = torch.rand(b, generator=generator)
+            ok = trying & (qx > 0) & (u * qx < rx)
+            accepted = torch.where(ok, child, accepted)
+            trying = trying & ~ok
+            r = torch.where(trying[:, None], residual(r, big_q), r)
+            if without_replacement:
+                big_q = torch.where(trying[:, None], remove_token(big_q, x), big_q)
+        done = active & (accepted < 0)
+        if bool(done.any()):
+            token[done] = torch.multinomial(r[done], 1, generator=generator)[:, 0]
+        active = active & (accepted >= 0)
+        if not bool(active.any()):
+            break
         path.append(accepted)
-        entry = accepted + 1
+        entry = torch.where(active, accepted + 1, entry)
+    path_t = torch.stack(path, 1) if path else torch.empty(b, 0, dtype=torch.long)
+    return path_t, token
 
+
+def recursive_rejection_sampling(tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None,
+                                 without_replacement: bool = True) -> tuple[list[int], int]:
+    """:func:`recursive_rejection_sampling_batch` for one tree; ``p`` is ``[N + 1, V]``.
+
+    Returns (accepted node indices, emitted token).
+    """
+    q = tree.draft_prob_matrix(p.shape[-1])
+    path, token = recursive_rejection_sampling_batch(
+        torch.tensor([tree.tokens or [0]]), tree.children_table()[None], q[None], p[None], generator,
+        without_replacement)
+    return path[0].tolist(), int(token[0])
