@@ -1,0 +1,147 @@
+"""Transformers' own decoding on *our* weights: the baselines ``hf-ar``, ``hf-early-exit``,
+``hf-prompt-lookup`` and ``hf-assistant``.
+
+The Hugging Face ``LlamaForCausalLM`` is built in-process from the loaded
+decoder with :func:`speculant.models.loading.ours_to_hf_state`, so both
+runtimes decode the same weights from the same prompt ids.  Target calls are
+counted with a forward pre-hook (for ``assistant_early_exit`` only calls that
+run every layer count), which gives transformers' block efficiency
+(emitted tokens per target call, prefill included, as in
+:class:`speculant.engine.stats.GenerationStats`).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..drafters.draft_model import truncated_copy
+from ..errors import SpeculantError
+from ..models.llama import LlamaDecoder
+from ..models.loading import LoadedModel, ours_to_hf_state
+
+
+def hf_model_from_decoder(decoder: LlamaDecoder):
+    """A transformers ``LlamaForCausalLM`` holding a copy of ``decoder``'s weights (same dtype, eval mode)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{k: v for k, v in decoder.config.to_hf_dict().items() if k not in ("model_type", "architectures")})
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": decoder.config.rope_theta}
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(cfg)
+    state = {k: v.clone() for k, v in ours_to_hf_state(decoder).items()}
+    hf.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        hf.lm_head.weight = hf.model.embed_tokens.weight
+    # non-persistent buffers (RoPE inverse frequencies) were created on the meta device
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=cfg)
+    return hf.to(decoder.dtype).eval().requires_grad_(False)
+
+
+@dataclass
+class HFRun:
+    """One transformers ``generate`` call: new token ids (prompt excluded), wall time [s], target calls
+    (every layer) and draft calls (early exit or assistant model)."""
+
+    token_ids: list[int]
+    seconds: float
+    target_forwards: int
+    draft_forwards: int = 0
+
+
+class HFMethod:
+    """A transformers decoding method on the weights of ``model``.
+
+    Args:
+        model: our loaded model (weights and tokenizer are shared with the HF copy).
+        kind: ``hf-ar`` | ``hf-early-exit`` | ``hf-prompt-lookup`` | ``hf-assistant``.
+        exit_layer: E for ``hf-early-exit`` (``assistant_early_exit=E``) and ``hf-assistant``
+            (``assistant_model`` = a standalone copy of the first E layers).
+        num_tokens: K drafted tokens per round; ``None`` keeps transformers' defaults
+            (20 with its heuristic schedule and confidence threshold for assistants, 10 for prompt lookup).
+            An explicit K uses the constant schedule with the confidence threshold off, like our fixed chains.
+        max_ngram: ``max_matching_ngram_size`` for prompt lookup (``None``: transformers' default 2).
+        hf_model: reuse an already built HF target (saves memory when several methods run).
+    Raises:
+        SpeculantError: unknown kind or a missing/out-of-range E.
+    """
+
+    KINDS = ("hf-ar", "hf-early-exit", "hf-prompt-lookup", "hf-assistant")
+
+    def __init__(self, model: LoadedModel, kind: str, exit_layer: int | None = None, num_tokens: int | None = None,
+                 max_ngram: int | None = None, hf_model=None):
+        if kind not in self.KINDS:
+            raise SpeculantError(f"method={kind!r} is unknown; allowed: {', '.join(self.KINDS)}")
+        n_layers = model.decoder.num_layers
+        if kind in ("hf-early-exit", "hf-assistant"):
+            if exit_layer is None or not 1 <= exit_layer < n_layers:
+                raise SpeculantError(f"{kind}: E={exit_layer!r} is out of range; allowed: 1..{n_layers - 1}")
+        self.kind, self.exit_layer, self.num_tokens, self.max_ngram = kind, exit_layer, num_tokens, max_ngram
+        self.model = model
+        self.hf = hf_model if hf_model is not None else hf_model_from_decoder(model.decoder)
+        self.assistant = None
+        if kind == "hf-assistant":
+            self.assistant = hf_model_from_decoder(truncated_copy(model.decoder, exit_layer))
+        self.calls = self.draft_calls = 0
+        full = model.decoder.num_layers
+        base = self.hf.model
+
+        def count(_module, _args):
+            if base.config.num_hidden_layers == full:
+                self.calls += 1
+            else:
+                self.draft_calls += 1
+
+        def count_draft(_module, _args):
+            self.draft_calls += 1
+        self._hooks = [self.hf.register_forward_pre_hook(count)]
+        if self.assistant is not None:
+            self._hooks.append(self.assistant.register_forward_pre_hook(count_draft))
+        self._gen_cfg = copy.deepcopy(self.hf.generation_config)
+        self._asst_cfg = copy.deepcopy(self.assistant.generation_config) if self.assistant is not None else None
+
+    def close(self) -> None:
+        """Remove the call-counting hooks."""
+        for h in self._hooks:
+            h.remove()
+
+    def _kwargs(self, max_new_tokens: int, temperature: float, seed: int) -> dict:
+        eos = self.model.eos_token_ids
+        kw = dict(max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=eos or None,
+                  pad_token_id=eos[0] if eos else 0, top_k=0, top_p=1.0, use_cache=True)
+        if temperature == 0:
+            kw.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        else:
+            kw.update(do_sample=True, temperature=temperature)
+        if self.kind == "hf-early-exit":
+            kw["assistant_early_exit"] = self.exit_layer
+            kw["assistant_model"] = self.hf
+        elif self.kind == "hf-assistant":
+            kw["assistant_model"] = self.assistant
+        elif self.kind == "hf-prompt-lookup":
+            kw["prompt_lookup_num_tokens"] = self.num_tokens or 10
+            if self.max_ngram:
+                kw["max_matching_ngram_size"] = self.max_ngram
+        if self.kind in ("hf-early-exit", "hf-assistant") and self.num_tokens:
+            kw.update(num_assistant_tokens=self.num_tokens, num_assistant_tokens_schedule="constant",
+                      assistant_confidence_threshold=0.0)
+        return kw
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> HFRun:
+        """Generate from ``prompt_ids`` (already chat-templated); times the whole ``generate`` call."""
+        # assistants keep their adaptive K in their generation_config: restore it so calls are independent
+        self.hf.generation_config = copy.deepcopy(self._gen_cfg)
+        if self.assistant is not None:
+            self.assistant.generation_config = copy.deepcopy(self._asst_cfg)
+        kw = self._kwargs(max_new_tokens, temperature, seed)
+        ids = torch.tensor([prompt_ids], dtype=torch.long)
+        torch.manual_seed(seed)
+        self.calls = self.draft_calls = 0
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        seconds = time.perf_counter() - t0
+        return HFRun(out[0, len(prompt_ids):].tolist(), seconds, self.calls, self.draft_calls)

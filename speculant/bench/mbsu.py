@@ -1,0 +1,48 @@
+"""Memory-bound speed-up (MBSU) of a speculative method.
+
+Jeon et al. 2024, "Recursive Speculative Decoding: Accelerating LLM Inference via
+Sampling Without Replacement" (arXiv:2402.14160), Sec. 5: when decoding is bound by
+reading weights from memory, a call costs in proportion to the bytes of weights it
+reads.  With block efficiency tau (emitted tokens per target call), a draft/target
+size ratio ``c`` and ``D`` draft forwards per block (the tree depth)::
+
+    MBSU = tau / (1 + c * D)
+
+The target call costs 1 and each draft forward ``c``.  ``c`` counts the bytes of weights
+each call reads: for a separate draft model its weights over the target's; for an
+early-exit drafter at layer E of an L-layer target (and a ``truncated:E`` copy)
+``c = (E * layer_bytes + head_bytes) / (L * layer_bytes + head_bytes)`` where
+``head_bytes`` is the final norm plus the LM head (the embedding lookup reads one row
+per token and is ignored).  Prompt lookup reads no weights (``c = 0``); AR has tau = 1,
+MBSU = 1.
+"""
+
+from __future__ import annotations
+
+from ..models.llama import LlamaDecoder
+
+
+def _bytes(module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def weight_bytes(decoder: LlamaDecoder, layers: int | None = None) -> int:
+    """Bytes of weights one forward of ``decoder`` reads when it runs its first ``layers`` layers
+    (all by default) plus the final norm and LM head [bytes]."""
+    n = decoder.num_layers if layers is None else layers
+    return sum(_bytes(decoder.layers[i]) for i in range(n)) + _bytes(decoder.norm) + _bytes(decoder.lm_head_proj)
+
+
+def draft_cost_ratio(target: LlamaDecoder, exit_layer: int | None = None, draft: LlamaDecoder | None = None) -> float:
+    """``c``: bytes read by one draft forward / bytes read by one target forward (0 when neither is given)."""
+    full = weight_bytes(target)
+    if draft is not None:
+        return weight_bytes(draft) / full
+    if exit_layer is not None:
+        return weight_bytes(target, exit_layer) / full
+    return 0.0
+
+
+def mbsu(block_efficiency: float, cost_ratio: float, draft_depth: float) -> float:
+    """``tau / (1 + c * D)`` (Jeon et al. 2024); ``draft_depth`` D = draft forwards per target call."""
+    return block_efficiency / (1.0 + cost_ratio * draft_depth)

@@ -1,0 +1,237 @@
+"""Run a benchmark: every prompt x every method, interleaved, repeated, written as it goes.
+
+Timing protocol:
+    * one untimed warm-up generation per method (first prompt, 8 tokens) before anything is timed;
+    * for each prompt, each repeat runs every method once, the method order rotated per prompt,
+      so slow drifts of a shared machine hit all methods alike;
+    * a record keeps every repeat's wall time [s] of the whole generation call (prefill
+      included); ``tokens_per_second`` uses the median time, ``tokens_per_second_best`` the minimum.
+    * ``results.json`` is rewritten after every prompt, so an interruption (Ctrl-C) leaves the
+      finished prompts on disk (``meta.interrupted`` is then true).
+Greedy outputs are compared token by token with our ``ar`` and with ``hf-ar`` (when run);
+mismatches are counted in the summary, never dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..drafters.draft_model import DraftModelDrafter
+from ..drafters.early_exit import EarlyExitDrafter
+from ..engine.generator import GenerationConfig, SpeculativeGenerator
+from ..engine.methods import build_generator
+from ..engine.stats import GenerationStats
+from ..errors import SpeculantError, check_range
+from ..models.loading import LoadedModel
+from ..sampling.processors import SamplingConfig
+from .datasets import Prompt
+from .mbsu import draft_cost_ratio
+from .specs import BenchMethod
+
+SCHEMA_VERSION = 1
+WARMUP_TOKENS = 8
+
+
+@dataclass
+class BenchConfig:
+    """Settings of a benchmark run (``temperature`` 0 = greedy; ``repeats`` timed runs per prompt and method)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    repeats: int = 1
+    seed: int = 0
+    warmup: bool = True
+
+    def __post_init__(self):
+        check_range("max_new_tokens", self.max_new_tokens, 1)
+        check_range("repeats", self.repeats, 1)
+        check_range("temperature", self.temperature, 0.0)
+
+
+class _Ours:
+    def __init__(self, model: LoadedModel, method: BenchMethod):
+        self.gen: SpeculativeGenerator = build_generator(model, method.spec)
+        d = self.gen.drafter
+        if isinstance(d, DraftModelDrafter):
+            self.cost_ratio = draft_cost_ratio(model.decoder, draft=d.model)
+        elif isinstance(d, EarlyExitDrafter):
+            self.cost_ratio = draft_cost_ratio(model.decoder, exit_layer=d.exit_layer)
+        else:
+            self.cost_ratio = 0.0
+
+    def run(self, ids, cfg: BenchConfig, max_new: int):
+        config = GenerationConfig(max_new_tokens=max_new, sampling=SamplingConfig(cfg.temperature, seed=cfg.seed))
+        stats = GenerationStats()
+        out: list[int] = []
+        t0 = time.perf_counter()
+        for block in self.gen.generate_blocks(list(ids), config, stats):
+            out.extend(block)
+        seconds = time.perf_counter() - t0
+        d = stats.to_dict()
+        d.pop("seconds"), d.pop("tokens_per_second"), d.pop("time_to_first_token_s")
+        return out, seconds, d
+
+
+class _HF:
+    def __init__(self, model: LoadedModel, method: BenchMethod, hf_model):
+        from .hf_baselines import HFMethod
+        p = method.params
+        self.m = HFMethod(model, method.name, exit_layer=p.get("E"), num_tokens=p.get("K"), max_ngram=p.get("N"),
+                          hf_model=hf_model)
+        e = p.get("E")
+        self.cost_ratio = draft_cost_ratio(model.decoder, exit_layer=e) if e else 0.0
+
+    def run(self, ids, cfg: BenchConfig, max_new: int):
+        r = self.m.run(list(ids), max_new, cfg.temperature, cfg.seed)
+        n = len(r.token_ids)
+        stats = {"new_tokens": n, "target_forwards": r.target_forwards, "draft_forwards": r.draft_forwards,
+                 "block_efficiency": n / r.target_forwards if r.target_forwards else 0.0}
+        return r.token_ids, r.seconds, stats
+
+
+def machine_info() -> dict:
+    """Where the numbers were measured (CPU, cores, torch threads, versions)."""
+    import transformers
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def encode_prompts(model: LoadedModel, prompts: list[Prompt], chat: bool = True) -> list[list[int]]:
+    """Chat-templated prompt ids (the tokenizer's template; raw text when it has none) shared by all methods."""
+    gen = SpeculativeGenerator(model)
+    return [gen.encode(p.text, chat) for p in prompts]
+
+
+def check_equality(results: dict) -> None:
+    """Set ``equal_to_ar`` / ``equal_to_hf_ar`` on every record (``None`` when not greedy or no reference)."""
+    greedy = results["meta"]["temperature"] == 0
+    refs: dict[tuple[str, str], list[int]] = {}
+    for r in results["records"]:
+        if r["method"] in ("ar", "hf-ar"):
+            refs[(r["prompt_id"], r["method"])] = r["token_ids"]
+    for r in results["records"]:
+        for ref, key in (("ar", "equal_to_ar"), ("hf-ar", "equal_to_hf_ar")):
+            want = refs.get((r["prompt_id"], ref))
+            r[key] = None if (not greedy or want is None) else r["token_ids"] == want
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+def run_benchmark(model: LoadedModel, prompts: list[Prompt], methods: list[BenchMethod], cfg: BenchConfig,
+                  out_dir: str | Path | None = None, dataset: str = "", progress: bool = True,
+                  chat: bool = True, reports: bool = True) -> dict:
+    """Benchmark ``methods`` on ``prompts`` with an already loaded ``model``.
+
+    Args:
+        out_dir: where ``results.json`` (after every prompt), ``report.md`` and the PNGs go; ``None`` writes nothing.
+        chat: apply the tokenizer's chat template to the prompts.
+        reports: also write ``report.md`` and the plots at the end (or on interruption).
+    Returns:
+        the results dict (schema: ``meta``, ``prompts``, ``records``, ``summary``; see :mod:`speculant.bench.report`).
+    Raises:
+        SpeculantError: no prompts or methods, or a method that cannot be built.
+        KeyboardInterrupt: after writing the partial results.
+    """
+    from tqdm import tqdm
+    from .report import summarize, write_report
+
+    if not prompts or not methods:
+        raise SpeculantError("nothing to run: need at least one prompt and one method")
+    out = Path(out_dir) if out_dir is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    runners: dict[str, object] = {}
+    hf_model = None
+    for m in methods:
+        if m.is_hf:
+            if hf_model is None:
+                from .hf_baselines import hf_model_from_decoder
+                hf_model = hf_model_from_decoder(model.decoder)
+            runners[m.label] = _HF(model, m, hf_model)
+        else:
+            runners[m.label] = _Ours(model, m)
+    ids = encode_prompts(model, prompts, chat)
+    results = {
+        "schema_version": SCHEMA_VERSION,
+        "meta": {"model": model.name, "dataset": dataset, "dtype": str(model.decoder.dtype).replace("torch.", ""),
+                 "num_layers": model.decoder.num_layers, **asdict(cfg),
+                 "methods": [{"label": m.label, "name": m.name, "params": m.params,
+                              "spec": asdict(m.spec) if m.spec else None,
+                              "cost_ratio": runners[m.label].cost_ratio} for m in methods],
+                 "machine": machine_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                 "finished": None, "interrupted": False},
+        "prompts": [{"id": p.id, "category": p.category, "subcategory": p.subcategory, "prompt_tokens": len(i)}
+                    for p, i in zip(prompts, ids)],
+        "records": [],
+        "summary": {},
+    }
+    torch.manual_seed(cfg.seed)
+    bar = tqdm(total=len(prompts) * len(methods) * cfg.repeats, disable=not progress, unit="gen", dynamic_ncols=True)
+    try:
+        if cfg.warmup:
+            for m in methods:
+                bar.set_description(f"warm-up {m.label}")
+                runners[m.label].run(ids[0], cfg, min(WARMUP_TOKENS, cfg.max_new_tokens))
+        for pi, (p, pid) in enumerate(zip(prompts, ids)):
+            order = methods[pi % len(methods):] + methods[:pi % len(methods)]
+            recs: dict[str, dict] = {}
+            for _ in range(cfg.repeats):
+                for m in order:
+                    bar.set_description(f"{p.category}/{p.id} {m.label}")
+                    toks, seconds, stats = runners[m.label].run(pid, cfg, cfg.max_new_tokens)
+                    r = recs.setdefault(m.label, {"prompt_id": p.id, "category": p.category, "method": m.label,
+                                                  "token_ids": toks, "seconds": [], "stats": stats})
+                    r["seconds"].append(seconds)
+                    if toks != r["token_ids"]:
+                        r["repeat_outputs_differ"] = True   # would be a determinism bug; kept visible
+                    bar.update(1)
+            for m in methods:
+                r = recs[m.label]
+                n = len(r["token_ids"])
+                r["new_tokens"] = n
+                r["text"] = model.tokenizer.decode(r["token_ids"], skip_special_tokens=True)
+                r["seconds_median"] = statistics.median(r["seconds"])
+                r["seconds_min"] = min(r["seconds"])
+                r["tokens_per_second"] = n / r["seconds_median"] if r["seconds_median"] > 0 else 0.0
+                r["tokens_per_second_best"] = n / r["seconds_min"] if r["seconds_min"] > 0 else 0.0
+                results["records"].append(r)
+            check_equality(results)
+            if out is not None:
+                results["summary"] = summarize(results)
+                _write_json(out / "results.json", results)
+        results["meta"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    except KeyboardInterrupt:
+        results["meta"]["interrupted"] = True
+        raise
+    finally:
+        bar.close()
+        for r in runners.values():
+            if isinstance(r, _HF):
+                r.m.close()
+        check_equality(results)
+        results["summary"] = summarize(results)
+        if out is not None:
+            _write_json(out / "results.json", results)
+            if reports and results["records"]:
+                write_report(results, out)
+    return results

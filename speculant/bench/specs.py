@@ -1,0 +1,140 @@
+"""``--methods`` syntax: which of our methods and transformers' baselines a benchmark runs.
+
+Grammar: a comma-separated list; an item whose text before ``:`` is a method name starts a
+method, the following ``KEY=VALUE`` items are its parameters::
+
+    ar,early-exit:E=20,K=4,rsd-s:W=4,L=4,E=20,draft-model:E=12,K=4,hf-ar,hf-early-exit:E=20,hf-prompt-lookup:K=10
+
+Ours (keys -> :class:`speculant.engine.methods.MethodSpec` fields):
+
+=====================  ==========================================================
+``E``                  exit_layer (``draft-model``: the truncated:E draft copy)
+``K``                  num_speculations (int or ``auto``)
+``draft``              draft_model for tree methods (``truncated:E``, name or path)
+``N`` / ``n``          max_ngram / min_ngram (prompt-lookup)
+``b``                  branching, ``x``-separated (``b=3x2x1`` = 3,2,1)
+``W`` / ``L``          beam_width / draft_length (rsd-s)
+``adapter``            exit_adapter (name or directory)
+=====================  ==========================================================
+
+Transformers (:mod:`speculant.bench.hf_baselines`): ``hf-ar``; ``hf-early-exit:E=..[,K=..]``
+(``assistant_early_exit``); ``hf-prompt-lookup:K=..[,N=..]`` (``prompt_lookup_num_tokens``,
+``max_matching_ngram_size``); ``hf-assistant:E=..[,K=..]`` (``assistant_model`` = truncated copy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..engine.methods import METHODS, TREE_METHODS, MethodSpec
+from ..errors import SpeculantError
+
+HF_METHODS = ("hf-ar", "hf-early-exit", "hf-prompt-lookup", "hf-assistant")
+ALL_METHODS = METHODS + HF_METHODS
+
+_OURS_KEYS = {"E": "exit_layer", "K": "num_speculations", "draft": "draft_model", "N": "max_ngram",
+              "n": "min_ngram", "b": "branching", "W": "beam_width", "L": "draft_length", "adapter": "exit_adapter"}
+_ALLOWED = {
+    "ar": (), "early-exit": ("E", "K", "adapter"), "draft-model": ("E", "K", "draft"),
+    "prompt-lookup": ("K", "N", "n"), "rsd-c": ("E", "b", "draft", "adapter"),
+    "specinfer": ("E", "b", "draft", "adapter"), "rsd-s": ("E", "W", "L", "draft", "adapter"),
+    "hf-ar": (), "hf-early-exit": ("E", "K"), "hf-prompt-lookup": ("K", "N"), "hf-assistant": ("E", "K"),
+}
+_INT_KEYS = ("E", "N", "n", "W", "L")
+
+
+@dataclass
+class BenchMethod:
+    """One method of a benchmark run.
+
+    Attributes:
+        label: the text given on the command line (``early-exit:E=20,K=4``), unique in a run.
+        name: the method name (``early-exit``, ``hf-ar``...).
+        params: parsed ``KEY=VALUE`` parameters (ints where the key takes an int).
+        spec: the :class:`MethodSpec` for our methods, ``None`` for transformers'.
+    """
+
+    label: str
+    name: str
+    params: dict = field(default_factory=dict)
+    spec: MethodSpec | None = None
+
+    @property
+    def is_hf(self) -> bool:
+        return self.name in HF_METHODS
+
+
+def _value(method: str, key: str, raw: str):
+    if key in _INT_KEYS or (key == "K" and raw != "auto"):
+        try:
+            v = int(raw)
+        except ValueError:
+            raise SpeculantError(f"{method}: {key}={raw!r} is invalid; allowed: an integer"
+                                 + (" or 'auto'" if key == "K" and method in METHODS else "")) from None
+        if v < 1:
+            raise SpeculantError(f"{method}: {key}={v} is out of range; allowed: >= 1")
+        return v
+    if key == "K" and method in HF_METHODS:
+        raise SpeculantError(f"{method}: K={raw!r} is invalid; allowed: an integer")
+    return raw
+
+
+def to_spec(name: str, params: dict, exit_adapter: str | None = None) -> MethodSpec:
+    """The :class:`MethodSpec` of one of our methods; ``exit_adapter`` is used where the method drafts
+    with early-exit layers and no ``adapter=`` was given."""
+    kw = {_OURS_KEYS[k]: v for k, v in params.items()}
+    if name == "draft-model":
+        e = kw.pop("exit_layer", None)
+        if e is not None:
+            kw["draft_model"] = f"truncated:{e}"
+        if "draft_model" not in kw:
+            raise SpeculantError("draft-model needs E=<layers of the truncated copy> or draft=NAME|DIR|truncated:E")
+    if "branching" in kw:
+        kw["branching"] = ",".join(str(kw["branching"]).split("x"))
+    uses_exit = name == "early-exit" or (name in TREE_METHODS and not kw.get("draft_model"))
+    if uses_exit and exit_adapter and "exit_adapter" not in kw:
+        kw["exit_adapter"] = exit_adapter
+    return MethodSpec(method=name, **kw)
+
+
+def parse_methods(text: str, exit_adapter: str | None = None) -> list[BenchMethod]:
+    """Parse a ``--methods`` string (grammar in the module docstring).
+
+    Raises:
+        SpeculantError: unknown method or key (names the allowed ones), a bad value, a
+            duplicate label, or an empty list.
+    """
+    items = [t.strip() for t in (text or "").split(",") if t.strip()]
+    groups: list[list[str]] = []
+    for item in items:
+        head = item.split(":", 1)[0]
+        if "=" not in head:
+            if head not in ALL_METHODS:
+                raise SpeculantError(f"method {head!r} is unknown; allowed: {', '.join(ALL_METHODS)}")
+            groups.append([head] + ([item.split(":", 1)[1]] if ":" in item else []))
+        else:
+            if not groups:
+                raise SpeculantError(f"--methods={text!r}: parameter {item!r} comes before any method")
+            groups[-1].append(item)
+    if not groups:
+        raise SpeculantError("--methods is empty; allowed: a comma-separated list such as ar,early-exit:E=20,K=4,hf-ar")
+    out, seen = [], set()
+    for name, *kvs in groups:
+        params = {}
+        for kv in kvs:
+            if "=" not in kv:
+                raise SpeculantError(f"{name}: {kv!r} is not KEY=VALUE")
+            k, v = kv.split("=", 1)
+            if k not in _ALLOWED[name]:
+                allowed = ", ".join(_ALLOWED[name]) or "none"
+                raise SpeculantError(f"{name}: parameter {k!r} is unknown; allowed: {allowed}")
+            params[k] = _value(name, k, v)
+        label = name + (":" + ",".join(kvs) if kvs else "")
+        if label in seen:
+            raise SpeculantError(f"method {label!r} is given twice")
+        seen.add(label)
+        if name in ("hf-early-exit", "hf-assistant") and "E" not in params:
+            raise SpeculantError(f"{name} needs E=<exit layer>, e.g. {name}:E=20")
+        spec = None if name in HF_METHODS else to_spec(name, params, exit_adapter)
+        out.append(BenchMethod(label, name, params, spec))
+    return out

@@ -1,0 +1,141 @@
+"""Benchmark suite on a tiny random model: JSON schema, speed-up arithmetic, greedy equality, parsing."""
+
+import json
+
+import pytest
+
+from helpers import tiny_model
+from speculant.bench.datasets import load_prompts
+from speculant.bench.mbsu import draft_cost_ratio, mbsu, weight_bytes
+from speculant.bench.report import summarize
+from speculant.bench.runner import BenchConfig, check_equality, run_benchmark
+from speculant.bench.specs import parse_methods
+from speculant.errors import SpeculantError
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    data = out / "q.jsonl"
+    rows = [{"question_id": 1, "category": "writing", "turns": ["t1 t2 t3 t4", "again"]},
+            {"question_id": 2, "category": "qa", "turns": ["t5 t6 t7 t5 t6"]},
+            {"question_id": 3, "category": "qa", "turns": ["t9 t8 t7"]}]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    model = tiny_model(seed=1, scale=2.0)
+    prompts = load_prompts(str(data), limit=2)
+    methods = parse_methods("ar,early-exit:E=2,K=3,hf-ar")
+    res = run_benchmark(model, prompts, methods, BenchConfig(max_new_tokens=12, repeats=2), out,
+                        dataset=str(data), progress=False)
+    return res, out
+
+
+def test_files_and_schema(bench):
+    res, out = bench
+    on_disk = json.loads((out / "results.json").read_text())
+    assert on_disk["schema_version"] == 1 and not on_disk["meta"]["interrupted"]
+    assert (out / "report.md").read_text().startswith("# speculant bench")
+    assert (out / "speedup.png").stat().st_size > 0 and (out / "acceptance_by_position.png").stat().st_size > 0
+    assert [p["category"] for p in on_disk["prompts"]] == ["mt_bench", "qa", "qa"]
+    assert len(on_disk["records"]) == 3 * 3                      # every prompt x every method
+    for r in on_disk["records"]:
+        assert {"prompt_id", "category", "method", "token_ids", "text", "new_tokens", "seconds", "seconds_median",
+                "seconds_min", "tokens_per_second", "tokens_per_second_best", "stats", "equal_to_ar",
+                "equal_to_hf_ar"} <= set(r)
+        assert len(r["seconds"]) == 2 and r["new_tokens"] == len(r["token_ids"]) == 12
+    assert set(on_disk["summary"]) == {"all", "mt_bench", "qa"}
+    row = on_disk["summary"]["all"]["early-exit:E=2,K=3"]
+    assert 0 <= row["acceptance_rate"] <= 1 and row["block_efficiency"] >= 1
+    assert row["mbsu"] == pytest.approx(mbsu(row["block_efficiency"], row["cost_ratio"], row["draft_forwards_per_block"]))
+    # greedy speculative output equals AR on our runtime, and our AR equals transformers' generate
+    assert row["mismatches_vs_ar"] == 0
+    assert on_disk["summary"]["all"]["ar"]["mismatches_vs_hf_ar"] == 0
+    assert on_disk["summary"]["all"]["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
+
+
+def test_speedup_is_ratio_of_mean_tokens_per_second(bench):
+    res, _ = bench
+    for cat in ("all", "qa"):
+        recs = [r for r in res["records"] if cat == "all" or r["category"] == cat]
+
+        def mean_tps(m):
+            xs = [r["tokens_per_second"] for r in recs if r["method"] == m]
+            return sum(xs) / len(xs)
+        row = res["summary"][cat]["early-exit:E=2,K=3"]
+        assert row["speedup_vs_ar"] == pytest.approx(mean_tps("early-exit:E=2,K=3") / mean_tps("ar"))
+        assert row["speedup_vs_hf_ar"] == pytest.approx(mean_tps("early-exit:E=2,K=3") / mean_tps("hf-ar"))
+    r = res["records"][0]
+    assert r["seconds_median"] == pytest.approx(sum(r["seconds"]) / 2) and r["seconds_min"] == min(r["seconds"])
+    assert r["tokens_per_second"] == pytest.approx(r["new_tokens"] / r["seconds_median"])
+    assert r["tokens_per_second_best"] == pytest.approx(r["new_tokens"] / r["seconds_min"])
+
+
+def test_a_different_greedy_output_is_counted(bench):
+    res, _ = bench
+    res = json.loads(json.dumps(res))
+    rec = next(r for r in res["records"] if r["method"] == "early-exit:E=2,K=3" and r["category"] == "qa")
+    rec["token_ids"] = [(t + 1) % 64 for t in rec["token_ids"]]
+    check_equality(res)
+    summ = summarize(res)
+    assert rec["equal_to_ar"] is False
+    assert summ["all"]["early-exit:E=2,K=3"]["mismatches_vs_ar"] == 1
+    assert summ["qa"]["early-exit:E=2,K=3"]["mismatches_vs_ar"] == 1
+    assert summ["mt_bench"]["early-exit:E=2,K=3"]["mismatches_vs_ar"] == 0
+    # under sampling nothing is compared
+    res["meta"]["temperature"] = 1.0
+    check_equality(res)
+    assert summarize(res)["all"]["early-exit:E=2,K=3"]["mismatches_vs_ar"] is None
+
+
+def test_method_syntax():
+    ms = parse_methods("ar,early-exit:E=8,K=4,rsd-s:W=4,L=4,draft-model:E=3,K=2,rsd-c:b=3x2x1,draft=truncated:2,"
+                       "prompt-lookup:K=5,N=2,hf-ar,hf-early-exit:E=8,hf-prompt-lookup:K=10,hf-assistant:E=8,K=4",
+                       exit_adapter="myadapter")
+    by = {m.label: m for m in ms}
+    assert by["early-exit:E=8,K=4"].spec.exit_layer == 8 and by["early-exit:E=8,K=4"].spec.num_speculations == 4
+    assert by["early-exit:E=8,K=4"].spec.exit_adapter == "myadapter"
+    assert by["rsd-s:W=4,L=4"].spec.beam_width == 4 and by["rsd-s:W=4,L=4"].spec.draft_length == 4
+    assert by["draft-model:E=3,K=2"].spec.draft_model == "truncated:3"
+    rc = by["rsd-c:b=3x2x1,draft=truncated:2"].spec
+    assert rc.branching == "3,2,1" and rc.draft_model == "truncated:2" and rc.exit_adapter is None
+    assert by["prompt-lookup:K=5,N=2"].spec.max_ngram == 2
+    assert by["hf-assistant:E=8,K=4"].is_hf and by["hf-assistant:E=8,K=4"].params == {"E": 8, "K": 4}
+    for bad in ("", "nope", "ar,ar", "early-exit:Z=1", "early-exit:E=0", "hf-early-exit", "E=3,ar", "hf-ar:K=x"):
+        with pytest.raises(SpeculantError):
+            parse_methods(bad)
+
+
+def test_datasets_and_errors(tmp_path):
+    assert len(load_prompts("builtin", limit=1)) == len({p.category for p in load_prompts("builtin")})
+    he = load_prompts("humaneval", limit=2)
+    assert len(he) == 2 and he[0].id == "HumanEval/0" and "def " in he[0].text
+    with pytest.raises(SpeculantError, match="allowed"):
+        load_prompts("builtin", categories=["nope"])
+    with pytest.raises(SpeculantError):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"x": 1}\n')
+    with pytest.raises(SpeculantError, match="line 1"):
+        load_prompts(str(bad))
+
+
+def test_mbsu_cost_ratio():
+    model = tiny_model()
+    dec = model.decoder
+    c = draft_cost_ratio(dec, exit_layer=2)
+    assert 0 < c < 1
+    assert weight_bytes(dec, 2) < weight_bytes(dec)
+    assert mbsu(3.0, 0.5, 4) == pytest.approx(1.0)
+    assert mbsu(1.0, 0.0, 0) == 1.0
+
+
+def test_best_config(tmp_path, monkeypatch):
+    from speculant.bench.sweep import best_config, run_sweep
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    with pytest.raises(SpeculantError, match="speculant sweep"):
+        best_config("tiny")
+    model = tiny_model(seed=1, scale=2.0)
+    out = run_sweep(model, load_prompts("builtin", limit=1)[:1], [1, 2], [2, 3], BenchConfig(max_new_tokens=6),
+                    tmp_path / "sw", progress=False)
+    assert len(out["grid"]) == 4 and (tmp_path / "sw" / "sweep_acceptance_rate.png").is_file()
+    best = best_config("tiny")
+    assert best == out["best"] and set(best) == {"exit_layer", "num_speculations"}
