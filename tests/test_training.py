@@ -248,3 +248,23 @@ def test_corpus_reader_rejects_unknown_split(tmp_path):
     assert len(read_corpus(p, "heldout")) == 1
     with pytest.raises(SpeculantError, match="allowed: train, heldout"):
         read_corpus(p, "dev")
+
+
+# ----------------------------------------------------------------------------- CLI
+def test_cli_bad_input_exits_2(tmp_path, capsys):
+    from speculant.cli import main
+    assert main(["train", "--recipe", "nope", "--corpus", "c", "--out", str(tmp_path)]) == 2
+    assert "recipe='nope' is unknown; allowed: layerskip, exit-adapter" in capsys.readouterr().err
+    assert main(["make-data", "--out", str(tmp_path / "o.jsonl"), "--spec-bench", str(tmp_path / "missing.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_spec_bench_reader_uses_first_turn(tmp_path):
+    from speculant.training.data import spec_bench_prompts
+    p = tmp_path / "sb.jsonl"
+    p.write_text(json.dumps({"question_id": 7, "category": "math", "turns": ["first", "second"]}) + "\n")
+    (pr,) = spec_bench_prompts(p)
+    assert (pr.id, pr.source, pr.text) == ("specbench-7", "spec-bench/math", "first")
+    p.write_text(json.dumps({"question_id": 8, "turns": []}) + "\n")
+    with pytest.raises(SpeculantError, match="turns"):
+        spec_bench_prompts(p)

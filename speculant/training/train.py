@@ -58,6 +58,7 @@ def add_train_args(p) -> None:
     a.add_argument("--positions", default="all", help="train on 'all' positions or 'response' positions only")
     a.add_argument("--cache-dir", default=None, help="feature cache (default: --out/cache)")
     a.add_argument("--max-train-tokens", type=int, default=None)
+    a.add_argument("--cache-exits", default="", help="extra exit layers to cache in the same pass, e.g. 6,8,10")
     ls = p.add_argument_group("layerskip")
     ls.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (0 = full fine-tune)")
     ls.add_argument("--lora-alpha", type=float, default=16.0)
@@ -201,7 +202,8 @@ def train_exit_adapter(model, corpus: str, out: str, *, exit_layer: int = 6, blo
                        batch_tokens: int = 512, hard_weight: float = 0.5, positions: str = "all", seed: int = 0,
                        max_minutes: float | None = None, resume: bool = False, checkpoint_every: int = 200,
                        eval_every: int = 200, eval_tokens: int = 4000, cache_dir: str | None = None,
-                       max_train_tokens: int | None = None, progress: bool = True, command: str = "") -> dict:
+                       max_train_tokens: int | None = None, cache_exits: tuple[int, ...] = (), progress: bool = True,
+                       command: str = "") -> dict:
     """Train an exit adapter (recipe ``exit-adapter``); writes ``out/`` (adapter + card + metrics + checkpoint).
 
     Returns:
@@ -223,8 +225,9 @@ def train_exit_adapter(model, corpus: str, out: str, *, exit_layer: int = 6, blo
     cache_dir = Path(cache_dir) if cache_dir else out / "cache"
     gen = _seed(seed)
     V = model.config.vocab_size
-    tr = cached_features(model, corpus, "train", [exit_layer], topk, cache_dir, max_train_tokens, progress)
-    ho = cached_features(model, corpus, "heldout", [exit_layer], topk, cache_dir, None, progress)
+    exits = sorted({exit_layer, *cache_exits})
+    tr = cached_features(model, corpus, "train", exits, topk, cache_dir, max_train_tokens, progress)
+    ho = cached_features(model, corpus, "heldout", exits, topk, cache_dir, None, progress)
     H = tr[f"hidden/{exit_layer}"]
     if positions == "response":
         keep = tr["response"].nonzero().squeeze(1)
@@ -508,6 +511,13 @@ def train_layerskip(model, corpus: str, out: str, *, steps: int = 100, lr: float
     return metrics
 
 
+def _int_list(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SpeculantError(f"{flag}={text!r} is invalid; allowed: comma-separated integers, e.g. 6,8") from None
+
+
 def train_from_args(args) -> dict:
     """Dispatch ``speculant train`` by ``--recipe``.
 
@@ -528,6 +538,7 @@ def train_from_args(args) -> dict:
                                   batch_tokens=args.batch_tokens, hard_weight=args.hard_weight,
                                   positions=args.positions, eval_every=args.eval_every, eval_tokens=args.eval_tokens,
                                   cache_dir=args.cache_dir, max_train_tokens=args.max_train_tokens,
+                                  cache_exits=_int_list("--cache-exits", args.cache_exits),
                                   command="speculant " + " ".join(sys.argv[1:]), **common)
     return train_layerskip(model, args.corpus, args.out, lr=args.lr or 1e-4, lora_rank=args.lora_rank,
                            lora_alpha=args.lora_alpha, p_max=args.p_max, dropout_curriculum=args.dropout_curriculum,
