@@ -54,6 +54,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--dataset", default="builtin")
+    p.add_argument("--categories", default=None, help="comma-separated categories to keep")
     p.add_argument("--limit", type=int, default=1, help="prompts per category")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
@@ -62,7 +63,8 @@ def main(argv=None) -> int:
     hf_logging.set_verbosity_error()
 
     model = load_model(args.model, args.dtype)
-    prompts = load_prompts(args.dataset, limit=args.limit)
+    cats = args.categories.split(",") if args.categories else None
+    prompts = load_prompts(args.dataset, cats, limit=args.limit)
     ours = SpeculativeGenerator(model)
     hf = HFMethod(model, "hf-ar")
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens)

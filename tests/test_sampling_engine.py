@@ -61,6 +61,7 @@ def sample(model, spec, runs=RUNS):
 
 METHODS = {
     "early-exit": dict(method="early-exit", exit_layer=1, num_speculations=2),
+    "early-exit-adaptive": dict(method="early-exit", exit_layer=1, num_speculations="auto"),
     "draft-model": dict(method="draft-model", draft_model="truncated:1", num_speculations=3),
     "prompt-lookup": dict(method="prompt-lookup", num_speculations=2, max_ngram=2),
     "rsd-c": dict(method="rsd-c", exit_layer=1, branching="2,2"),

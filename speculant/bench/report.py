@@ -39,7 +39,7 @@ def _row(recs: list[dict], cost_ratio: float, greedy: bool) -> dict:
     tf = sum(s.get("target_forwards", 0) for s in st)
     df = sum(s.get("draft_forwards", 0) or 0 for s in st)
     rounds = sum(s.get("rounds", 0) for s in st)
-    has_acc = all("drafted_tokens" in s for s in st)
+    has_acc = all("drafted_tokens" in s for s in st)          # transformers' methods do not count drafts
     drafted = sum(s.get("drafted_tokens", 0) for s in st)
     accepted = sum(s.get("accepted_tokens", 0) for s in st)
     tau = new / tf if tf else 0.0
@@ -62,7 +62,7 @@ def _row(recs: list[dict], cost_ratio: float, greedy: bool) -> dict:
         "n_prompts": len(recs), "new_tokens": new,
         "tokens_per_second": _mean([r["tokens_per_second"] for r in recs]),
         "tokens_per_second_best": _mean([r["tokens_per_second_best"] for r in recs]),
-        "acceptance_rate": (accepted / drafted if drafted else 0.0) if has_acc else None,
+        "acceptance_rate": accepted / drafted if has_acc and drafted else None,   # None: nothing drafted
         "mean_accepted_length": (accepted / rounds if rounds else 0.0) if has_acc else None,
         "block_efficiency": tau, "draft_forwards_per_block": depth, "cost_ratio": cost_ratio,
         "mbsu": mbsu(tau, cost_ratio, depth) if tf else None,

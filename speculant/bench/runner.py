@@ -1,7 +1,7 @@
 """Run a benchmark: every prompt x every method, interleaved, repeated, written as it goes.
 
 Timing protocol:
-    * one untimed warm-up generation per method (first prompt, 8 tokens) before anything is timed;
+    * one untimed warm-up generation per method (first prompt, 4 tokens) before anything is timed;
     * for each prompt, each repeat runs every method once, the method order rotated per prompt,
       so slow drifts of a shared machine hit all methods alike;
     * a record keeps every repeat's wall time [s] of the whole generation call (prefill
@@ -37,7 +37,7 @@ from .mbsu import draft_cost_ratio
 from .specs import BenchMethod
 
 SCHEMA_VERSION = 1
-WARMUP_TOKENS = 8
+WARMUP_TOKENS = 4
 
 
 @dataclass

@@ -7,7 +7,7 @@ cache).  A verification block is ``[root] + tree nodes`` at slots ``n ..``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -34,7 +34,6 @@ class DecodingState:
     tokens: list[int]
     sampling: SamplingConfig
     draft_forwards: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def n(self) -> int:

@@ -65,6 +65,11 @@ class GenerationStats:
         return self.accepted_tokens / self.rounds if self.rounds else 0.0
 
     @property
+    def mean_tree_nodes(self) -> float:
+        """Drafted nodes verified per target call: the target budget actually used [tokens]."""
+        return self.drafted_tokens / self.rounds if self.rounds else 0.0
+
+    @property
     def block_efficiency(self) -> float:
         """Emitted tokens per target forward, tau (Leviathan et al. 2023, Sec. 3.1); 1.0 for AR."""
         return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
@@ -75,7 +80,7 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for k in ("tokens_per_second", "acceptance_rate", "mean_accepted_length", "block_efficiency",
+        for k in ("tokens_per_second", "acceptance_rate", "mean_accepted_length", "mean_tree_nodes", "block_efficiency",
                   "acceptance_by_position"):
             d[k] = getattr(self, k)
         return d
