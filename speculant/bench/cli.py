@@ -65,7 +65,7 @@ def cmd_sweep(args) -> int:
     out = run_sweep(model, prompts, exits, ks, cfg, args.out, exit_adapter=args.exit_adapter, dataset=args.dataset,
                     progress=not args.quiet)
     for g in out["grid"]:
-        print(f"E={g['exit_layer']:<3} K={g['num_speculations']:<3} accept={g['acceptance_rate']:.3f} "
+        print(f"E={g['exit_layer']:<3} K={g['num_speculations']:<3} accept={g['acceptance_rate'] or 0:.3f} "
               f"tau={g['block_efficiency']:.2f} {g['tokens_per_second']:.2f} tok/s x{g['speedup_vs_ar'] or 0:.2f}")
     print(f"best: {out['best']} stored in {out.get('path')}")
     return 0
