@@ -8,7 +8,8 @@ size ratio ``c`` and ``D`` draft forwards per block (the tree depth)::
 
     MBSU = tau / (1 + c * D)
 
-The target call costs 1 and each draft forward ``c``.  ``c`` counts the bytes of weights
+which is the paper's ``MBSU = c' * tau / (c' + D)`` with ``c' = 1/c`` the target/draft size
+ratio.  The target call costs 1 and each draft forward ``c``.  ``c`` counts the bytes of weights
 each call reads: for a separate draft model its weights over the target's; for an
 early-exit drafter at layer E of an L-layer target (and a ``truncated:E`` copy)
 ``c = (E * layer_bytes + head_bytes) / (L * layer_bytes + head_bytes)`` where

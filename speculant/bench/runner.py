@@ -60,6 +60,7 @@ class _Ours:
     def __init__(self, model: LoadedModel, method: BenchMethod):
         self.gen: SpeculativeGenerator = build_generator(model, method.spec)
         d = self.gen.drafter
+        self.drafter = type(d).__name__ + (" + exit adapter" if getattr(d, "exit_head", None) is not None else "")
         if isinstance(d, DraftModelDrafter):
             self.cost_ratio = draft_cost_ratio(model.decoder, draft=d.model)
         elif isinstance(d, EarlyExitDrafter):
@@ -88,6 +89,7 @@ class _HF:
                           hf_model=hf_model)
         e = p.get("E")
         self.cost_ratio = draft_cost_ratio(model.decoder, exit_layer=e) if e else 0.0
+        self.drafter = method.name
 
     def run(self, ids, cfg: BenchConfig, max_new: int):
         r = self.m.run(list(ids), max_new, cfg.temperature, cfg.seed)
@@ -177,6 +179,7 @@ def run_benchmark(model: LoadedModel, prompts: list[Prompt], methods: list[Bench
                  "num_layers": model.decoder.num_layers, **asdict(cfg),
                  "methods": [{"label": m.label, "name": m.name, "params": m.params,
                               "spec": asdict(m.spec) if m.spec else None,
+                              "drafter": runners[m.label].drafter,
                               "cost_ratio": runners[m.label].cost_ratio} for m in methods],
                  "machine": machine_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                  "finished": None, "interrupted": False},
