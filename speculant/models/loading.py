@@ -107,9 +107,14 @@ def convert_gguf(source: GGUFSource, out_dir: Path) -> Path:
         save_file(state, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
         tokenizer.save_pretrained(str(tmp))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
+        if out_dir.exists() and not (out_dir / "model.safetensors").is_file():
+            shutil.rmtree(out_dir)             # an incomplete leftover
+        try:
+            tmp.rename(out_dir)
+        except OSError:
+            if not (out_dir / "model.safetensors").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process finished the same conversion first
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
