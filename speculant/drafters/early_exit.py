@@ -45,7 +45,7 @@ class EarlyExitDrafter(ModelDrafterBase):
             raise SpeculantError(f"exit_layer={exit_layer} is out of range; allowed: 1..{num_layers - 1}")
         self.exit_layer = exit_layer
         self.exit_head = exit_head
-        self._exit_hidden: list[torch.Tensor] = []   # [F_d, D] per drafting forward, block order
+        self.exit_query_cache: list[torch.Tensor] = []   # hidden states entering layer E, [1, F_d, D] per forward
 
     def _exit_logits(self, state: DecodingState, h: torch.Tensor) -> torch.Tensor:
         if self.exit_head is not None:
@@ -59,12 +59,12 @@ class EarlyExitDrafter(ModelDrafterBase):
         positions = tree.block_positions(n)[first_entry:]
         mask = None if tree.is_chain else tree.attention_mask(n, slice(first_entry, None))
         h = target.run_layers(target.embed(ids), 0, self.exit_layer, positions, mask, state.cache, n + first_entry)
-        self._exit_hidden.append(h)
+        self.exit_query_cache.append(h)
         return h
 
     def frontier_logits(self, state, tree, first_entry, depth):
         if first_entry == 0:
-            self._exit_hidden = []
+            self.exit_query_cache = []
         h = self._run_prefix(state, tree, first_entry)
         return self._exit_logits(state, h[0])
 
@@ -72,10 +72,10 @@ class EarlyExitDrafter(ModelDrafterBase):
         target, n = state.target, state.n
         if self.processed < len(tree) + 1:           # the deepest frontier, or everything (nothing drafted)
             if self.processed == 0:
-                self._exit_hidden = []
+                self.exit_query_cache = []
             self._run_prefix(state, tree, self.processed)
-        h = torch.cat(self._exit_hidden, dim=1)      # exit-query cache: [1, N+1, D]
-        self._exit_hidden = []
+        h = torch.cat(self.exit_query_cache, dim=1)      # exit-query cache: [1, N+1, D]
+        self.exit_query_cache = []
         mask = None if tree.is_chain else tree.attention_mask(n)
         h = target.run_layers(h, self.exit_layer, target.num_layers, tree.block_positions(n), mask, state.cache, n)
         return target.lm_head(target.final_norm(h))[0]
