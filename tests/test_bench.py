@@ -139,3 +139,22 @@ def test_best_config(tmp_path, monkeypatch):
     assert len(out["grid"]) == 4 and (tmp_path / "sw" / "sweep_acceptance_rate.png").is_file()
     best = best_config("tiny")
     assert best == out["best"] and set(best) == {"exit_layer", "num_speculations"}
+
+
+def test_interrupt_leaves_partial_results(tmp_path, monkeypatch):
+    from speculant.bench import runner
+    model = tiny_model(seed=1, scale=2.0)
+    prompts = load_prompts("builtin")[:3]
+    real, calls = runner._Ours.run, []
+
+    def run(self, ids, cfg, max_new):
+        calls.append(1)
+        if len(calls) == 4:                 # warm-up, prompt 1, prompt 2, then Ctrl-C on prompt 3
+            raise KeyboardInterrupt
+        return real(self, ids, cfg, max_new)
+    monkeypatch.setattr(runner._Ours, "run", run)
+    with pytest.raises(KeyboardInterrupt):
+        run_benchmark(model, prompts, parse_methods("ar"), BenchConfig(max_new_tokens=4), tmp_path, progress=False)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["meta"]["interrupted"] and len(saved["records"]) == 2
+    assert (tmp_path / "report.md").is_file()
