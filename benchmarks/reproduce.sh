@@ -7,6 +7,7 @@ set -euo pipefail
 OUT=${OUT:-bench_results}
 N=${N:-16}          # max new tokens
 E=${E:-24}          # exit layer of the self-drafter / truncated draft copy
+T1=${THREADS:+--threads $THREADS}   # optional torch thread count
 steps=${*:-a b sweep d0 c0 d1 c1}
 RSD="ar,early-exit:E=$E,K=4,specinfer:E=$E,b=2x1,rsd-c:E=$E,b=2x1,rsd-s:W=2,L=2,E=$E"
 RSD+=",early-exit:E=$E,K=8,specinfer:E=$E,b=2x1x1x1,rsd-c:E=$E,b=2x1x1x1,rsd-s:W=2,L=4,E=$E"
@@ -20,18 +21,18 @@ for s in $steps; do
          --max-new-tokens 32 --repeats 2 --json "$OUT/a_ar_vs_hf.json" ;;
     b) speculant bench --dataset "$SPEC_BENCH" --categories mt_bench,summarization --limit 1 --max-new-tokens $N \
          --methods "ar,early-exit:E=$E,K=4,draft-model:E=$E,K=4,prompt-lookup:K=4,hf-ar,hf-early-exit:E=$E,K=4,hf-prompt-lookup:K=10,hf-assistant:E=$E,K=4" \
-         --out "$OUT/b_issue3" --quiet ;;
+         --out "$OUT/b_issue3" --quiet $T1 ;;
     sweep) speculant sweep --dataset "$SPEC_BENCH" --categories mt_bench --limit 1 --max-new-tokens $N \
-         --exit-layers 16,20,24,28 --num-speculations 2,4 --out "$OUT/sweep" --quiet ;;
+         --exit-layers 20,24,28 --num-speculations 2,4 --out "$OUT/sweep" --quiet $T1 ;;
     c0) speculant bench --dataset "$SPEC_BENCH" --categories mt_bench --limit 1 --max-new-tokens $N --temperature 0 \
-         --methods "$RSD" --out "$OUT/c_rsd_t0" --quiet ;;
+         --methods "$RSD" --out "$OUT/c_rsd_t0" --quiet $T1 ;;
     c1) speculant bench --dataset "$SPEC_BENCH" --categories mt_bench --limit 1 --max-new-tokens $N --temperature 1.0 \
-         --methods "$RSD" --out "$OUT/c_rsd_t1" --quiet ;;
+         --methods "$RSD" --out "$OUT/c_rsd_t1" --quiet $T1 ;;
     d0|d1) T=$([ $s = d0 ] && echo 0 || echo 1.0)
          speculant bench --dataset "$SPEC_BENCH" --limit 1 --max-new-tokens $N --temperature $T --methods "$D" \
-           --out "$OUT/${s}_specbench" --quiet
+           --out "$OUT/${s}_specbench" --quiet $T1
          speculant bench --dataset humaneval --limit 1 --max-new-tokens $N --temperature $T --methods "$D" \
-           --out "$OUT/${s}_humaneval" --quiet ;;
+           --out "$OUT/${s}_humaneval" --quiet $T1 ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
