@@ -8,6 +8,7 @@ OUT=${OUT:-bench_results}
 N=${N:-16}          # max new tokens
 E=${E:-24}          # exit layer of the self-drafter / truncated draft copy
 T1=${THREADS:+--threads $THREADS}   # optional torch thread count
+R=${REPEATS:-1}     # timed repeats per prompt and method (Spec-Bench dev / HumanEval step)
 steps=${*:-a b sweep d0 c0 d1 c1}
 RSD="ar,early-exit:E=$E,K=4,specinfer:E=$E,b=2x1,rsd-c:E=$E,b=2x1,rsd-s:W=2,L=2,E=$E"
 RSD+=",early-exit:E=$E,K=8,specinfer:E=$E,b=2x1x1x1,rsd-c:E=$E,b=2x1x1x1,rsd-s:W=2,L=4,E=$E"
@@ -18,7 +19,7 @@ for s in $steps; do
   echo "== $s $(date -u +%H:%M:%S)"
   case $s in
     a) python benchmarks/ar_vs_hf.py --dataset "$SPEC_BENCH" --categories mt_bench,qa --limit 1 \
-         --max-new-tokens 32 --repeats 2 --json "$OUT/a_ar_vs_hf.json" ;;
+         --max-new-tokens $N --repeats 2 --json "$OUT/a_ar_vs_hf.json" ;;
     b) speculant bench --dataset "$SPEC_BENCH" --categories mt_bench,summarization --limit 1 --max-new-tokens $N \
          --methods "ar,early-exit:E=$E,K=4,draft-model:E=$E,K=4,prompt-lookup:K=4,hf-ar,hf-early-exit:E=$E,K=4,hf-prompt-lookup:K=10,hf-assistant:E=$E,K=4" \
          --out "$OUT/b_issue3" --quiet $T1 ;;
@@ -30,9 +31,9 @@ for s in $steps; do
          --methods "$RSD" --out "$OUT/c_rsd_t1" --quiet $T1 ;;
     d0|d1) T=$([ $s = d0 ] && echo 0 || echo 1.0)
          speculant bench --dataset "$SPEC_BENCH" --limit 1 --max-new-tokens $N --temperature $T --methods "$D" \
-           --out "$OUT/${s}_specbench" --quiet $T1
+           --repeats $R --out "$OUT/${s}_specbench" --quiet $T1
          speculant bench --dataset humaneval --limit 1 --max-new-tokens $N --temperature $T --methods "$D" \
-           --out "$OUT/${s}_humaneval" --quiet $T1 ;;
+           --repeats $R --out "$OUT/${s}_humaneval" --quiet $T1 ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
