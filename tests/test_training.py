@@ -268,3 +268,17 @@ def test_spec_bench_reader_uses_first_turn(tmp_path):
     p.write_text(json.dumps({"question_id": 8, "turns": []}) + "\n")
     with pytest.raises(SpeculantError, match="turns"):
         spec_bench_prompts(p)
+
+
+def test_shipped_default_adapter_is_found_by_name():
+    from dataclasses import replace
+    assert adapter_mod.default_adapter_for("smollm2-135m") == "default"
+    conf = json.loads((adapter_mod.ARTIFACTS / "smollm2-135m" / "default" / "config.json").read_text())
+    E = conf["exit_layer"]
+    assert adapter_mod.default_adapter_for("smollm2-135m", E) == "default"
+    assert adapter_mod.default_adapter_for("smollm2-135m", E + 1) is None     # explicit other layer: no adapter
+    assert adapter_mod.default_adapter_for("tiny") is None
+    m = tiny_model(layers=4)
+    m = replace(m, name="smollm2-135m")                   # resolves the shipped files, then rejects the shape
+    with pytest.raises(SpeculantError, match="hidden_size=576 but model 'smollm2-135m' has 64"):
+        adapter_mod.load_exit_adapter("default", m, None)
