@@ -88,7 +88,7 @@ def _drafter(spec: MethodSpec, model: LoadedModel) -> Drafter | None:
         check_vocab_compatible(model.tokenizer, draft.tokenizer, target, draft.decoder)
         return DraftModelDrafter(draft.decoder)
     exit_layer, head, adapter = spec.exit_layer, None, spec.exit_adapter
-    if adapter is None and spec.method == "early-exit":     # a shipped default adapter, if it fits exit_layer
+    if adapter is None:              # early-exit drafting (chain or tree): a shipped default adapter, if it fits
         from ..training.adapter import default_adapter_for
         adapter = default_adapter_for(model.name, exit_layer)
     if adapter and adapter != "none":
