@@ -108,7 +108,7 @@ def main(argv=None) -> int:
            "ratio_ours_over_hf": ours_tps / hf_tps, "identical_outputs": sum(r["identical"] for r in rows),
            "weight_bytes_per_token": wb, "copy_bandwidth_bytes_per_s": bw,
            "bandwidth_floor_s_per_token": wb / bw, "bandwidth_ceiling_tokens_per_s": bw / wb,
-           "machine": machine_info(), "rows": rows}
+           "machine": machine_info(), "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows}
     print(f"ours {ours_tps:.2f} tok/s | transformers {hf_tps:.2f} tok/s | ratio {ours_tps / hf_tps:.2f} | "
           f"identical {res['identical_outputs']}/{len(rows)} | weights {wb / 2**20:.1f} MiB/token, "
           f"copy bandwidth {bw / 2**30:.2f} GiB/s -> floor {1000 * wb / bw:.1f} ms/token "

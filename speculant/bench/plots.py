@@ -29,7 +29,7 @@ def plot_speedup(results: dict, path: str | Path) -> Path | None:
     width = 0.8 / len(labels)
     for i, m in enumerate(labels):
         ys = [(summ.get(c, {}).get(m, {}) or {}).get(key) or 0.0 for c in cats]
-        ax.bar([x + i * width for x in range(len(cats))], ys, width, label=m)
+        ax.bar([x + i * width for x in range(len(cats))], ys, width, label=m, color=plt.cm.tab20(i % 20))
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(cats))], cats, rotation=20)
     ax.set_ylabel(f"speed-up over {base.replace('_', '-')} (tokens/s ratio)")
@@ -50,8 +50,8 @@ def plot_acceptance_by_position(results: dict, path: str | Path) -> Path | None:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for k, v in series.items():
-        ax.plot(range(1, len(v) + 1), v, marker="o", label=k)
+    for i, (k, v) in enumerate(series.items()):
+        ax.plot(range(1, len(v) + 1), v, marker="o", label=k, color=plt.cm.tab20(i % 20))
     ax.set_xlabel("draft position (tree depth)")
     ax.set_ylabel("acceptance rate at position")
     ax.set_ylim(0, 1)
