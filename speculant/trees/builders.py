@@ -20,7 +20,7 @@ Under greedy decoding each builder falls back to its deterministic analogue
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -74,7 +74,6 @@ class ChainBuilder(TreeBuilder):
     adaptive: bool = False
     threshold: float = 0.4
     step: float = 0.05
-    _stopped: bool = field(default=False, repr=False)
 
     def __post_init__(self):
         if self.num_speculations < 1:
