@@ -137,15 +137,20 @@ def _extensions():
     return regs
 
 
-def default_threads() -> int:
-    """Torch CPU threads for the CLI: ``$SPECULANT_NUM_THREADS``, else 1.
+def default_threads() -> int | None:
+    """Torch CPU threads for the CLI: ``$SPECULANT_NUM_THREADS``, else ``None`` (torch's default).
 
-    Measured on the 2-core reference machine: a multi-threaded MKL sgemm over 2..16 rows (a
-    verification block) took ~15 ms for a 3072x576 fp32 weight against ~2.5 ms single-threaded,
-    and one-row GEMV (autoregressive steps) gained nothing from a second thread.  Sub-commands
-    with their own ``--threads`` flag override this.
+    Sub-commands with their own ``--threads`` flag override this.  Since verification blocks use
+    :func:`~speculant.models.linear.small_batch_linear`, a second thread helps on the 2-core
+    reference machine (BENCHMARKS.md "Small-batch projections"); with MKL's own small-M ``sgemm``
+    it had made 2..16-row blocks ~6x slower, which is why this used to default to 1.
+
+    Raises:
+        SpeculantError: the variable is not a positive integer.
     """
-    raw = os.environ.get("SPECULANT_NUM_THREADS", "1")
+    raw = os.environ.get("SPECULANT_NUM_THREADS")
+    if raw is None:
+        return None
     try:
         n = int(raw)
     except ValueError:
@@ -158,7 +163,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         import torch
-        torch.set_num_threads(default_threads())
+        threads = default_threads()
+        if threads is not None:
+            torch.set_num_threads(threads)
         return args.func(args)
     except SpeculantError as e:
         print(f"speculant: error: {e}", file=sys.stderr)

@@ -158,3 +158,32 @@ def test_interrupt_leaves_partial_results(tmp_path, monkeypatch):
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["meta"]["interrupted"] and len(saved["records"]) == 2
     assert (tmp_path / "report.md").is_file()
+
+
+def test_cost_model_formulas():
+    from speculant.bench.costs import expected_block_efficiency, expected_speedup, required_acceptance
+    assert expected_block_efficiency(0.0, 4) == 1.0
+    assert expected_block_efficiency(1.0, 4) == 5.0
+    assert abs(expected_block_efficiency(0.5, 2) - 1.75) < 1e-12          # 1 + 0.5 + 0.25
+    assert abs(expected_speedup(0.5, 2, 0.25, 1.0) - 1.75 / 1.5) < 1e-12
+    a = required_acceptance(1.6, 3, 0.1, 1.0)
+    assert abs(expected_speedup(a, 3, 0.1, 1.0) - 1.6) < 1e-6
+    assert expected_speedup(a - 1e-3, 3, 0.1, 1.0) < 1.6
+    assert required_acceptance(1.6, 1, 0.5, 1.0) is None                   # 2 / 1.5 < 1.6 even at alpha = 1
+    with pytest.raises(SpeculantError, match="alpha=1.5"):
+        expected_block_efficiency(1.5, 2)
+    with pytest.raises(SpeculantError, match="c_verify=0"):
+        expected_speedup(0.5, 2, 0.1, 0)
+
+
+def test_measure_step_costs_tiny_model():
+    from speculant.bench.costs import measure_step_costs
+    dec = tiny_model().decoder
+    costs = measure_step_costs(dec, [1, 2], [1, 3], context=8, repeats=2)
+    assert costs.ar_step_s > 0 and set(costs.draft_step_s) == {1, 2}
+    assert set(costs.verify_s) == {(1, 1), (1, 3), (2, 1), (2, 3)}
+    assert all(costs.c_verify(e, k) > 0 for e, k in costs.verify_s)
+    with pytest.raises(SpeculantError, match="exit layer 9"):
+        measure_step_costs(dec, [9], [1], context=8)
+    with pytest.raises(SpeculantError, match="num_speculations=0"):
+        measure_step_costs(dec, [1], [0], context=8)

@@ -137,3 +137,43 @@ def test_smollm2_speculative_methods_match_ar():
                  dict(method="prompt-lookup", num_speculations=4),
                  dict(method="rsd-s", exit_layer=8, beam_width=3, draft_length=3)):
         assert build_generator(model, **spec).generate(ids, cfg).token_ids == ar, spec
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (2, 576), (1, 5, 576), (3, 4, 576), (17, 576), (0, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_small_batch_linear_equals_f_linear(shape, with_bias):
+    from speculant.models.linear import small_batch_linear
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, shape[-1], generator=g)
+    b = torch.randn(96, generator=g) if with_bias else None
+    x = torch.randn(*shape, generator=g)
+    got = small_batch_linear(x, w, b)
+    want = torch.nn.functional.linear(x, w, b)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_small_batch_linear_keeps_autograd():
+    from speculant.models.linear import small_batch_linear
+    w = torch.randn(8, 4, requires_grad=True)
+    x = torch.randn(3, 4)
+    small_batch_linear(x, w).sum().backward()
+    torch.testing.assert_close(w.grad, x.sum(0).expand(8, 4))
+
+
+def test_decoder_uses_small_batch_route(monkeypatch):
+    """A verification-sized block goes through the transposed product (the speed fix), and its logits
+    equal those of the plain ``F.linear`` route."""
+    import speculant.models.linear as lin
+    model = tiny_model(seed=3).decoder
+    ids = torch.tensor([[1, 5, 7, 2, 9]])
+    calls = []
+    real_mm = torch.mm
+    monkeypatch.setattr(lin.torch, "mm", lambda a, b: calls.append(a.shape) or real_mm(a, b))
+    with torch.no_grad():
+        fast = model(ids)
+    assert calls, "the small-batch route was not taken"
+    monkeypatch.setattr(lin, "SMALL_BATCH_MAX_ROWS", 1)
+    with torch.no_grad():
+        plain = model(ids)
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)

@@ -17,6 +17,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .kv_cache import KVCache
+from .linear import DecodeLinear
 
 
 class RMSNorm(nn.Module):
@@ -41,8 +42,8 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = DecodeLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = DecodeLinear(self.q_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, cache_position: int, is_causal: bool):
         b, t, _ = x.shape
@@ -61,8 +62,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = DecodeLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = DecodeLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -95,7 +96,7 @@ class LlamaDecoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head_proj = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head_proj = DecodeLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head_proj.weight = self.embed_tokens.weight
         self.layer_token_counts = [0] * cfg.num_hidden_layers   # tokens each layer has processed
