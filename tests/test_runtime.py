@@ -124,9 +124,20 @@ def test_smollm2_logits_and_greedy_match_transformers():
     assert len(ours) == 64 or ours[-1] in model.eos_token_ids
 
 
+@pytest.fixture
+def torch_threads(request):
+    """Run a test with ``request.param`` torch threads (2 exercises the padded one-row route)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @smollm2
-def test_smollm2_speculative_methods_match_ar():
-    """On the real model, every method's greedy output equals AR's (40 tokens)."""
+@pytest.mark.parametrize("torch_threads", [1, 2], indirect=True)
+def test_smollm2_speculative_methods_match_ar(torch_threads):
+    """On the real model, every method's greedy output equals AR's (40 tokens), with 1 and 2 threads
+    (the kernels of one-row steps and multi-row blocks differ with 2, see ``models/linear.py``)."""
     from speculant import GenerationConfig, build_generator, load_model
     model = load_model("smollm2-135m")
     ids = build_generator(model).encode("List three facts about the Moon.")
@@ -139,9 +150,10 @@ def test_smollm2_speculative_methods_match_ar():
         assert build_generator(model, **spec).generate(ids, cfg).token_ids == ar, spec
 
 
-@pytest.mark.parametrize("shape", [(1, 576), (2, 576), (1, 5, 576), (3, 4, 576), (17, 576), (0, 576)])
+@pytest.mark.parametrize("shape", [(1, 576), (1, 1, 576), (2, 576), (1, 5, 576), (3, 4, 576), (17, 576), (0, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_small_batch_linear_equals_f_linear(shape, with_bias):
+@pytest.mark.parametrize("torch_threads", [1, 2], indirect=True)
+def test_small_batch_linear_equals_f_linear(shape, with_bias, torch_threads):
     from speculant.models.linear import small_batch_linear
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, shape[-1], generator=g)

@@ -7,7 +7,9 @@ the extra rows are free).  On CPU that premise depends on the BLAS call: MKL's
 whole weight every call and ran at 1.9-2.5x the cost of the one-row ``sgemv``
 (measured on SmolLM2-135M, BENCHMARKS.md "Small-batch projections").  Computing
 the same product as ``(W @ x^T)^T`` makes the weight the streamed left operand and
-costs about one ``sgemv`` for up to ~8 rows.
+costs about one ``sgemv`` for up to ~8 rows.  With more than one thread, MKL's one-row
+``sgemv`` also used only part of the machine: the same product over two columns (the row plus a
+zero column) was ~30% faster, so single rows are padded to two.
 
 :class:`DecodeLinear` is an ``nn.Linear`` (same parameters and state-dict keys)
 that takes that route for ``2 <= rows <= max_rows`` outside autograd.
@@ -20,27 +22,44 @@ import torch.nn.functional as F
 from torch import nn
 
 SMALL_BATCH_MAX_ROWS = 16
-MIN_ROWS = 2
 """Largest number of rows (tokens in a forward, batch included) that uses ``(W @ x^T)^T``."""
+PAD_SINGLE_ROW = True
+"""With more than one torch thread, run one-row products as a two-column ``mm`` (see above)."""
+
+
+def _plain(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                        max_rows: int | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` computed as ``(weight @ x^T)^T`` when ``x`` has 2..``max_rows`` rows.
+    """``F.linear(x, weight, bias)`` with the weight as the streamed left operand for decoding-sized inputs.
+
+    Rows ``2..max_rows`` run as ``(weight @ x^T)^T``; one row runs as ``weight @ [x, 0]`` (two columns)
+    when torch uses more than one thread and :data:`PAD_SINGLE_ROW` is set; anything else (more rows,
+    autograd, non-CPU tensors) is ``F.linear``.
 
     Args:
         x: ``[..., I]``.
         weight: ``[O, I]``; bias: ``[O]`` or ``None``.
-        max_rows: row limit for the transposed route (default :data:`SMALL_BATCH_MAX_ROWS`).
+        max_rows: row limit for the transposed route (default :data:`SMALL_BATCH_MAX_ROWS`; 1 turns
+            both special routes off).
     Returns:
         ``[..., O]``, equal to ``F.linear`` up to float rounding (summation order differs).
     """
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    features = x.shape[-1]
+    rows = x.numel() // features if features else 0
     limit = SMALL_BATCH_MAX_ROWS if max_rows is None else max_rows
-    if rows < MIN_ROWS or rows > limit or x.device.type != "cpu" or (torch.is_grad_enabled() and
-                                                               (x.requires_grad or weight.requires_grad)):
+    if limit < 2 or rows == 0 or rows > limit or _plain(x, weight):
         return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
+    if rows == 1:
+        if not (PAD_SINGLE_ROW and torch.get_num_threads() > 1):
+            return F.linear(x, weight, bias)
+        pair = x.new_zeros(2, features)
+        pair[0] = x.reshape(features)
+        out = torch.mm(weight, pair.t())[:, 0].contiguous()
+    else:
+        out = torch.mm(weight, x.reshape(rows, features).t()).t().contiguous()
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], weight.shape[0])
