@@ -100,7 +100,7 @@ class _HF:
 
 
 def machine_info() -> dict:
-    """Where the numbers were measured (CPU, cores, torch threads, versions)."""
+    """Where the numbers were measured (CPU, cores, torch threads, versions, 1-minute load average at start)."""
     import transformers
     cpu = platform.processor() or platform.machine()
     try:
@@ -111,7 +111,8 @@ def machine_info() -> dict:
     except OSError:
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
 
 def encode_prompts(model: LoadedModel, prompts: list[Prompt], chat: bool = True) -> list[list[int]]:
