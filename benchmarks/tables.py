@@ -29,7 +29,7 @@ def _header(res):
     return (f"<sub>{m['model']} {m['dtype']}, {n} prompt(s) from {Path(m['dataset']).name}, "
             f"max_new_tokens={m['max_new_tokens']}, T={m['temperature']}, repeats={m['repeats']}; "
             f"{m['machine']['cpu']}, {m['machine']['cores']} cores, torch threads {m['machine']['torch_threads']}, "
-            f"load average at start {m['machine'].get('load_average_1min', 'not recorded')}; "
+            f"load average at start {_f(m['machine'].get('load_average_1min'))}; "
             f"measured {m['started']}</sub>")
 
 
