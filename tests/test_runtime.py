@@ -171,6 +171,9 @@ def test_small_batch_linear_keeps_autograd():
     x = torch.randn(3, 4)
     small_batch_linear(x, w).sum().backward()
     torch.testing.assert_close(w.grad, x.sum(0).expand(8, 4))
+    b = torch.zeros(8, requires_grad=True)                  # only the bias is trained (exit-adapter head)
+    small_batch_linear(x, w.detach(), b).sum().backward()
+    torch.testing.assert_close(b.grad, torch.full((8,), 3.0))
 
 
 def test_decoder_uses_small_batch_route(monkeypatch):

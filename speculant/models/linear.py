@@ -27,8 +27,9 @@ PAD_SINGLE_ROW = True
 """With more than one torch thread, run one-row products as a two-column ``mm`` (see above)."""
 
 
-def _plain(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+def _plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    needs_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    return x.device.type != "cpu" or (torch.is_grad_enabled() and needs_grad)
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -50,7 +51,7 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     features = x.shape[-1]
     rows = x.numel() // features if features else 0
     limit = SMALL_BATCH_MAX_ROWS if max_rows is None else max_rows
-    if limit < 2 or rows == 0 or rows > limit or _plain(x, weight):
+    if limit < 2 or rows == 0 or rows > limit or _plain(x, weight, bias):
         return F.linear(x, weight, bias)
     if rows == 1:
         if not (PAD_SINGLE_ROW and torch.get_num_threads() > 1):

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import SpeculantError
+from ..models.linear import DecodeLinear, small_batch_linear
 from ..models.llama import RMSNorm
 
 FORMAT = "speculant-exit-adapter"
@@ -42,8 +43,8 @@ class ResidualMLP(nn.Module):
         super().__init__()
         self.inter = intermediate
         self.norm = RMSNorm(hidden, eps)
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = DecodeLinear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = DecodeLinear(intermediate, hidden, bias=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(self.norm(h)).split(self.inter, dim=-1)
@@ -80,7 +81,7 @@ class ExitAdapter(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         for b in self.blocks:
             h = b(h)
-        return F.linear(self.norm(h), self.head_weight, self.head_bias).float()
+        return small_batch_linear(self.norm(h), self.head_weight, self.head_bias).float()
 
     def trained_state(self) -> dict[str, torch.Tensor]:
         """The tensors stored on disk (trainable ones + ``vocab_ids``)."""
