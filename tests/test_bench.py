@@ -187,3 +187,20 @@ def test_measure_step_costs_tiny_model():
         measure_step_costs(dec, [9], [1], context=8)
     with pytest.raises(SpeculantError, match="num_speculations=0"):
         measure_step_costs(dec, [1], [0], context=8)
+
+
+def test_cost_ratio_with_exit_adapter_counts_adapter_bytes():
+    import torch
+
+    from speculant.bench.mbsu import exit_head_bytes
+    from speculant.training.adapter import ExitHead, new_adapter
+    model = tiny_model()
+    dec = model.decoder
+    ad = new_adapter(model, 1, num_blocks=1, vocab_ids=torch.arange(8))
+    head = ExitHead(ad, dec.config.vocab_size)
+    nbytes = exit_head_bytes(head)
+    blocks = sum(p.numel() * 4 for p in ad.parameters())
+    assert nbytes == blocks + 8 * dec.config.hidden_size * 4          # + the 8 head rows (fp32)
+    layer0 = sum(p.numel() * 4 for p in dec.layers[0].parameters())
+    assert draft_cost_ratio(dec, exit_layer=1, head_bytes=nbytes) == (layer0 + nbytes) / weight_bytes(dec)
+    assert exit_head_bytes(None) is None

@@ -14,7 +14,8 @@ each call reads: for a separate draft model its weights over the target's; for a
 early-exit drafter at layer E of an L-layer target (and a ``truncated:E`` copy)
 ``c = (E * layer_bytes + head_bytes) / (L * layer_bytes + head_bytes)`` where
 ``head_bytes`` is the final norm plus the LM head (the embedding lookup reads one row
-per token and is ignored).  Prompt lookup reads no weights (``c = 0``); AR has tau = 1,
+per token and is ignored); with a trained exit adapter the adapter's bytes (its blocks, norm, bias
+and reduced-vocabulary head rows) replace the final norm and LM head.  Prompt lookup reads no weights (``c = 0``); AR has tau = 1,
 MBSU = 1.
 """
 
@@ -34,13 +35,28 @@ def weight_bytes(decoder: LlamaDecoder, layers: int | None = None) -> int:
     return sum(_bytes(decoder.layers[i]) for i in range(n)) + _bytes(decoder.norm) + _bytes(decoder.lm_head_proj)
 
 
-def draft_cost_ratio(target: LlamaDecoder, exit_layer: int | None = None, draft: LlamaDecoder | None = None) -> float:
-    """``c``: bytes read by one draft forward / bytes read by one target forward (0 when neither is given)."""
+def exit_head_bytes(exit_head) -> int | None:
+    """Bytes of weights an exit head reads per forward [bytes]: an
+    :class:`~speculant.training.adapter.ExitHead`'s adapter (parameters + LM-head rows), else ``None``."""
+    adapter = getattr(exit_head, "adapter", None)
+    if adapter is None:
+        return None
+    return _bytes(adapter) + sum(b.numel() * b.element_size() for b in adapter.buffers() if b.is_floating_point())
+
+
+def draft_cost_ratio(target: LlamaDecoder, exit_layer: int | None = None, draft: LlamaDecoder | None = None,
+                     head_bytes: int | None = None) -> float:
+    """``c``: bytes read by one draft forward / bytes read by one target forward (0 when neither is given).
+
+    ``head_bytes``: bytes of an exit adapter used at ``exit_layer`` instead of the final norm + LM head.
+    """
     full = weight_bytes(target)
     if draft is not None:
         return weight_bytes(draft) / full
     if exit_layer is not None:
-        return weight_bytes(target, exit_layer) / full
+        if head_bytes is None:
+            return weight_bytes(target, exit_layer) / full
+        return (sum(_bytes(target.layers[i]) for i in range(exit_layer)) + head_bytes) / full
     return 0.0
 
 

@@ -33,7 +33,7 @@ from ..errors import SpeculantError, check_range
 from ..models.loading import LoadedModel
 from ..sampling.processors import SamplingConfig
 from .datasets import Prompt
-from .mbsu import draft_cost_ratio
+from .mbsu import draft_cost_ratio, exit_head_bytes
 from .specs import BenchMethod
 
 SCHEMA_VERSION = 1
@@ -64,7 +64,8 @@ class _Ours:
         if isinstance(d, DraftModelDrafter):
             self.cost_ratio = draft_cost_ratio(model.decoder, draft=d.model)
         elif isinstance(d, EarlyExitDrafter):
-            self.cost_ratio = draft_cost_ratio(model.decoder, exit_layer=d.exit_layer)
+            self.cost_ratio = draft_cost_ratio(model.decoder, exit_layer=d.exit_layer,
+                                               head_bytes=exit_head_bytes(d.exit_head))
         else:
             self.cost_ratio = 0.0
 
