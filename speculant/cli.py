@@ -33,7 +33,7 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="known model name or HF-format directory")
-    p.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
 
 
 def method_spec_from_args(args, model):

@@ -67,6 +67,12 @@ def test_streaming_prints_the_same_text(capsys, model_dir):
     (["--method", "rsd-c", "--branching", "2,0"], "branching='2,0'"),
     (["--method", "draft-model"], "--draft-model"),
     (["--method", "draft-model", "--draft-model", "truncated:x"], "truncated:x"),
+    (["--method", "rsd-c", "--branching", "3,x"], "branching='3,x'"),
+    # bad values are rejected even where the method would not use them
+    (["--num-speculations", "-3"], "num_speculations='-3'"),
+    (["--num-speculations", "2.5"], "num_speculations='2.5'"),
+    (["--method", "ar", "--exit-layer", "99"], "exit_layer=99"),
+    (["--beam-width", "0"], "beam_width=0"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, model_dir, args, needle):
     code, out, err = run_cli(capsys, "generate", "t1 t2", "--model", str(model_dir), "--raw", *args)

@@ -43,6 +43,23 @@ class MethodSpec:
     def __post_init__(self):
         if self.method not in METHODS:
             raise SpeculantError(f"method={self.method!r} is unknown; allowed: {', '.join(METHODS)}")
+        # Checked for every method, so a bad value is never silently ignored (e.g. with method="ar").
+        k = self.num_speculations
+        if k != "auto":
+            try:
+                k_int = int(k)
+            except (TypeError, ValueError):
+                k_int = None
+            if isinstance(k, bool) or k_int is None or k_int < 1 or (isinstance(k, float) and k != k_int):
+                raise SpeculantError(f"num_speculations={k!r} is invalid; allowed: an integer >= 1 or 'auto'")
+            self.num_speculations = k_int
+        for name in ("beam_width", "draft_length", "max_ngram", "min_ngram"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise SpeculantError(f"{name}={v!r} is out of range; allowed: an integer >= 1")
+        if self.exit_layer is not None and (not isinstance(self.exit_layer, int) or self.exit_layer < 1):
+            raise SpeculantError(f"exit_layer={self.exit_layer!r} is out of range; allowed: an integer >= 1 "
+                                 "(below the number of layers)")
 
 
 def _builder(spec: MethodSpec) -> TreeBuilder | None:
@@ -106,4 +123,7 @@ def build_generator(model: LoadedModel, spec: MethodSpec | None = None, **kwargs
         SpeculantError: unknown method or bad parameters (the message names the value).
     """
     spec = spec or MethodSpec(**kwargs)
+    layers = model.decoder.num_layers
+    if spec.exit_layer is not None and not 1 <= spec.exit_layer < layers:
+        raise SpeculantError(f"exit_layer={spec.exit_layer} is out of range; allowed: 1..{layers - 1}")
     return SpeculativeGenerator(model, _drafter(spec, model), _builder(spec))

@@ -100,7 +100,10 @@ class ChainBuilder(TreeBuilder):
 
 
 def _parse_branching(branching) -> list[int]:
-    b = [int(x) for x in (branching.split(",") if isinstance(branching, str) else branching)]
+    try:
+        b = [int(x) for x in (branching.split(",") if isinstance(branching, str) else branching)]
+    except (TypeError, ValueError):
+        b = []
     if not b or any(x < 1 for x in b):
         raise SpeculantError(f"branching={branching!r} is invalid; allowed: comma-separated integers >= 1, e.g. 3,2,1")
     return b
