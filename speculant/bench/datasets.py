@@ -49,7 +49,13 @@ BUILTIN: tuple[Prompt, ...] = (
 )
 
 
-def _spec_bench(path: Path) -> list[Prompt]:
+def read_spec_bench(path: Path) -> list[Prompt]:
+    """Every question of a Spec-Bench-format JSONL, first turn only (``category`` = grouped name,
+    ``subcategory`` = the file's own category).
+
+    Raises:
+        SpeculantError: a line that is not a Spec-Bench question or whose first turn is empty.
+    """
     out = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -64,8 +70,10 @@ def _spec_bench(path: Path) -> list[Prompt]:
             except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
                 raise SpeculantError(f"{str(path)!r} line {n} is not a Spec-Bench question "
                                      f"(needs 'question_id', 'category', 'turns'): {e}") from None
+            if not str(text).strip():
+                raise SpeculantError(f"{str(path)!r} line {n} has turns={turns!r}; allowed: a non-empty first turn")
             group = "mt_bench" if cat in MT_BENCH_CATEGORIES else cat
-            out.append(Prompt(qid, group, text, cat))
+            out.append(Prompt(qid, group, str(text), cat))
     return out
 
 
@@ -108,7 +116,7 @@ def load_prompts(dataset: str, categories: list[str] | None = None, limit: int |
     elif dataset == "humaneval":
         prompts = _humaneval()
     elif Path(dataset).is_file():
-        prompts = _spec_bench(Path(dataset))
+        prompts = read_spec_bench(Path(dataset))
     else:
         raise SpeculantError(f"dataset={dataset!r} is not a file; allowed: a Spec-Bench .jsonl path, "
                              f"'humaneval' or 'builtin'")

@@ -8,7 +8,7 @@ from ..drafters.base import Drafter
 from ..drafters.draft_model import DraftModelDrafter, check_vocab_compatible, truncated_copy
 from ..drafters.early_exit import EarlyExitDrafter
 from ..drafters.prompt_lookup import PromptLookupDrafter
-from ..errors import SpeculantError
+from ..errors import SpeculantError, check_range
 from ..models.loading import LoadedModel, load_model
 from ..trees.builders import (ChainBuilder, ConstantBranchingBuilder, IIDTreeBuilder, StochasticBeamBuilder,
                               TreeBuilder)
@@ -46,20 +46,14 @@ class MethodSpec:
         # Checked for every method, so a bad value is never silently ignored (e.g. with method="ar").
         k = self.num_speculations
         if k != "auto":
-            try:
-                k_int = int(k)
-            except (TypeError, ValueError):
-                k_int = None
-            if isinstance(k, bool) or k_int is None or k_int < 1 or (isinstance(k, float) and k != k_int):
-                raise SpeculantError(f"num_speculations={k!r} is invalid; allowed: an integer >= 1 or 'auto'")
-            self.num_speculations = k_int
+            if isinstance(k, str) and k.strip().isdigit():
+                k = int(k)
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise SpeculantError(f"num_speculations={self.num_speculations!r} is invalid; "
+                                     "allowed: an integer >= 1 or 'auto'")
+            self.num_speculations = k
         for name in ("beam_width", "draft_length", "max_ngram", "min_ngram"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise SpeculantError(f"{name}={v!r} is out of range; allowed: an integer >= 1")
-        if self.exit_layer is not None and (not isinstance(self.exit_layer, int) or self.exit_layer < 1):
-            raise SpeculantError(f"exit_layer={self.exit_layer!r} is out of range; allowed: an integer >= 1 "
-                                 "(below the number of layers)")
+            check_range(name, getattr(self, name), 1)
 
 
 def _builder(spec: MethodSpec) -> TreeBuilder | None:
@@ -71,14 +65,8 @@ def _builder(spec: MethodSpec) -> TreeBuilder | None:
         return IIDTreeBuilder(spec.branching)
     if spec.method == "rsd-s":
         return StochasticBeamBuilder(spec.beam_width, spec.draft_length)
-    k = spec.num_speculations
-    if k == "auto":
-        return ChainBuilder(8, adaptive=True)
-    try:
-        k = int(k)
-    except (TypeError, ValueError):
-        raise SpeculantError(f"num_speculations={k!r} is invalid; allowed: a positive integer or 'auto'") from None
-    return ChainBuilder(k)
+    k = spec.num_speculations             # an int >= 1 or "auto" (MethodSpec checked it)
+    return ChainBuilder(8, adaptive=True) if k == "auto" else ChainBuilder(k)
 
 
 DEFAULT_EXIT_LAYER = 8   # used when no exit layer is given (capped at half the layers)
@@ -124,6 +112,7 @@ def build_generator(model: LoadedModel, spec: MethodSpec | None = None, **kwargs
     """
     spec = spec or MethodSpec(**kwargs)
     layers = model.decoder.num_layers
-    if spec.exit_layer is not None and not 1 <= spec.exit_layer < layers:
+    e = spec.exit_layer
+    if e is not None and (isinstance(e, bool) or not isinstance(e, int) or not 1 <= e < layers):
         raise SpeculantError(f"exit_layer={spec.exit_layer} is out of range; allowed: 1..{layers - 1}")
     return SpeculativeGenerator(model, _drafter(spec, model), _builder(spec))

