@@ -11,7 +11,7 @@ Public API::
 
 from .engine import GenerationConfig, GenerationResult, GenerationStats, MethodSpec, SpeculativeGenerator, build_generator
 from .errors import SpeculantError
-from .models import load_model
+from .runtime.loader import load_model
 from .sampling import SamplingConfig
 
 __version__ = "0.1.0"

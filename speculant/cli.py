@@ -33,7 +33,25 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="known model name or HF-format directory")
-    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    p.add_argument("--weights", default="auto",
+                   help="weight format of the projections: auto (default: the fastest batch-invariant format "
+                        "measured on this machine), fp32, bf16, int8, int4 (the GGUF's own 4-bit codes)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="run the decoder eagerly (no torch.compile); also SPECULANT_COMPILE=0")
+    p.add_argument("--dtype", default="float32",
+                   help="float32 (default), bfloat16 or float16: dtype of a --weights fp32 model (activations too)")
+
+
+def compile_wanted(args) -> bool:
+    """``--no-compile`` unset and ``$SPECULANT_COMPILE`` not ``0``."""
+    return not args.no_compile and os.environ.get("SPECULANT_COMPILE", "1") != "0"
+
+
+def load_for_decoding(args):
+    """The model named by ``--model`` in ``--weights`` (tuned, compiled unless turned off)."""
+    from .runtime.loader import load_model
+    return load_model(args.model, weights=args.weights, compile=compile_wanted(args), dtype=args.dtype,
+                      threads=getattr(args, "threads", None))
 
 
 def method_spec_from_args(args, model):
@@ -60,7 +78,6 @@ def method_spec_from_args(args, model):
 def cmd_generate(args) -> int:
     from .engine.generator import GenerationConfig
     from .engine.methods import build_generator
-    from .models.loading import load_model
     from .sampling.processors import SamplingConfig
 
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
@@ -68,7 +85,7 @@ def cmd_generate(args) -> int:
                               chat=not args.raw)
     if not args.prompt or not args.prompt.strip():
         raise SpeculantError("prompt is empty; allowed: a non-empty string")
-    model = load_model(args.model, args.dtype)
+    model = load_for_decoding(args)
     gen = build_generator(model, method_spec_from_args(args, model))
     if args.json:
         result = gen.generate(args.prompt, config)
@@ -96,6 +113,20 @@ def cmd_models(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    from dataclasses import asdict
+
+    from .models.loading import load_model
+    from .runtime import tune
+    if args.threads is not None:
+        check_range("--threads", args.threads, 1)
+    model = load_model(args.model)
+    result = tune.load_or_measure(model.decoder, args.threads, force=True)
+    path = tune.cache_path(result.key)
+    print(json.dumps(asdict(result), indent=1) if args.json else tune.format_table(result) + f"\n\ncached in {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speculant", description="Exact speculative decoding for Llama-family models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -118,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_models)
 
+    t = sub.add_parser("tune", help="measure the kernels on this machine again, cache and print the table")
+    t.add_argument("--model", default="smollm2-135m", help="known model name or HF-format directory")
+    t.add_argument("--threads", type=int, default=None, help="torch threads to tune for (default: torch's)")
+    t.add_argument("--json", action="store_true", help="print the measurement as JSON")
+    t.set_defaults(func=cmd_tune)
+
     for register in _extensions():
         register(sub, _add_model_args, _add_method_args)
     return parser
@@ -137,33 +174,13 @@ def _extensions():
     return regs
 
 
-def default_threads() -> int | None:
-    """Torch CPU threads for the CLI: ``$SPECULANT_NUM_THREADS``, else ``None`` (torch's default).
-
-    Sub-commands with their own ``--threads`` flag override this.  Since verification blocks use
-    :func:`~speculant.models.linear.small_batch_linear`, a second thread helps on the 2-core
-    reference machine (BENCHMARKS.md "Small-batch projections"); with MKL's own small-M ``sgemm``
-    it had made 2..16-row blocks ~6x slower, which is why this used to default to 1.
-
-    Raises:
-        SpeculantError: the variable is not a positive integer.
-    """
-    raw = os.environ.get("SPECULANT_NUM_THREADS")
-    if raw is None:
-        return None
-    try:
-        n = int(raw)
-    except ValueError:
-        raise SpeculantError(f"SPECULANT_NUM_THREADS={raw!r} is invalid; allowed: a positive integer") from None
-    return check_range("SPECULANT_NUM_THREADS", n, 1)
-
-
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         import torch
-        threads = default_threads()
+        from .runtime.loader import user_threads
+        threads = user_threads()        # $SPECULANT_NUM_THREADS; otherwise the tuned count (runtime.tune)
         if threads is not None:
             torch.set_num_threads(threads)
         return args.func(args)

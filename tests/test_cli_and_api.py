@@ -19,7 +19,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_load_hf_dir_round_trip(model_dir):
-    loaded = load_model(str(model_dir))
+    loaded = load_model(str(model_dir), weights="fp32", compile=False)
     ref = tiny_model(seed=11, scale=2.5, vocab=64, layers=4, eos=63)
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():

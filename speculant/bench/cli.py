@@ -27,7 +27,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _setup(args):
     import torch
     from transformers.utils import logging as hf_logging
-    from ..models.loading import load_model
+    from ..cli import load_for_decoding
     from .datasets import load_prompts
     from .runner import BenchConfig
     if args.threads:
@@ -37,7 +37,7 @@ def _setup(args):
     prompts = load_prompts(args.dataset, cats, args.limit)
     cfg = BenchConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
                       seed=args.seed, warmup=not args.no_warmup)
-    return load_model(args.model, args.dtype), prompts, cfg
+    return load_for_decoding(args), prompts, cfg
 
 
 def cmd_bench(args) -> int:

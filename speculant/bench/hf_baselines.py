@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..drafters.draft_model import truncated_copy
 from ..errors import SpeculantError
 from ..models.llama import LlamaDecoder
 from ..models.loading import LoadedModel, ours_to_hf_state
@@ -39,6 +38,29 @@ def hf_model_from_decoder(decoder: LlamaDecoder):
     # non-persistent buffers (RoPE inverse frequencies) were created on the meta device
     hf.model.rotary_emb = type(hf.model.rotary_emb)(config=cfg)
     return hf.to(decoder.dtype).eval().requires_grad_(False)
+
+
+def truncated_hf_copy(hf, exit_layer: int):
+    """A standalone copy of transformers' model ``hf`` with its first ``exit_layer`` layers (the draft of ``hf-assistant``)."""
+    layers = hf.model.layers
+    hf.model.layers = torch.nn.ModuleList(list(layers)[:exit_layer])
+    try:
+        draft = copy.deepcopy(hf)
+    finally:
+        hf.model.layers = layers
+    draft.config.num_hidden_layers = exit_layer
+    if draft.config.tie_word_embeddings:
+        draft.lm_head.weight = draft.model.embed_tokens.weight
+    return draft
+
+
+def hf_model_for(model: LoadedModel):
+    """transformers' model on ``model``'s float32 weights (read again from its directory when ``model``'s
+    projections are in a packed format)."""
+    if model.weights == "fp32":
+        return hf_model_from_decoder(model.decoder)
+    from ..models.loading import load_hf_dir
+    return hf_model_from_decoder(load_hf_dir(model.path, name=model.name).decoder)
 
 
 @dataclass
@@ -81,10 +103,10 @@ class HFMethod:
                 raise SpeculantError(f"{kind}: E={exit_layer!r} is out of range; allowed: 1..{n_layers - 1}")
         self.kind, self.exit_layer, self.num_tokens, self.max_ngram = kind, exit_layer, num_tokens, max_ngram
         self.model = model
-        self.hf = hf_model if hf_model is not None else hf_model_from_decoder(model.decoder)
+        self.hf = hf_model if hf_model is not None else hf_model_for(model)
         self.assistant = None
         if kind == "hf-assistant":
-            self.assistant = hf_model_from_decoder(truncated_copy(model.decoder, exit_layer))
+            self.assistant = truncated_hf_copy(self.hf, exit_layer)
         self.calls = self.draft_calls = 0
         full = model.decoder.num_layers
         base = self.hf.model

@@ -100,6 +100,22 @@ class _HF:
         return r.token_ids, r.seconds, stats
 
 
+class _LlamaCpp:
+    def __init__(self, model: LoadedModel, method: BenchMethod, context: int):
+        from .llamacpp import LlamaCppMethod
+        p = method.params
+        self.m = LlamaCppMethod(model, method.name, torch.get_num_threads(), context, p.get("K"), p.get("N"))
+        self.tokenizer = model.tokenizer
+        self.cost_ratio = 0.0
+        self.drafter = method.name
+
+    def run(self, ids, cfg: BenchConfig, max_new: int):
+        r = self.m.run(list(ids), max_new, cfg.temperature, cfg.seed)
+        # llama.cpp returns text: its tokens are our tokenizer's encoding of it (counted by llama.cpp)
+        toks = self.tokenizer.encode(r.text, add_special_tokens=False)
+        return toks, r.seconds, {"new_tokens": r.new_tokens, "llamacpp_timings": r.timings}
+
+
 def machine_info() -> dict:
     """Where the numbers were measured (CPU, cores, torch threads, versions, 1-minute load average at start)."""
     import transformers
@@ -123,16 +139,26 @@ def encode_prompts(model: LoadedModel, prompts: list[Prompt], chat: bool = True)
 
 
 def check_equality(results: dict) -> None:
-    """Set ``equal_to_ar`` / ``equal_to_hf_ar`` on every record (``None`` when not greedy or no reference)."""
+    """Set ``equal_to_ar`` / ``equal_to_hf_ar`` on every record (``None`` when not greedy or no reference).
+
+    Token ids are compared, except for llama.cpp's records, whose text is compared (it returns text).
+    """
+    from .specs import LLAMACPP_METHODS
     greedy = results["meta"]["temperature"] == 0
-    refs: dict[tuple[str, str], list[int]] = {}
+    refs: dict[tuple[str, str], dict] = {}
     for r in results["records"]:
         if r["method"] in ("ar", "hf-ar"):
-            refs[(r["prompt_id"], r["method"])] = r["token_ids"]
+            refs[(r["prompt_id"], r["method"])] = r
     for r in results["records"]:
+        by_text = r["method"].split(":")[0] in LLAMACPP_METHODS
         for ref, key in (("ar", "equal_to_ar"), ("hf-ar", "equal_to_hf_ar")):
             want = refs.get((r["prompt_id"], ref))
-            r[key] = None if (not greedy or want is None) else r["token_ids"] == want
+            if not greedy or want is None:
+                r[key] = None
+            elif by_text:
+                r[key] = r.get("text") == want.get("text")
+            else:
+                r[key] = r["token_ids"] == want["token_ids"]
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -166,18 +192,21 @@ def run_benchmark(model: LoadedModel, prompts: list[Prompt], methods: list[Bench
         out.mkdir(parents=True, exist_ok=True)
     runners: dict[str, object] = {}
     hf_model = None
+    ids = encode_prompts(model, prompts, chat)
     for m in methods:
         if m.is_hf:
             if hf_model is None:
-                from .hf_baselines import hf_model_from_decoder
-                hf_model = hf_model_from_decoder(model.decoder)
+                from .hf_baselines import hf_model_for
+                hf_model = hf_model_for(model)
             runners[m.label] = _HF(model, m, hf_model)
+        elif m.is_llamacpp:
+            runners[m.label] = _LlamaCpp(model, m, max(map(len, ids)) + cfg.max_new_tokens + 16)
         else:
             runners[m.label] = _Ours(model, m)
-    ids = encode_prompts(model, prompts, chat)
     results = {
         "schema_version": SCHEMA_VERSION,
         "meta": {"model": model.name, "dataset": dataset, "dtype": str(model.decoder.dtype).replace("torch.", ""),
+                 "weights": model.weights, "compiled": model.compiled,
                  "num_layers": model.decoder.num_layers, **asdict(cfg),
                  "methods": [{"label": m.label, "name": m.name, "params": m.params,
                               "spec": asdict(m.spec) if m.spec else None,
@@ -212,7 +241,7 @@ def run_benchmark(model: LoadedModel, prompts: list[Prompt], methods: list[Bench
                     bar.update(1)
             for m in methods:
                 r = recs[m.label]
-                n = len(r["token_ids"])
+                n = r["stats"].get("new_tokens", len(r["token_ids"]))
                 r["new_tokens"] = n
                 r["text"] = model.tokenizer.decode(r["token_ids"], skip_special_tokens=True)
                 r["seconds_median"] = statistics.median(r["seconds"])

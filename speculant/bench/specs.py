@@ -20,6 +20,9 @@ Ours (keys -> :class:`speculant.engine.methods.MethodSpec` fields):
 Transformers (:mod:`speculant.bench.hf_baselines`): ``hf-ar``; ``hf-early-exit:E=..[,K=..]``
 (``assistant_early_exit``); ``hf-prompt-lookup:K=..[,N=..]`` (``prompt_lookup_num_tokens``,
 ``max_matching_ngram_size``); ``hf-assistant:E=..[,K=..]`` (``assistant_model`` = truncated copy).
+
+llama.cpp (:mod:`speculant.bench.llamacpp`, needs ``xllamacpp``), on the model's own GGUF file: ``llamacpp``;
+``llamacpp-lookup[:K=..,N=..]`` (its n-gram speculation: longest draft K, n-gram size N).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from ..engine.methods import METHODS, TREE_METHODS, MethodSpec
 from ..errors import SpeculantError
 
 HF_METHODS = ("hf-ar", "hf-early-exit", "hf-prompt-lookup", "hf-assistant")
-ALL_METHODS = METHODS + HF_METHODS
+LLAMACPP_METHODS = ("llamacpp", "llamacpp-lookup")
+ALL_METHODS = METHODS + HF_METHODS + LLAMACPP_METHODS
 
 _OURS_KEYS = {"E": "exit_layer", "K": "num_speculations", "draft": "draft_model", "N": "max_ngram",
               "n": "min_ngram", "b": "branching", "W": "beam_width", "L": "draft_length", "adapter": "exit_adapter"}
@@ -39,6 +43,7 @@ _ALLOWED = {
     "prompt-lookup": ("K", "N", "n"), "rsd-c": ("E", "b", "draft", "adapter"),
     "specinfer": ("E", "b", "draft", "adapter"), "rsd-s": ("E", "W", "L", "draft", "adapter"),
     "hf-ar": (), "hf-early-exit": ("E", "K"), "hf-prompt-lookup": ("K", "N"), "hf-assistant": ("E", "K"),
+    "llamacpp": (), "llamacpp-lookup": ("K", "N"),
 }
 _INT_KEYS = ("E", "N", "n", "W", "L")
 
@@ -63,6 +68,10 @@ class BenchMethod:
     def is_hf(self) -> bool:
         return self.name in HF_METHODS
 
+    @property
+    def is_llamacpp(self) -> bool:
+        return self.name in LLAMACPP_METHODS
+
 
 def _value(method: str, key: str, raw: str):
     if key in _INT_KEYS or (key == "K" and raw != "auto"):
@@ -74,7 +83,7 @@ def _value(method: str, key: str, raw: str):
         if v < 1:
             raise SpeculantError(f"{method}: {key}={v} is out of range; allowed: >= 1")
         return v
-    if key == "K" and method in HF_METHODS:
+    if key == "K" and method not in METHODS:
         raise SpeculantError(f"{method}: K={raw!r} is invalid; allowed: an integer")
     return raw
 
@@ -135,6 +144,6 @@ def parse_methods(text: str, exit_adapter: str | None = None) -> list[BenchMetho
         seen.add(label)
         if name in ("hf-early-exit", "hf-assistant") and "E" not in params:
             raise SpeculantError(f"{name} needs E=<exit layer>, e.g. {name}:E=20")
-        spec = None if name in HF_METHODS else to_spec(name, params, exit_adapter)
+        spec = to_spec(name, params, exit_adapter) if name in METHODS else None
         out.append(BenchMethod(label, name, params, spec))
     return out

@@ -35,6 +35,14 @@ class KVCache:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.max_length = max_length
         self.length = 0
+        # per-layer views [batch, kv_heads, max_length, head_dim], marked so one compiled step serves any max_length
+        self.layer_keys, self.layer_values = list(self.keys.unbind(0)), list(self.values.unbind(0))
+        for view in self.layer_keys + self.layer_values:
+            torch._dynamo.maybe_mark_dynamic(view, 2)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
 
     @property
     def nbytes(self) -> int:

@@ -1,30 +1,48 @@
-"""Projections for decoding-sized batches: the one kernel choice speculative decoding depends on.
+"""Float32 projections for decoding-sized batches, with the kernel route chosen by measurement.
 
-Speculative decoding pays off only if verifying ``K+1`` tokens costs about as much
-as decoding one (Leviathan et al. 2023, Sec. 3: the target is memory-bound, so
-the extra rows are free).  On CPU that premise depends on the BLAS call: MKL's
-``sgemm`` for ``x [M, I] @ W[O, I]^T`` with a small ``M`` (2..16 rows) packs the
-whole weight every call and ran at 1.9-2.5x the cost of the one-row ``sgemv``
-(measured on SmolLM2-135M, BENCHMARKS.md "Small-batch projections").  Computing
-the same product as ``(W @ x^T)^T`` makes the weight the streamed left operand and
-costs about one ``sgemv`` for up to ~8 rows.  With more than one thread, MKL's one-row
-``sgemv`` also used only part of the machine: the same product over two columns (the row plus a
-zero column) was ~30% faster, so single rows are padded to two.
+Speculative decoding pays off only if verifying ``K+1`` tokens costs about as much as decoding one
+(Leviathan et al. 2023, Sec. 3: the target is memory-bound, so the extra rows are nearly free).  On a
+CPU that premise depends on the BLAS call: on some machines MKL's ``sgemm`` for ``x [M, I] @ W[O, I]^T``
+with a small ``M`` (2..16 rows) packs the whole weight every call and costs 2-2.5x the one-row
+product, while ``(W @ x^T)^T`` streams the weight once; on some, a single row runs faster as a
+two-column product (``weight @ [x, 0]``).  Which is faster (and which keeps a row's result bit-identical
+whatever else is in the batch) differs from one CPU to the next, so nothing here is fixed:
+:data:`ROUTES` starts as plain ``F.linear`` and :mod:`speculant.runtime.tune` sets it from a short
+measurement on the machine at hand.
 
-:class:`DecodeLinear` is an ``nn.Linear`` (same parameters and state-dict keys)
-that takes that route for ``2 <= rows <= max_rows`` outside autograd.
+:class:`DecodeLinear` is an ``nn.Linear`` (same parameters and state-dict keys, trainable, LoRA-able)
+that takes the tuned route outside autograd.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 SMALL_BATCH_MAX_ROWS = 16
-"""Largest number of rows (tokens in a forward, batch included) that uses ``(W @ x^T)^T``."""
-PAD_SINGLE_ROW = True
-"""With more than one torch thread, run one-row products as a two-column ``mm`` (see above)."""
+"""Largest number of rows (tokens in a forward, batch included) the ``transposed`` route takes."""
+
+
+@dataclass
+class Routes:
+    """How float32 projections run (set by :func:`speculant.runtime.tune.apply_choices`).
+
+    Attributes:
+        one_row: ``"linear"`` (``F.linear``) or ``"pad2"`` (a two-column ``mm``).
+        small_batch: ``"linear"`` or ``"transposed"`` (``(W @ x^T)^T`` for 2..max_rows rows).
+        max_rows: row limit of the ``transposed`` route.
+    """
+
+    one_row: str = "linear"
+    small_batch: str = "linear"
+    max_rows: int = SMALL_BATCH_MAX_ROWS
+
+
+ROUTES = Routes()
+"""The routes in force in this process."""
 
 
 def _plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -33,34 +51,29 @@ def _plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       max_rows: int | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with the weight as the streamed left operand for decoding-sized inputs.
-
-    Rows ``2..max_rows`` run as ``(weight @ x^T)^T``; one row runs as ``weight @ [x, 0]`` (two columns)
-    when torch uses more than one thread and :data:`PAD_SINGLE_ROW` is set; anything else (more rows,
-    autograd, non-CPU tensors) is ``F.linear``.
+                       routes: Routes | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` by the route in ``routes`` (default :data:`ROUTES`).
 
     Args:
         x: ``[..., I]``.
         weight: ``[O, I]``; bias: ``[O]`` or ``None``.
-        max_rows: row limit for the transposed route (default :data:`SMALL_BATCH_MAX_ROWS`; 1 turns
-            both special routes off).
     Returns:
         ``[..., O]``, equal to ``F.linear`` up to float rounding (summation order differs).
+    Autograd and non-CPU tensors always take ``F.linear``.
     """
+    r = routes or ROUTES
     features = x.shape[-1]
     rows = x.numel() // features if features else 0
-    limit = SMALL_BATCH_MAX_ROWS if max_rows is None else max_rows
-    if limit < 2 or rows == 0 or rows > limit or _plain(x, weight, bias):
+    if rows == 0 or _plain(x, weight, bias):
         return F.linear(x, weight, bias)
-    if rows == 1:
-        if not (PAD_SINGLE_ROW and torch.get_num_threads() > 1):
-            return F.linear(x, weight, bias)
+    if rows == 1 and r.one_row == "pad2":
         pair = x.new_zeros(2, features)
         pair[0] = x.reshape(features)
         out = torch.mm(weight, pair.t())[:, 0].contiguous()
-    else:
+    elif 2 <= rows <= r.max_rows and r.small_batch == "transposed":
         out = torch.mm(weight, x.reshape(rows, features).t()).t().contiguous()
+    else:
+        return F.linear(x, weight, bias)
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -19,7 +19,13 @@ from torch import nn
 
 from .config import ModelConfig
 from .kv_cache import KVCache
+from ..errors import SpeculantError
 from .linear import DecodeLinear
+
+
+COMPILED_MAX_ROWS = 64
+"""Forwards of more tokens (long prefills) run the eager layer step: they are compute-bound, and one
+compiled graph fewer keeps the first load short."""
 
 
 class RMSNorm(nn.Module):
@@ -47,18 +53,6 @@ class Attention(nn.Module):
         self.qkv_proj = DecodeLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = DecodeLinear(self.q_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, cache_position: int, is_causal: bool):
-        b, t, _ = x.shape
-        qkv = self.qkv_proj(x).view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
-        qk = apply_rope(qkv[:, :, :self.n_heads + self.n_kv], cos, sin)     # q and k heads in one go
-        q = qk[:, :, :self.n_heads].transpose(1, 2)
-        k = qk[:, :, self.n_heads:].transpose(1, 2)
-        v = qkv[:, :, self.n_heads + self.n_kv:].transpose(1, 2)
-        if cache is not None:
-            k, v = cache.write(layer, k, v, cache_position)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.q_size))
-
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -80,9 +74,64 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, cache, layer, cache_position, is_causal):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, cache_position, is_causal)
-        return x + self.mlp(self.post_attention_layernorm(x))
+
+def attention_inputs(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """First half of a decoder layer: input norm, fused q/k/v projection, RoPE.
+
+    ``x`` ``[B, T, D]`` -> ``q`` ``[B, H, T, Dh]``, ``k`` and ``v`` ``[B, Hkv, T, Dh]`` (float32).
+    """
+    attn = layer.self_attn
+    b, t, _ = x.shape
+    qkv = attn.qkv_proj(layer.input_layernorm(x)).view(b, t, attn.n_heads + 2 * attn.n_kv, attn.head_dim)
+    qk = apply_rope(qkv[:, :, :attn.n_heads + attn.n_kv], cos, sin)     # q and k heads in one go
+    q = qk[:, :, :attn.n_heads].transpose(1, 2)
+    k = qk[:, :, attn.n_heads:].transpose(1, 2)
+    v = qkv[:, :, attn.n_heads + attn.n_kv:].transpose(1, 2)
+    return q, k, v
+
+
+def layer_output(layer: DecoderLayer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """Second half of a decoder layer: output projection, residual, post-attention norm, MLP, residual.
+
+    ``x`` ``[B, T, D]`` (the layer's input), ``attended`` ``[B, T, H * Dh]`` -> ``[B, T, D]``.
+    """
+    x = x + layer.self_attn.o_proj(attended)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def decoder_layer_step(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       mask: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One decoder layer over ``x`` ``[1, T, D]`` with a static KV cache (one sequence: decoding and verification).
+
+    ``keys``/``values`` ``[1, Hkv, S_max, Dh]`` are the layer's cache; ``mask`` bool ``[T, S]`` says which of
+    the first ``S`` slots each row attends (True = may attend); the new keys/values go to ``slots``
+    ``[T]`` (``S - T .. S - 1``).  Attention runs in the cache's dtype (see :func:`attend`).  Everything here is
+    traceable by ``torch.compile`` with ``T`` and ``S`` dynamic.
+    """
+    t, visible = x.shape[1], mask.shape[-1]
+    q, k, v = attention_inputs(layer, x, cos, sin)
+    keys.index_copy_(2, slots, k.to(keys.dtype))
+    values.index_copy_(2, slots, v.to(values.dtype))
+    out = F.scaled_dot_product_attention(q.to(keys.dtype), keys[:, :, :visible], values[:, :, :visible],
+                                         attn_mask=mask, enable_gqa=True)
+    return layer_output(layer, x, out.to(x.dtype).transpose(1, 2).reshape(1, t, -1))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+           cache: KVCache | None, layer: int, cache_position: int) -> torch.Tensor:
+    """Scaled dot-product attention over the KV cache (new keys/values written at ``cache_position``).
+
+    Computed in the cache's dtype: a float64 cache makes each row's result independent of how many
+    rows share the call (batch invariance; see :attr:`LlamaDecoder.attention_dtype`).
+    ``q`` ``[B, H, T, Dh]`` -> ``[B, T, H * Dh]`` in ``q``'s dtype.
+    """
+    dtype = q.dtype
+    if cache is not None:
+        q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)
+        k, v = cache.write(layer, k, v, cache_position)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
+    b, h, t, d = out.shape
+    return out.to(dtype).transpose(1, 2).reshape(b, t, h * d)
 
 
 class LlamaDecoder(nn.Module):
@@ -90,6 +139,14 @@ class LlamaDecoder(nn.Module):
 
     Shapes: ``B`` batch, ``T`` new tokens, ``S`` visible cache slots, ``D``
     hidden size, ``V`` vocabulary size.  Logits are returned in fp32.
+
+    ``attention_dtype`` (default float64) is the KV cache's dtype, in which attention is computed.  In
+    float32, CPU attention kernels give a query row different bits depending on how many rows share the
+    call and how many masked keys follow (measured: 71 of 104 cases); those differences, rounded to
+    bfloat16 at the next int4/int8 projection, moved SmolLM2's verification logits by up to 0.3 from the
+    one-token step's.  Accumulated in float64 and rounded to float32, the rows agree bit for bit (tested
+    in ``tests/test_runtime_formats.py``), so verification sees exactly the logits decoding would.
+    ``layer_step`` is :func:`decoder_layer_step` or its compiled version (:mod:`speculant.runtime.compiled`).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -102,6 +159,9 @@ class LlamaDecoder(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head_proj.weight = self.embed_tokens.weight
         self.layer_token_counts = [0] * cfg.num_hidden_layers   # tokens each layer has processed
+        self.attention_dtype: torch.dtype = torch.float64         # KV cache / attention dtype, see attend()
+        self.layer_step = decoder_layer_step     # eager; speculant.runtime.compiled swaps in the compiled step
+        self.weight_format = "fp32"
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -119,9 +179,10 @@ class LlamaDecoder(nn.Module):
         return self.embed_tokens.weight.device
 
     def new_cache(self, max_length: int, batch: int = 1) -> KVCache:
-        """A static KV cache of ``max_length`` slots for every layer of this model."""
+        """A static KV cache of ``max_length`` slots for every layer of this model, in :attr:`attention_dtype`."""
         c = self.config
-        return KVCache(self.num_layers, c.num_key_value_heads, c.head_dim, max_length, batch, self.dtype, self.device)
+        return KVCache(self.num_layers, c.num_key_value_heads, c.head_dim, max_length, batch,
+                       self.attention_dtype, self.device)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids ``[B, T]`` -> hidden states ``[B, T, D]``."""
@@ -144,9 +205,29 @@ class LlamaDecoder(nn.Module):
         Returns:
             hidden states ``[B, T, D]`` leaving layer ``end-1``.
         """
-        t = hidden.shape[1]
+        b, t, _ = hidden.shape
         cos = self.rope_cos[positions].to(hidden.dtype).unsqueeze(-2)     # [(B,) T, 1, Dh]
         sin = self.rope_sin[positions].to(hidden.dtype).unsqueeze(-2)
+        counts = self.layer_token_counts
+        if t > 1:           # one compiled graph serves every block size 2..N (see speculant.runtime.compiled)
+            torch._dynamo.maybe_mark_dynamic(hidden, 1)
+            for table in (cos, sin):
+                torch._dynamo.maybe_mark_dynamic(table, table.dim() - 3)
+        if cache is not None and b == 1:      # decoding: one fused (compilable) step per layer
+            visible = cache_position + t
+            if visible > cache.max_length:
+                raise SpeculantError(f"KV cache overflow: slot {visible} > max_length={cache.max_length}")
+            mask = _dense_mask(attention_mask, t, cache_position, hidden.device)
+            torch._dynamo.maybe_mark_dynamic(mask, 1)
+            slots = torch.arange(cache_position, visible, device=hidden.device)
+            if t > 1:
+                torch._dynamo.maybe_mark_dynamic(slots, 0)
+                torch._dynamo.maybe_mark_dynamic(mask, 0)
+            step = self.layer_step if t <= COMPILED_MAX_ROWS else decoder_layer_step   # prefill: eager
+            for i in range(start, end):
+                hidden = step(self.layers[i], hidden, cos, sin, mask, slots, cache.layer_keys[i], cache.layer_values[i])
+                counts[i] += t
+            return hidden
         is_causal = False
         mask = attention_mask
         if mask is None and t > 1:
@@ -154,9 +235,10 @@ class LlamaDecoder(nn.Module):
                 is_causal = True
             else:
                 mask = causal_mask(t, cache_position, hidden.device)
-        counts = self.layer_token_counts
         for i in range(start, end):
-            hidden = self.layers[i](hidden, cos, sin, mask, cache, i, cache_position, is_causal)
+            layer = self.layers[i]
+            q, k, v = attention_inputs(layer, hidden, cos, sin)
+            hidden = layer_output(layer, hidden, attend(q, k, v, mask, is_causal, cache, i, cache_position))
             counts[i] += t
         return hidden
 
@@ -184,6 +266,13 @@ def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
     freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv_freq)
     return torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+
+
+def _dense_mask(mask: torch.Tensor | None, t: int, prefix: int, device) -> torch.Tensor:
+    """The bool mask ``[T, prefix + T]`` for one sequence: causal when ``mask`` is None; a ``[1, 1, T, S]`` mask squeezed."""
+    if mask is None:
+        return causal_mask(t, prefix, device)
+    return mask.reshape(mask.shape[-2], mask.shape[-1])
 
 
 def causal_mask(t: int, prefix: int, device=None) -> torch.Tensor:

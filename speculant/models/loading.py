@@ -73,6 +73,9 @@ class LoadedModel:
     decoder: LlamaDecoder
     tokenizer: object          # a transformers tokenizer
     path: Path                 # HF-format directory the weights came from
+    weights: str = "fp32"      # weight format of the projections (speculant.runtime.formats)
+    compiled: bool = False     # decoding steps run through torch.compile (speculant.runtime.compiled)
+    tune: object = None        # the speculant.runtime.tune.TuneResult the choices came from, if any
 
     @property
     def config(self) -> ModelConfig:
@@ -226,7 +229,10 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = torch.float32) -> LoadedModel:
-    """Load a known model by name (see :data:`KNOWN_MODELS`) or an HF-format directory by path.
+    """Load a known model by name (see :data:`KNOWN_MODELS`) or an HF-format directory by path, with
+    float (trainable ``nn.Linear``) projections and eager steps: what training and evaluation need.
+    For decoding, :func:`speculant.runtime.loader.load_model` (``speculant.load_model``) adds the
+    weight formats, tuned kernels and compiled steps.
 
     The first load of a known GGUF model dequantizes it (~30 s) and caches the
     result; later loads take seconds.

@@ -1,0 +1,159 @@
+"""The quantized codes a GGUF file stores, read as they are (no dequantize-requantize round trip).
+
+A GGUF model's projections are stored block-wise (llama.cpp's ``ggml-quants``):
+
+* ``Q4_0``: blocks of 32 weights, ``w = d * (q - 8)``, ``q`` in 0..15, ``d`` fp16;
+* ``Q4_1``: blocks of 32 weights, ``w = d * q + m``, ``q`` in 0..15, ``d``, ``m`` fp16;
+* ``Q8_0``: blocks of 32 weights, ``w = d * q``, ``q`` int8, ``d`` fp16.
+
+:func:`read_group_quantized` returns them as :class:`GroupQuantized` tensors named like our decoder's
+projections (``layers.3.self_attn.qkv_proj`` ...), rows permuted and fused exactly as the float
+weights transformers' GGUF loader produces (``reverse_permute_weights`` for q/k), so
+``GroupQuantized.dequantize()`` equals the cached float32 weight bit for bit.  The weight formats in
+:mod:`speculant.runtime.formats` pack these codes for torch's int4 kernel without requantizing.
+The file is read through the ``gguf`` package's reader (memory-mapped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import SpeculantError
+from .config import ModelConfig
+
+GROUP = 32
+"""Weights per block in Q4_0, Q4_1 and Q8_0."""
+
+
+@dataclass
+class GroupQuantized:
+    """A weight ``[O, I]`` stored as group-wise codes: ``w[o, i] = scale[o, g] * codes[o, i] + offset[o, g]``, ``g = i // group``.
+
+    Attributes:
+        codes: ``[O, I]`` uint8 (4-bit codes 0..15) or int8 (8-bit codes).
+        scale: ``[O, I / group]`` float32 (the file's fp16 values, exact).
+        offset: ``[O, I / group]`` float32, or ``None`` (symmetric).
+        bits: 4 or 8.
+        group: weights per group (32 for GGUF blocks).
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    bits: int
+    group: int = GROUP
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight ``[O, I]``."""
+        o, i = self.codes.shape
+        w = self.codes.float().view(o, i // self.group, self.group) * self.scale[..., None]
+        if self.offset is not None:
+            w = w + self.offset[..., None]
+        return w.view(o, i)
+
+    def rows(self, index) -> "GroupQuantized":
+        """The same weight restricted (or permuted) to output rows ``index``."""
+        off = None if self.offset is None else self.offset[index]
+        return GroupQuantized(self.codes[index], self.scale[index], off, self.bits, self.group)
+
+    @staticmethod
+    def cat(parts: list["GroupQuantized"]) -> "GroupQuantized":
+        """Output rows of ``parts`` stacked (a fused projection: q|k|v, gate|up)."""
+        first = parts[0]
+        if any(p.bits != first.bits or p.group != first.group or (p.offset is None) != (first.offset is None)
+               for p in parts):
+            raise SpeculantError("cannot fuse projections stored in different GGUF block types")
+        off = None if first.offset is None else torch.cat([p.offset for p in parts])
+        return GroupQuantized(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), off,
+                              first.bits, first.group)
+
+
+def _blocks(raw: np.ndarray, rows: int, block_bytes: int) -> np.ndarray:
+    return np.ascontiguousarray(raw).reshape(rows, -1, block_bytes)
+
+
+def _decode(tensor) -> GroupQuantized | None:
+    kind = tensor.tensor_type.name
+    rows = int(tensor.data.shape[0])
+    if kind in ("Q4_0", "Q4_1"):
+        head = 2 if kind == "Q4_0" else 4
+        b = _blocks(tensor.data, rows, head + GROUP // 2)
+        d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        packed = b[..., head:]
+        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)   # low nibbles = first 16
+        if kind == "Q4_0":
+            offset = -8.0 * d
+        else:
+            offset = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        return GroupQuantized(torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(d),
+                              torch.from_numpy(offset), 4)
+    if kind == "Q8_0":
+        b = _blocks(tensor.data, rows, 2 + GROUP)
+        d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        codes = b[..., 2:].copy().view(np.int8).reshape(rows, -1)
+        return GroupQuantized(torch.from_numpy(codes), torch.from_numpy(d), None, 8)
+    return None          # F32/F16/K-quants...: the float weights are used instead
+
+
+def _unpermute(gq: GroupQuantized, n_head: int) -> GroupQuantized:
+    """Undo llama.cpp's q/k row order (the inverse of transformers' ``reverse_permute_weights`` input)."""
+    rows = gq.shape[0]
+    dim = rows // n_head // 2
+    index = torch.arange(rows).view(n_head, dim, 2).transpose(1, 2).reshape(rows)
+    return gq.rows(index)
+
+
+def read_group_quantized(gguf_path: Path, cfg: ModelConfig) -> dict[str, GroupQuantized]:
+    """Group-quantized projections of a Llama-family GGUF, keyed by our module names.
+
+    Keys: ``layers.{i}.self_attn.qkv_proj``, ``layers.{i}.self_attn.o_proj``, ``layers.{i}.mlp.gate_up_proj``,
+    ``layers.{i}.mlp.down_proj`` and ``lm_head_proj`` (the ``output`` tensor, or ``token_embd`` when tied).
+    A projection whose tensors are not all Q4_0/Q4_1/Q8_0 of one kind is left out.
+
+    Raises:
+        SpeculantError: the file cannot be read as GGUF.
+    """
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(gguf_path))
+    except Exception as e:  # noqa: BLE001 - the reader raises many kinds
+        raise SpeculantError(f"cannot read GGUF file {str(gguf_path)!r}: {e}") from None
+    tensors = {t.name: t for t in reader.tensors}
+
+    def get(name: str) -> GroupQuantized | None:
+        t = tensors.get(name)
+        return None if t is None else _decode(t)
+
+    def fused(names: list[str], heads: list[int | None]) -> GroupQuantized | None:
+        parts = [get(n) for n in names]
+        if any(p is None for p in parts):
+            return None
+        parts = [p if h is None else _unpermute(p, h) for p, h in zip(parts, heads)]
+        if len({(p.bits, p.offset is None) for p in parts}) != 1:
+            return None
+        return GroupQuantized.cat(parts)
+
+    out: dict[str, GroupQuantized] = {}
+    for i in range(cfg.num_hidden_layers):
+        b = f"blk.{i}."
+        entries = {
+            f"layers.{i}.self_attn.qkv_proj": fused([b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"],
+                                                    [cfg.num_attention_heads, cfg.num_key_value_heads, None]),
+            f"layers.{i}.self_attn.o_proj": fused([b + "attn_output.weight"], [None]),
+            f"layers.{i}.mlp.gate_up_proj": fused([b + "ffn_gate.weight", b + "ffn_up.weight"], [None, None]),
+            f"layers.{i}.mlp.down_proj": fused([b + "ffn_down.weight"], [None]),
+        }
+        out.update({k: v for k, v in entries.items() if v is not None})
+    head = get("output.weight") if "output.weight" in tensors else get("token_embd.weight")
+    if head is not None:
+        out["lm_head_proj"] = head
+    return out

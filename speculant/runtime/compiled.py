@@ -1,0 +1,95 @@
+"""Compiled decoding steps: the decoder layer's two halves through ``torch.compile`` (inductor).
+
+A SmolLM2 decoding step is ~30 layers x ~30 small torch calls; in eager mode their dispatch costs about
+as much as the projections themselves.  :func:`enable_compile` compiles the two halves of a decoder layer
+around attention (:func:`~speculant.models.llama.attention_inputs`: norm, q/k/v projection, RoPE;
+:func:`~speculant.models.llama.layer_output`: output projection, residual, norm, MLP) into fused C++
+kernels.  One compiled graph serves every layer (the layer's tensors are graph inputs), every exit
+layer range (early-exit drafting, verification from layer E), and every block size: one graph for one
+token, one with a dynamic token count for verification blocks and tree frontiers (2-16 rows and more).
+Attention and the KV cache update stay outside the graphs (they depend on the cache and the tree mask).
+
+Compiled artifacts are cached on disk by inductor's FX graph cache under ``$SPECULANT_CACHE/inductor``
+(unless ``TORCHINDUCTOR_CACHE_DIR`` is set), so later loads skip the C++ compilation.  Without a C++
+compiler the model stays eager, with one warning.  Sources: gpt-fast (torch.compile of a decoder step);
+PyTorch's inductor CPU backend.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+import warnings
+
+import torch
+
+from ..models.llama import LlamaDecoder, decoder_layer_step
+
+_COMPILED: dict[str, object] = {}
+_USER_CACHE_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")   # read before torch may set its default
+
+
+def compiler_available() -> bool:
+    """Whether a C++ compiler inductor can use is on ``PATH`` (``$CXX``, ``c++``, ``g++`` or ``clang++``)."""
+    names = [os.environ.get("CXX")] if os.environ.get("CXX") else []
+    return any(shutil.which(n) for n in names + ["c++", "g++", "clang++"])
+
+
+def inductor_cache_dir() -> str:
+    """Where compiled kernels are cached: ``$TORCHINDUCTOR_CACHE_DIR`` as set by the user, else
+    ``$SPECULANT_CACHE/inductor``."""
+    from ..models.loading import cache_root
+    return _USER_CACHE_DIR or str(cache_root() / "inductor")
+
+
+def _compiled_step(key: str):
+    """The compiled :func:`~speculant.models.llama.decoder_layer_step` for one model-shape/format signature ``key``."""
+    if key not in _COMPILED:
+        import torch._dynamo
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _COMPILED[key] = torch.compile(decoder_layer_step, dynamic=None)
+    return _COMPILED[key]
+
+
+def enable_compile(decoder: LlamaDecoder, warm_up: bool = True, log=None) -> bool:
+    """Route ``decoder``'s layers through compiled graphs; returns False (eager, one warning) without a C++ compiler.
+
+    ``warm_up`` compiles the one-token and the multi-token graphs now (printing progress to ``log``,
+    default stderr) instead of at the first generation.
+    """
+    if not compiler_available():
+        warnings.warn("no C++ compiler found (c++/g++/clang++): running the decoder eagerly, without "
+                      "torch.compile (install g++ for the compiled runtime)", RuntimeWarning, stacklevel=2)
+        return False
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
+    key = f"{decoder.config}|{decoder.weight_format}|" + ",".join(sorted({type(m).__name__ for m in decoder.layers.modules()}))
+    decoder.layer_step = _compiled_step(key)
+    if warm_up:
+        warm_up_compiled(decoder, log)
+    return True
+
+
+def disable_compile(decoder: LlamaDecoder) -> None:
+    """Back to the eager layer step."""
+    decoder.layer_step = decoder_layer_step
+
+
+def warm_up_compiled(decoder: LlamaDecoder, log=None) -> float:
+    """Run the compiled layer halves once per graph (one token; a multi-token block) without a KV cache.
+
+    Returns the seconds it took (compilation, or loading cached kernels).
+    """
+    log = log or sys.stderr
+    t0 = time.perf_counter()
+    hidden = decoder.config.hidden_size
+    cache = decoder.new_cache(16)
+    with torch.inference_mode():
+        for t, start, label in ((3, 0, "prefill"), (1, 3, "one-token step"), (3, 4, "verification blocks (2+ tokens)")):
+            print(f"speculant: compiling the {label} ...", file=log, flush=True)
+            decoder.run_layers(torch.zeros(1, t, hidden), 0, 1, torch.arange(start, start + t), None, cache, start)
+    seconds = time.perf_counter() - t0
+    print(f"speculant: compiled steps ready in {seconds:.1f} s (cache: {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})",
+          file=log, flush=True)
+    return seconds

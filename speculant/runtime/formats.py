@@ -1,0 +1,253 @@
+"""Weight formats of the projections: how ``y = x W^T (+ b)`` is stored and computed.
+
+======== ========================================================= ==============================
+format   weights                                                   kernel
+======== ========================================================= ==============================
+fp32     float32 (dequantized GGUF), :class:`~speculant.models.   ``F.linear`` / ``(W x^T)^T`` (route tuned)
+         linear.DecodeLinear`` (trainable)
+bf16     bfloat16                                                  ``F.linear`` in bfloat16 (oneDNN)
+int8     int8 per output channel, symmetric, bfloat16 scales       ``aten._weight_int8pack_mm``
+int4     int4 per group of 32, asymmetric (GGUF Q4_0/Q4_1 codes     ``aten._weight_int4pack_mm_for_cpu``
+         as stored; other weights quantized like Q4_1),
+         bfloat16 scales and offsets
+======== ========================================================= ==============================
+
+Weight-only quantization: activations stay float32 between projections; the bf16/int8/int4 kernels
+read them rounded to bfloat16 and return bfloat16, which is converted back to float32.  The LM head of
+``int4`` is ``int8`` (GGUF stores it as Q8_0, for which torch has no group-wise kernel).  A projection
+whose shape a kernel cannot take (int4 needs ``O % 16 == 0`` and ``I % 32 == 0``) falls back to the next
+format in ``int4 -> int8 -> bf16``.
+
+Every kernel here computes each output row from its own input row only; whether that holds *bit for bit*
+for 1..N rows on the machine at hand (batch invariance, which greedy exactness of speculative decoding
+rests on) is measured by :mod:`speculant.runtime.tune`, not assumed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import SpeculantError
+from ..models.gguf_codes import GroupQuantized
+
+FORMATS = ("fp32", "bf16", "int8", "int4")
+"""Weight formats, most exact first."""
+INT4_GROUP = 32
+
+
+def check_format(name: str) -> str:
+    """Return ``name`` if it is a weight format (:data:`FORMATS`); raise :class:`SpeculantError` otherwise."""
+    if name not in FORMATS:
+        raise SpeculantError(f"weights={name!r} is not a weight format; allowed: {', '.join(FORMATS)} or auto")
+    return name
+
+
+class PackedLinear(nn.Module):
+    """A frozen projection in a weight format: ``[..., I]`` float32 -> ``[..., O]`` float32.
+
+    Subclasses store the weight and implement :meth:`matmul` on 2-D inputs ``[M, I]``.
+    ``nbytes`` is the size of the stored weight (bytes), what a decoding step reads.
+    """
+
+    format = "fp32"
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 weight ``[O, I]`` the kernel multiplies by (scales rounded as stored)."""
+        raise NotImplementedError
+
+    @classmethod
+    def empty(cls, in_features: int, out_features: int, buffers: dict[str, torch.Tensor]) -> "PackedLinear":
+        """An instance whose buffers are ``buffers`` (e.g. meta tensors to be replaced by ``load_state_dict(assign=True)``)."""
+        mod = cls.__new__(cls)
+        PackedLinear.__init__(mod, in_features, out_features, buffers.get("bias"))
+        for name, tensor in buffers.items():
+            if name != "bias":
+                mod.register_buffer(name, tensor)
+        return mod
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x.reshape(-1, self.in_features)).float()
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for name, b in self.named_buffers() if name != "bias")
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, format={self.format}"
+
+
+class Bf16Linear(PackedLinear):
+    format = "bf16"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(weight.shape[1], weight.shape[0], bias)
+        self.register_buffer("weight", weight.detach().to(torch.bfloat16).contiguous())
+
+    def matmul(self, x):
+        return F.linear(x.to(torch.bfloat16), self.weight)
+
+    def dequantized_weight(self):
+        return self.weight.float()
+
+
+class Int8Linear(PackedLinear):
+    """Symmetric per-output-channel int8: ``W[o] = scale[o] * q[o]``, ``q`` in -127..127."""
+
+    format = "int8"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(weight.shape[1], weight.shape[0], bias)
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("qweight", q.contiguous())
+        self.register_buffer("scales", scale.to(torch.bfloat16))
+
+    def matmul(self, x):
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scales)
+
+    def dequantized_weight(self):
+        return self.qweight.float() * self.scales.float()[:, None]
+
+
+class Int4Linear(PackedLinear):
+    """Group-wise asymmetric int4: ``W[o, i] = scale[o, g] * q[o, i] + offset[o, g]``, ``q`` in 0..15, ``g = i // 32``.
+
+    torch's kernel reads ``(q - 8) * s + z``, so ``z = offset + 8 * scale``.
+    """
+
+    format = "int4"
+
+    def __init__(self, codes: GroupQuantized, bias: torch.Tensor | None = None):
+        o, i = codes.shape
+        super().__init__(i, o, bias)
+        if codes.bits != 4 or codes.group != INT4_GROUP:
+            raise SpeculantError(f"int4 format takes 4-bit codes in groups of {INT4_GROUP}, got {codes.bits}-bit "
+                                 f"groups of {codes.group}")
+        packed, scales_and_zeros = _int4_scales_and_zeros(codes)
+        self.register_buffer("qweight", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+
+    def matmul(self, x):
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.qweight, INT4_GROUP,
+                                                          self.scales_and_zeros)
+
+    @staticmethod
+    def kernel_weight(codes: GroupQuantized) -> torch.Tensor:
+        """The float32 weight ``[O, I]`` the int4 kernel multiplies by for ``codes``: ``(q - 8) * s + z`` with
+        ``s`` and ``z = offset + 8 s`` rounded to bfloat16 (the packed layout itself is opaque)."""
+        _, s_z = _int4_scales_and_zeros(codes)
+        o, i = codes.shape
+        s, z = s_z[..., 0].t().float(), s_z[..., 1].t().float()            # [O, I / 32]
+        w = (codes.codes.float().view(o, -1, INT4_GROUP) - 8.0) * s[..., None] + z[..., None]
+        return w.view(o, i)
+
+
+PACKED_CLASSES = {cls.__name__: cls for cls in (Bf16Linear, Int8Linear, Int4Linear)}
+
+
+def _int4_scales_and_zeros(codes: GroupQuantized) -> tuple[torch.Tensor, torch.Tensor]:
+    """(torch's packed int4 weight, ``scales_and_zeros`` ``[I / 32, O, 2]`` bfloat16) for ``codes``."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32).contiguous(), 1)
+    offset = codes.offset if codes.offset is not None else torch.zeros_like(codes.scale)
+    zero = offset + 8.0 * codes.scale
+    return packed, torch.stack([codes.scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+
+def int4_fits(out_features: int, in_features: int) -> bool:
+    """Whether torch's int4 kernel takes an ``[O, I]`` weight."""
+    return out_features % 16 == 0 and in_features % INT4_GROUP == 0
+
+
+def quantize_q4(weight: torch.Tensor) -> GroupQuantized:
+    """Float weight ``[O, I]`` -> 4-bit group-wise codes the way llama.cpp's Q4_1 makes them
+    (per group of 32: ``scale = (max - min) / 15``, ``offset = min``, ``q = round((w - min) / scale)``)."""
+    o, i = weight.shape
+    w = weight.detach().float().view(o, i // INT4_GROUP, INT4_GROUP)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scale = ((hi - lo) / 15.0)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((w - lo[..., None]) / safe[..., None]).clamp(0, 15).to(torch.uint8).view(o, i)
+    return GroupQuantized(q, scale, lo, 4, INT4_GROUP)
+
+
+def pack_linear(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                codes: GroupQuantized | None = None) -> PackedLinear:
+    """The projection ``weight`` ``[O, I]`` (float) in format ``fmt`` (not ``fp32``: float32 projections stay
+    :class:`~speculant.models.linear.DecodeLinear`, an ``nn.Linear`` that training and LoRA can use).
+
+    ``codes``: the GGUF's own group-wise codes of the same weight; ``int4`` packs 4-bit codes as they
+    are (no requantization).  Shapes a kernel cannot take fall back ``int4 -> int8 -> bf16``.
+
+    Raises:
+        SpeculantError: unknown format.
+    """
+    check_format(fmt)
+    o, i = weight.shape
+    if fmt == "int4":
+        if int4_fits(o, i):
+            if codes is None or codes.bits != 4 or codes.group != INT4_GROUP:
+                codes = quantize_q4(weight)
+            return Int4Linear(codes, bias)
+        fmt = "int8"
+    if fmt == "int8":
+        return Int8Linear(weight, bias)
+    if fmt == "bf16":
+        return Bf16Linear(weight, bias)
+    raise SpeculantError("fp32 projections are not packed; keep the model's DecodeLinear")
+
+
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def apply_weight_format(decoder, fmt: str, codes: dict[str, GroupQuantized] | None = None) -> None:
+    """Put every projection of ``decoder`` (a :class:`~speculant.models.llama.LlamaDecoder`) in format ``fmt``, in place.
+
+    The float32 projection weights are dropped (the token embedding stays float32: it is a lookup);
+    ``codes`` (from :func:`~speculant.models.gguf_codes.read_group_quantized`) lets ``int4`` use the
+    GGUF's own 4-bit codes.  The LM head of ``int4`` is ``int8`` (see the module docstring).
+    ``decoder.weight_format`` records ``fmt``.
+
+    Raises:
+        SpeculantError: unknown format, or a decoder already in another format.
+    """
+    check_format(fmt)
+    current = getattr(decoder, "weight_format", "fp32")
+    if current != "fp32":
+        raise SpeculantError(f"the model's weights are already in format {current!r}; load it again for {fmt!r}")
+    if fmt == "fp32":
+        return
+    codes = codes or {}
+    for i, layer in enumerate(decoder.layers):
+        for name in PROJECTIONS:
+            parent_name, attr = name.split(".")
+            parent = getattr(layer, parent_name)
+            lin = getattr(parent, attr)
+            setattr(parent, attr, pack_linear(fmt, lin.weight, lin.bias, codes.get(f"layers.{i}.{name}")))
+    head = decoder.lm_head_proj
+    decoder.lm_head_proj = pack_linear("int8" if fmt == "int4" else fmt, head.weight, head.bias)
+    decoder.weight_format = fmt
+
+
+def projection_bytes(decoder) -> int:
+    """Bytes of projection weights one decoding step reads (all layers and the LM head)."""
+    total = 0
+    for mod in list(decoder.layers.modules()) + [decoder.lm_head_proj]:
+        if isinstance(mod, PackedLinear):
+            total += mod.nbytes
+        elif isinstance(mod, nn.Linear):
+            total += mod.weight.nbytes
+    return total

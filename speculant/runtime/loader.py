@@ -1,0 +1,123 @@
+"""Load a model ready for fast decoding: tuned kernel routes, a weight format, batch-invariant attention, compiled steps.
+
+:func:`load_model` is what the CLI and ``speculant.load_model`` use.  Training and evaluation code that
+needs trainable float32 ``nn.Linear`` projections uses :func:`speculant.models.loading.load_model`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from ..errors import SpeculantError
+from ..models import loading
+from ..models.config import ModelConfig
+from ..models.loading import DEFAULT_MODEL, KNOWN_MODELS, LoadedModel
+from . import tune
+from .compiled import enable_compile
+from .formats import apply_weight_format, check_format
+from .store import load_packed, packed_path, save_packed
+
+WEIGHT_CHOICES = ("auto",) + tuple(f for f in ("fp32", "bf16", "int8", "int4"))
+
+
+def user_threads() -> int | None:
+    """``$SPECULANT_NUM_THREADS`` as an int, or ``None`` when unset.
+
+    Raises:
+        SpeculantError: the variable is set but not a positive integer.
+    """
+    raw = os.environ.get("SPECULANT_NUM_THREADS")
+    if raw is None or raw == "":
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise SpeculantError(f"SPECULANT_NUM_THREADS={raw!r} is invalid; allowed: a positive integer")
+    return n
+
+
+def _config_of(name_or_path: str) -> tuple[ModelConfig | None, object]:
+    """(config, cache directory) of a known model whose float32 conversion is cached; (None, None) otherwise."""
+    if name_or_path not in KNOWN_MODELS:
+        return None, None
+    directory = loading.cache_root() / name_or_path
+    try:
+        return ModelConfig.from_hf_dict(json.loads((directory / "config.json").read_text())), directory
+    except (OSError, ValueError, KeyError):
+        return None, None
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile: bool = True,
+               dtype: torch.dtype | str = torch.float32, threads: int | None = None, log=None) -> LoadedModel:
+    """Load ``name_or_path`` (a known name or an HF-format directory) for decoding.
+
+    Args:
+        weights: a weight format (``fp32``, ``bf16``, ``int8``, ``int4``; see
+            :mod:`speculant.runtime.formats`) or ``auto``: the fastest batch-invariant format measured
+            on this machine (:mod:`speculant.runtime.tune`, cached after the first load).
+        compile: compile the decoding steps with ``torch.compile`` (eager without a C++ compiler).
+        dtype: dtype of the float model; anything but float32 needs ``weights='fp32'`` (the legacy
+            ``--dtype bfloat16`` path, activations in bfloat16 too).
+        threads: torch threads; default ``$SPECULANT_NUM_THREADS``, else the count measured fastest
+            here (the measurement itself runs with torch's default).
+        log: where progress goes (default stderr).
+    Returns:
+        a :class:`LoadedModel` whose ``weights``, ``compiled`` and ``tune`` fields say what was chosen.
+    Raises:
+        SpeculantError: unknown model or format, or a dtype/weights combination that does not exist.
+    """
+    log = log or sys.stderr
+    if isinstance(dtype, str):
+        dtype = loading.parse_dtype(dtype)
+    if weights not in WEIGHT_CHOICES:
+        raise SpeculantError(f"weights={weights!r} is not a weight format; allowed: {', '.join(WEIGHT_CHOICES)}")
+    if dtype != torch.float32:
+        if weights not in ("auto", "fp32"):
+            raise SpeculantError(f"dtype={str(dtype).replace('torch.', '')} applies to weights='fp32' only; "
+                                 f"for {weights} weights keep dtype=float32")
+        weights = "fp32"
+    fixed_threads = threads or user_threads()
+    threads = fixed_threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+    # fast path: a cached tune and a cached packed copy of a known model
+    cfg, directory = _config_of(name_or_path)
+    result = tune.load(tune.tune_key(cfg, threads)) if cfg is not None else None
+    model = None
+    if result is not None:
+        fmt = result.weights if weights == "auto" else check_format(weights)
+        if fmt != "fp32":
+            decoder = load_packed(packed_path(directory, fmt), cfg)
+            if decoder is not None:
+                from transformers import AutoTokenizer
+                model = LoadedModel(name_or_path, decoder, AutoTokenizer.from_pretrained(str(directory)), directory)
+    if model is None:
+        model = loading.load_model(name_or_path, dtype)
+        if result is None and dtype == torch.float32:
+            result = tune.load_or_measure(model.decoder, threads, log=log)
+        fmt = "fp32" if result is None else (result.weights if weights == "auto" else check_format(weights))
+        if fmt != "fp32":
+            codes = _gguf_codes(name_or_path, model.config) if fmt == "int4" else None
+            apply_weight_format(model.decoder, fmt, codes)
+            if name_or_path in KNOWN_MODELS:
+                save_packed(model.decoder, packed_path(model.path, fmt))
+    if result is not None:
+        tune.apply_choices(result, set_threads=fixed_threads is None)
+    model.weights = fmt
+    model.tune = result
+    model.compiled = bool(compile) and enable_compile(model.decoder, log=log)
+    return model
+
+
+def _gguf_codes(name_or_path: str, cfg: ModelConfig):
+    """The GGUF's own group-wise codes of a known model (``None`` for HF directories)."""
+    if name_or_path not in KNOWN_MODELS:
+        return None
+    from ..models.gguf_codes import read_group_quantized
+    return read_group_quantized(loading.find_gguf(KNOWN_MODELS[name_or_path]), cfg)

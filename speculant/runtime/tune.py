@@ -1,0 +1,302 @@
+"""Kernel choices made by measurement on the machine at hand, cached per machine.
+
+What is fast differs between CPUs (an AVX2 AMD EPYC and an AVX-512 Intel Xeon disagree on the
+float32 one-row route by 2x) and so does what is *exact*: greedy speculative decoding is
+token-identical to autoregressive decoding only if a projection gives each row the same bits whether
+it runs alone (a decoding step) or inside a block (a verification).  So :func:`measure`:
+
+1. packs the model's projections in every weight format (:mod:`speculant.runtime.formats`);
+2. checks each format's kernel for batch invariance: rows of a 2..16-row product must equal, bit for
+   bit, the same rows computed one at a time (for ``fp32``, each route: plain ``F.linear``,
+   ``(W x^T)^T`` for 2..16 rows, a one-row product padded to two columns);
+3. times one pass over every projection of the model (all layers and the LM head, so the weights come
+   from DRAM as in decoding) for 1, 2, 4, 5, 8 and 16 rows, formats interleaved, median of repeats;
+4. times the chosen format's one-row pass with 1..N torch threads.
+
+The default weight format is the fastest one-row pass among the batch-invariant formats.  The result is
+stored as JSON under ``$SPECULANT_CACHE/tune/`` keyed by CPU model and flags, torch version, thread
+count and the model's projection shapes, and reused; ``speculant tune`` measures again and prints the
+table.  Nothing is chosen from anyone's machine but the one it runs on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..models import linear as fp32_linear
+from ..models.linear import DecodeLinear, Routes
+from .formats import FORMATS, PROJECTIONS, pack_linear
+
+ROWS = (1, 2, 4, 5, 8, 16)
+"""Row counts measured: a decoding step, verification blocks and tree frontiers."""
+FP32_ROUTES = {"linear": Routes("linear", "linear"), "transposed": Routes("linear", "transposed"),
+               "pad2+transposed": Routes("pad2", "transposed"), "pad2": Routes("pad2", "linear")}
+SCHEMA = 1
+
+
+@dataclass
+class TuneResult:
+    """Measured kernel table and the choices made from it.
+
+    Attributes:
+        key: what the measurement is valid for (CPU model, flags digest, torch version, threads, model shapes).
+        weights: the default weight format (fastest batch-invariant one-row pass).
+        fp32_route: name of the float32 route chosen (a key of :data:`FP32_ROUTES`).
+        threads: torch threads chosen (fastest one-row pass of ``weights``).
+        table: one row per (format, route): ``ms`` per row count [milliseconds per pass over all
+            projections], ``batch_invariant`` [bool].
+        thread_ms: one-row pass of ``weights`` per thread count [milliseconds].
+        seconds: time the measurement took [s].
+    """
+
+    key: dict
+    weights: str
+    fp32_route: str
+    threads: int
+    table: list[dict] = field(default_factory=list)
+    thread_ms: dict = field(default_factory=dict)
+    seconds: float = 0.0
+    measured_at: str = ""
+    schema: int = SCHEMA
+
+    def row(self, fmt: str, route: str | None = None) -> dict:
+        for r in self.table:
+            if r["format"] == fmt and (route is None or r["route"] == route):
+                return r
+        raise KeyError(fmt)
+
+    def step_cost(self, fmt: str, rows: int) -> float:
+        """Cost of an ``rows``-row pass over the projections in units of the one-row pass (measured, interpolated)."""
+        ms = {int(k): v for k, v in self.row(fmt, self.fp32_route if fmt == "fp32" else None)["ms"].items()}
+        known = sorted(ms)
+        above = next((r for r in known if r >= rows), known[-1])
+        return ms[above] / ms[1]
+
+
+def cpu_description() -> dict:
+    """CPU model name and a digest of its feature flags (Linux ``/proc/cpuinfo``; ``platform`` elsewhere)."""
+    model, flags = platform.processor() or platform.machine(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            name = name.strip()
+            if name == "model name" and model in ("", platform.machine(), platform.processor()):
+                model = value.strip()
+            elif name in ("flags", "Features") and not flags:
+                flags = value.strip()
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "fma", "f16c")
+    have = sorted(f for f in flags.split() if f in wanted)
+    return {"model": model, "flags_sha1": hashlib.sha1(flags.encode()).hexdigest()[:12], "isa": have,
+            "cores": os.cpu_count()}
+
+
+def projection_shapes(cfg) -> list[tuple[int, int]]:
+    """``[O, I]`` of a layer's projections (fused q/k/v, o, fused gate/up, down) and of the LM head."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    d, inter = cfg.hidden_size, cfg.intermediate_size
+    return [(q + 2 * kv, d), (d, q), (2 * inter, d), (d, inter), (cfg.vocab_size, d)]
+
+
+def tune_key(cfg, threads: int) -> dict:
+    """The measurement's validity key for a model config ``cfg`` (see :class:`TuneResult`)."""
+    cpu = cpu_description()
+    return {"cpu": cpu["model"], "cpu_flags_sha1": cpu["flags_sha1"], "isa": cpu["isa"], "torch": torch.__version__,
+            "threads": threads, "layers": cfg.num_hidden_layers, "shapes": projection_shapes(cfg)}
+
+
+def _key_digest(key: dict) -> str:
+    return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_path(key: dict) -> Path:
+    from ..models.loading import cache_root
+    return cache_root() / "tune" / f"{_key_digest(key)}.json"
+
+
+def _get(layer: nn.Module, dotted: str) -> nn.Module:
+    a, b = dotted.split(".")
+    return getattr(getattr(layer, a), b)
+
+
+def _projections(decoder) -> list[nn.Module]:
+    return [_get(layer, p) for layer in decoder.layers for p in PROJECTIONS] + [decoder.lm_head_proj]
+
+
+def _packed(modules: list[nn.Module], fmt: str) -> list[nn.Module]:
+    if fmt == "fp32":
+        return modules
+    out = []
+    for i, m in enumerate(modules):
+        head = i == len(modules) - 1
+        out.append(pack_linear("int8" if (fmt == "int4" and head) else fmt, m.weight, m.bias))
+    return out
+
+
+def _pass(modules: list[nn.Module], inputs: dict[int, torch.Tensor]) -> None:
+    for m in modules:
+        m(inputs[m.in_features])
+
+
+def _time_pass(modules, inputs, routes: Routes | None) -> float:
+    if routes is not None:
+        fp32_linear.ROUTES = routes
+    t = time.perf_counter()
+    _pass(modules, inputs)
+    return time.perf_counter() - t
+
+
+def batch_invariant(modules: list[nn.Module], rows=ROWS, seed: int = 0) -> bool:
+    """Whether every module gives each row of a multi-row input the bits it gives that row alone."""
+    g = torch.Generator().manual_seed(seed)
+    for m in modules:
+        x = torch.randn(max(rows), m.in_features, generator=g)
+        alone = torch.cat([m(x[i:i + 1]) for i in range(x.shape[0])])
+        for r in rows:
+            if r > 1 and not torch.equal(m(x[:r]), alone[:r]):
+                return False
+    return True
+
+
+def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> TuneResult:
+    """Measure the kernel table on this machine for ``decoder`` (float32 :class:`DecodeLinear` projections).
+
+    Takes ~5-20 s for SmolLM2-135M on 2 cores (progress on ``log``, default stderr).
+    """
+    log = log or sys.stderr
+    t0 = time.perf_counter()
+    threads = threads or torch.get_num_threads()
+    before_threads, before_routes = torch.get_num_threads(), fp32_linear.ROUTES
+    torch.set_num_threads(threads)
+    base = _projections(decoder)
+    if not all(isinstance(m, DecodeLinear) for m in base):
+        raise ValueError("measure() needs a float32 model (load it with weights='fp32')")
+    print(f"speculant: measuring kernels on this machine (once per machine; {len(base)} projections, "
+          f"{threads} threads) ...", file=log, flush=True)
+    variants: list[tuple[str, str, list, Routes | None]] = []
+    with torch.inference_mode():
+        for fmt in FORMATS:
+            mods = _packed(base, fmt)
+            if fmt == "fp32":
+                for name, routes in FP32_ROUTES.items():
+                    variants.append((fmt, name, mods, routes))
+            else:
+                variants.append((fmt, "-", mods, None))
+        sample = {}     # invariance on the first layer and the LM head (same kernels as the rest)
+        per_layer = len(PROJECTIONS)
+        for fmt, route, mods, routes in variants:
+            if routes is not None:
+                fp32_linear.ROUTES = routes
+            sample[(fmt, route)] = batch_invariant(mods[:per_layer] + mods[-1:])
+        times = {(fmt, route): {r: [] for r in ROWS} for fmt, route, _, _ in variants}
+        g = torch.Generator().manual_seed(1)
+        widths = sorted({m.in_features for m in base})
+        for rep in range(repeats + 1):
+            for r in ROWS:
+                inputs = {w: torch.randn(r, w, generator=g) for w in widths}
+                order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+                for fmt, route, mods, routes in order:
+                    ms = _time_pass(mods, inputs, routes) * 1e3
+                    if rep:                                   # the first round warms up
+                        times[(fmt, route)][r].append(ms)
+        table = [{"format": fmt, "route": route,
+                  "ms": {str(r): round(statistics.median(v), 3) for r, v in times[(fmt, route)].items()},
+                  "batch_invariant": sample[(fmt, route)]} for fmt, route, _, _ in variants]
+        fp32_rows = [row for row in table if row["format"] == "fp32"]
+        fp32_pick = min(fp32_rows, key=lambda row: (not row["batch_invariant"], row["ms"]["1"] + row["ms"]["5"]))
+        candidates = [row for row in table if row["format"] != "fp32" or row is fp32_pick]
+        best = min(candidates, key=lambda row: (not row["batch_invariant"], row["ms"]["1"]))
+        fmt_mods = next(m for f, rt, m, _ in variants if f == best["format"] and (f != "fp32" or rt == fp32_pick["route"]))
+        fp32_linear.ROUTES = FP32_ROUTES[fp32_pick["route"]]
+        thread_ms: dict[str, float] = {}
+        options = sorted({1, threads} | {n for n in (2, 4, 8) if n < threads})
+        inputs = {w: torch.randn(1, w, generator=g) for w in widths}
+        for rep in range(repeats + 1):
+            for n in options:
+                torch.set_num_threads(n)
+                ms = _time_pass(fmt_mods, inputs, None) * 1e3
+                if rep:
+                    thread_ms.setdefault(str(n), []).append(ms)
+        thread_ms = {n: round(statistics.median(v), 3) for n, v in thread_ms.items()}
+        best_threads = int(min(thread_ms, key=thread_ms.get))
+    torch.set_num_threads(before_threads)
+    fp32_linear.ROUTES = before_routes
+    result = TuneResult(key=tune_key(decoder.config, threads), weights=best["format"], fp32_route=fp32_pick["route"],
+                        threads=best_threads, table=table, thread_ms=thread_ms,
+                        seconds=round(time.perf_counter() - t0, 2),
+                        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    print(f"speculant: kernels measured in {result.seconds:.1f} s: weights={result.weights}, "
+          f"fp32 route={result.fp32_route}, threads={result.threads}", file=log, flush=True)
+    return result
+
+
+def save(result: TuneResult) -> Path:
+    """Write ``result`` atomically to its cache path; returns the path."""
+    path = cache_path(result.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(result), indent=1))
+    tmp.replace(path)
+    return path
+
+
+def load(key: dict) -> TuneResult | None:
+    """The cached result for ``key``, or ``None`` (absent, unreadable, or another schema/key)."""
+    path = cache_path(key)
+    try:
+        data = json.loads(path.read_text())
+        result = TuneResult(**data)
+    except (OSError, ValueError, TypeError):
+        return None
+    if result.schema != SCHEMA or result.key != json.loads(json.dumps(key)):
+        return None
+    return result
+
+
+def load_or_measure(decoder, threads: int | None = None, log=None, force: bool = False) -> TuneResult:
+    """The cached :class:`TuneResult` for this machine and model, measuring (and caching) it when absent or ``force``."""
+    threads = threads or torch.get_num_threads()
+    key = tune_key(decoder.config, threads)
+    result = None if force else load(key)
+    if result is None:
+        result = measure(decoder, threads, log=log)
+        save(result)
+    return result
+
+
+def apply_choices(result: TuneResult, set_threads: bool = True) -> None:
+    """Put ``result``'s float32 route (and, with ``set_threads``, its thread count) in force in this process."""
+    fp32_linear.ROUTES = FP32_ROUTES[result.fp32_route]
+    if set_threads:
+        torch.set_num_threads(result.threads)
+
+
+def format_table(result: TuneResult) -> str:
+    """The measured table as Markdown (milliseconds per pass over all projections; step cost relative to 1 row)."""
+    k = result.key
+    lines = [f"CPU: {k['cpu']} ({', '.join(k['isa']) or 'no AVX2/AVX-512 flags'}), torch {k['torch']}, "
+             f"{k['threads']} threads; measured {result.measured_at} in {result.seconds} s", "",
+             "| format | route | batch-invariant | " + " | ".join(f"{r} row{'s' if r > 1 else ''} [ms]" for r in ROWS)
+             + " | 5 rows / 1 row |", "|" + "---|" * (4 + len(ROWS))]
+    for row in result.table:
+        ms = row["ms"]
+        chosen = (row["format"] == result.weights and (row["format"] != "fp32" or row["route"] == result.fp32_route))
+        name = f"**{row['format']}**" if chosen else row["format"]
+        lines.append(f"| {name} | {row['route']} | {'yes' if row['batch_invariant'] else 'no'} | "
+                     + " | ".join(f"{ms[str(r)]:.2f}" for r in ROWS) + f" | {ms['5'] / ms['1']:.2f} |")
+    lines += ["", f"default weights: **{result.weights}**; float32 route: {result.fp32_route}; threads: "
+              f"{result.threads} (one-row pass: " + ", ".join(f"{n} threads {v:.2f} ms" for n, v in result.thread_ms.items())
+              + ")"]
+    return "\n".join(lines)

