@@ -49,41 +49,43 @@ def gguf_path_of(model: LoadedModel):
 
 
 class LlamaCppMethod:
-    """llama.cpp on ``model``'s GGUF file.
+    """llama.cpp on ``model``'s GGUF file, in a worker process of its own.
+
+    In one process with torch, llama.cpp's thread pool and torch's OpenMP threads spin against each other
+    (measured: both engines ran at about half their separate speed), so llama.cpp runs in a spawned
+    process that holds the model and answers one request at a time over a pipe.
 
     Args:
         kind: ``llamacpp`` or ``llamacpp-lookup``.
         threads: CPU threads for decoding and prefill.
         context: llama.cpp's context size [tokens].
-        num_tokens: ``llamacpp-lookup``: longest draft (K); ngram: ``max_ngram`` (N).
+        num_tokens: ``llamacpp-lookup``: longest draft (K); ``max_ngram``: its n-gram size (N).
     Raises:
         SpeculantError: unknown kind, a model without a GGUF, or ``xllamacpp`` not installed.
     """
 
     def __init__(self, model: LoadedModel, kind: str, threads: int, context: int = 2048,
                  num_tokens: int | None = None, max_ngram: int | None = None):
+        import importlib.util
+        import multiprocessing as mp
+
         if kind not in KINDS:
             raise SpeculantError(f"method={kind!r} is unknown; allowed: {', '.join(KINDS)}")
-        try:
-            import xllamacpp as xlc
-        except ImportError:
-            raise SpeculantError(f"the {kind} baseline needs the xllamacpp package; install it with: {INSTALL}") from None
-        p = xlc.CommonParams()
-        p.model.path = str(gguf_path_of(model))
-        p.n_ctx = context
-        p.n_parallel = 1
-        p.cpuparams.n_threads = threads
-        p.cpuparams_batch.n_threads = threads
-        p.verbosity = -1
-        if kind == "llamacpp-lookup":
-            spec = p.speculative
-            spec.types = [xlc.common_speculative_type.COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE]
-            if num_tokens:
-                spec.ngram_simple.size_m = num_tokens
-            if max_ngram:
-                spec.ngram_simple.size_n = max_ngram
+        if importlib.util.find_spec("xllamacpp") is None:
+            raise SpeculantError(f"the {kind} baseline needs the xllamacpp package; install it with: {INSTALL}")
+        from . import llamacpp_worker
+        settings = {"model": str(gguf_path_of(model)), "context": context, "threads": threads,
+                    "lookup": kind == "llamacpp-lookup", "num_tokens": num_tokens, "max_ngram": max_ngram}
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=llamacpp_worker.serve, args=(child, settings), daemon=True)
+        self._proc.start()
+        child.close()
+        ready = self._conn.recv()
+        if "error" in ready:
+            self.close()
+            raise SpeculantError(f"llama.cpp could not load {settings['model']}: {ready['error']}")
         self.kind = kind
-        self.server = xlc.Server(p)
 
     def run(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> LlamaCppRun:
         """Generate up to ``max_new_tokens`` after ``prompt_ids`` (stops at EOS like ours)."""
@@ -91,13 +93,19 @@ class LlamaCppMethod:
                    "seed": seed, "cache_prompt": False}
         if temperature == 0:
             request["top_k"] = 1
-        t0 = time.perf_counter()
-        out = self.server.handle_completions(request)
-        seconds = time.perf_counter() - t0
-        if isinstance(out, str):
-            import json
-            out = json.loads(out)
+        self._conn.send(request)
+        out = self._conn.recv()
         if "error" in out:
             raise SpeculantError(f"llama.cpp refused the request: {out['error']}")
-        return LlamaCppRun(out["choices"][0]["text"], seconds, int(out["usage"]["completion_tokens"]),
-                           out.get("timings", {}))
+        return LlamaCppRun(out["text"], out["seconds"], out["new_tokens"], out["timings"])
+
+    def close(self) -> None:
+        """Stop the worker process."""
+        if self._proc.is_alive():
+            try:
+                self._conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+            self._proc.join(timeout=10)
+            if self._proc.is_alive():
+                self._proc.kill()

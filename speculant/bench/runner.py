@@ -260,7 +260,7 @@ def run_benchmark(model: LoadedModel, prompts: list[Prompt], methods: list[Bench
     finally:
         bar.close()
         for r in runners.values():
-            if isinstance(r, _HF):
+            if isinstance(r, (_HF, _LlamaCpp)):
                 r.m.close()
         check_equality(results)
         results["summary"] = summarize(results)

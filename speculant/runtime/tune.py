@@ -10,7 +10,8 @@ it runs alone (a decoding step) or inside a block (a verification).  So :func:`m
    bit, the same rows computed one at a time (for ``fp32``, each route: plain ``F.linear``,
    ``(W x^T)^T`` for 2..16 rows, a one-row product padded to two columns);
 3. times one pass over every projection of the model (all layers and the LM head, so the weights come
-   from DRAM as in decoding) for 1, 2, 4, 5, 8 and 16 rows, formats interleaved, median of repeats;
+   from DRAM as in decoding) for 1, 2, 4, 5, 8 and 16 rows, formats interleaved, best of the repeats
+   (the minimum is the figure least disturbed by other work on a shared machine);
 4. times the chosen format's one-row pass with 1..N torch threads.
 
 The default weight format is the fastest one-row pass among the batch-invariant formats.  The result is
@@ -25,7 +26,6 @@ import hashlib
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -212,7 +212,7 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
                     if rep:                                   # the first round warms up
                         times[(fmt, route)][r].append(ms)
         table = [{"format": fmt, "route": route,
-                  "ms": {str(r): round(statistics.median(v), 3) for r, v in times[(fmt, route)].items()},
+                  "ms": {str(r): round(min(v), 3) for r, v in times[(fmt, route)].items()},
                   "batch_invariant": sample[(fmt, route)]} for fmt, route, _, _ in variants]
         fp32_rows = [row for row in table if row["format"] == "fp32"]
         fp32_pick = min(fp32_rows, key=lambda row: (not row["batch_invariant"], row["ms"]["1"] + row["ms"]["5"]))
@@ -220,16 +220,16 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
         best = min(candidates, key=lambda row: (not row["batch_invariant"], row["ms"]["1"]))
         fmt_mods = next(m for f, rt, m, _ in variants if f == best["format"] and (f != "fp32" or rt == fp32_pick["route"]))
         fp32_linear.ROUTES = FP32_ROUTES[fp32_pick["route"]]
-        thread_ms: dict[str, float] = {}
+        thread_ms: dict[str, list[float]] = {}
         options = sorted({1, threads} | {n for n in (2, 4, 8) if n < threads})
         inputs = {w: torch.randn(1, w, generator=g) for w in widths}
-        for rep in range(repeats + 1):
-            for n in options:
+        for rep in range(2):
+            for n in options:                     # a block of passes per count: switching threads costs a pass
                 torch.set_num_threads(n)
-                ms = _time_pass(fmt_mods, inputs, None) * 1e3
-                if rep:
-                    thread_ms.setdefault(str(n), []).append(ms)
-        thread_ms = {n: round(statistics.median(v), 3) for n, v in thread_ms.items()}
+                _pass(fmt_mods, inputs)
+                thread_ms.setdefault(str(n), []).extend(_time_pass(fmt_mods, inputs, None) * 1e3
+                                                        for _ in range(repeats))
+        thread_ms = {n: round(min(v), 3) for n, v in thread_ms.items()}
         best_threads = int(min(thread_ms, key=thread_ms.get))
     torch.set_num_threads(before_threads)
     fp32_linear.ROUTES = before_routes
