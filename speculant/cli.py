@@ -91,6 +91,7 @@ def cmd_generate(args) -> int:
         result = gen.generate(args.prompt, config)
         out = result.to_dict()
         out["method"] = args.method
+        out["weights"], out["compiled"] = model.weights, model.compiled
         print(json.dumps(out))
     else:
         for piece in gen.stream(args.prompt, config):

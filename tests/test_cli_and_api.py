@@ -125,3 +125,30 @@ def test_sampling_is_reproducible_with_seed():
     assert a == gen.generate([1, 2, 3], cfg).token_ids
     cfg2 = GenerationConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=1.0, seed=5))
     assert a != gen.generate([1, 2, 3], cfg2).token_ids
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8", "int4"])
+def test_generate_with_each_weight_format(capsys, model_dir, weights, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    code, out, _ = run_cli(capsys, "generate", "t1 t2 t3 t4", "--model", str(model_dir), "--raw", "--json",
+                           "--max-new-tokens", "8", "--method", "prompt-lookup", "--weights", weights)
+    assert code == 0
+    d = json.loads(out)
+    assert d["weights"] == weights and d["compiled"] is False and len(d["token_ids"]) == 8
+
+
+def test_bad_weights_is_a_one_line_error(capsys, model_dir):
+    code, out, err = run_cli(capsys, "generate", "t1 t2", "--model", str(model_dir), "--weights", "int5")
+    assert code == 2 and err.count("\n") == 1 and "weights='int5'" in err and "int4" in err
+
+
+def test_tune_command_measures_caches_and_prints(capsys, model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    code, out, _ = run_cli(capsys, "tune", "--model", str(model_dir), "--threads", "1", "--json")
+    assert code == 0
+    d = json.loads(out)
+    assert d["weights"] in ("fp32", "bf16", "int8", "int4") and d["key"]["threads"] == 1
+    assert {row["format"] for row in d["table"]} == {"fp32", "bf16", "int8", "int4"}
+    assert len(list((tmp_path / "tune").glob("*.json"))) == 1
+    code, out, _ = run_cli(capsys, "tune", "--model", str(model_dir), "--threads", "1")
+    assert code == 0 and "| format | route | batch-invariant |" in out and "default weights:" in out

@@ -24,8 +24,8 @@ from .linear import DecodeLinear
 
 
 COMPILED_MAX_ROWS = 64
-"""Forwards of more tokens (long prefills) run the eager layer step: they are compute-bound, and one
-compiled graph fewer keeps the first load short."""
+"""Forwards of more tokens run the eager layer step (as prefills do): they are compute-bound, and every
+compiled graph fewer shortens loading."""
 
 
 class RMSNorm(nn.Module):
@@ -223,7 +223,8 @@ class LlamaDecoder(nn.Module):
             if t > 1:
                 torch._dynamo.maybe_mark_dynamic(slots, 0)
                 torch._dynamo.maybe_mark_dynamic(mask, 0)
-            step = self.layer_step if t <= COMPILED_MAX_ROWS else decoder_layer_step   # prefill: eager
+            # prefills (an empty cache) and long blocks run eagerly: one compiled graph fewer to load
+            step = self.layer_step if cache_position > 0 and t <= COMPILED_MAX_ROWS else decoder_layer_step
             for i in range(start, end):
                 hidden = step(self.layers[i], hidden, cos, sin, mask, slots, cache.layer_keys[i], cache.layer_values[i])
                 counts[i] += t

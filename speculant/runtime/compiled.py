@@ -86,7 +86,7 @@ def warm_up_compiled(decoder: LlamaDecoder, log=None) -> float:
     hidden = decoder.config.hidden_size
     cache = decoder.new_cache(16)
     with torch.inference_mode():
-        for t, start, label in ((3, 0, "prefill"), (1, 3, "one-token step"), (3, 4, "verification blocks (2+ tokens)")):
+        for t, start, label in ((1, 3, "one-token step"), (3, 4, "verification blocks (2+ tokens)")):
             print(f"speculant: compiling the {label} ...", file=log, flush=True)
             decoder.run_layers(torch.zeros(1, t, hidden), 0, 1, torch.arange(start, start + t), None, cache, start)
     seconds = time.perf_counter() - t0
