@@ -1,71 +1,61 @@
-"""Cost of one forward over T new tokens (a verification block) relative to one decoding step.
+"""Cost of one forward over T new tokens (a verification block) relative to one decoding step, per weight format.
 
-Not a test.  SmolLM2-135M in our runtime, KV cache holding ``--context`` tokens, full forward
-(30 layers + final norm + LM head) over T = 1..16 new tokens, median of ``--repeats`` runs, for the
-two routes of ``speculant.models.linear.small_batch_linear``: MKL's ``F.linear`` (``x @ W^T``) and
-the transposed product ``(W @ x^T)^T`` used for 2..16 rows.  Speculative decoding assumes the
-T-token forward costs about one 1-token step (Leviathan et al. 2023, Sec. 3).
+Not a test.  SmolLM2-135M in our runtime, KV cache holding ``--context`` tokens, full forward (all layers,
+final norm, LM head over every row) over T = 1..16 new tokens, best of ``--repeats`` runs, formats
+interleaved, each in the format's runtime (compiled unless ``--no-compile``).  Speculative decoding
+assumes the T-token forward costs about one 1-token step (Leviathan et al. 2023, Sec. 3); on a CPU the
+quantized kernels become compute-bound after a few rows, which this table shows.
 
-    python benchmarks/block_cost.py --threads 2
+    python benchmarks/block_cost.py --weights fp32,bf16,int8,int4
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
-import speculant.models.linear as linear
-from speculant.models.loading import load_model
+from speculant.runtime.loader import load_model
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--weights", default="fp32,bf16,int8,int4")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--rows", default="1,2,3,4,5,6,8,12,16")
+    ap.add_argument("--no-compile", action="store_true")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     rows_list = [int(r) for r in args.rows.split(",")]
-    dec = load_model().decoder
-    L, ctx = dec.num_layers, args.context
-    cache = dec.new_cache(ctx + max(rows_list))
+    models = {w: load_model(weights=w, compile=not args.no_compile, threads=args.threads)
+              for w in args.weights.split(",")}
+    ctx = args.context
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        dec.run_layers(dec.embed(torch.randint(0, dec.config.vocab_size, (1, ctx), generator=g)), 0, L,
-                       torch.arange(ctx), None, cache, 0)
-
-    def timed(fn) -> float:
-        fn()
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    results = {}
-    default_max = linear.SMALL_BATCH_MAX_ROWS
-    for route, max_rows in (("F.linear (x @ W^T)", 1), ("speculant (W @ x^T)^T", default_max)):
-        linear.SMALL_BATCH_MAX_ROWS = max_rows
-        out = []
-        for rows in rows_list:
-            x = torch.randn(1, rows, dec.config.hidden_size, generator=g)
-            pos = torch.arange(ctx, ctx + rows)
-            with torch.no_grad():
-                out.append(timed(lambda: dec.lm_head(dec.final_norm(dec.run_layers(x, 0, L, pos, None, cache, ctx)))))
-        results[route] = out
-    linear.SMALL_BATCH_MAX_ROWS = default_max
-    step = results["F.linear (x @ W^T)"][0]
-    print(f"threads {torch.get_num_threads()}, context {ctx}, one decoding step {step * 1e3:.1f} ms\n")
-    print("| route | " + " | ".join(f"T={r}" for r in rows_list) + " |")
-    print("|---|" + "---|" * len(rows_list))
-    for route, out in results.items():
-        print(f"| {route} | " + " | ".join(f"{t / step:.2f}" for t in out) + " |")
+    prompt = torch.randint(0, 49152, (1, ctx), generator=g)
+    caches = {}
+    with torch.inference_mode():
+        for w, m in models.items():
+            caches[w] = m.decoder.new_cache(ctx + max(rows_list))
+            m.decoder(prompt, None, None, caches[w], 0)
+        times = {w: {r: [] for r in rows_list} for w in models}
+        for rep in range(args.repeats + 1):
+            for rows in rows_list:
+                ids = torch.randint(0, 49152, (1, rows), generator=g)
+                for w, m in models.items():
+                    t0 = time.perf_counter()
+                    m.decoder(ids, None, None, caches[w], ctx)
+                    if rep:
+                        times[w][rows].append(time.perf_counter() - t0)
+    print(f"threads {torch.get_num_threads()}, context {ctx}, compiled {not args.no_compile}; "
+          "cost of a T-token forward in one-token steps of the same format\n")
+    print("| weights | one step [ms] | " + " | ".join(f"T={r}" for r in rows_list) + " |")
+    print("|---|---|" + "---|" * len(rows_list))
+    for w in models:
+        best = {r: min(v) for r, v in times[w].items()}
+        step = best[rows_list[0]]
+        print(f"| {w} | {step * 1e3:.2f} | " + " | ".join(f"{best[r] / step:.2f}" for r in rows_list) + " |")
 
 
 if __name__ == "__main__":

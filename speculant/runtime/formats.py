@@ -65,6 +65,22 @@ class PackedLinear(nn.Module):
         """The float32 weight ``[O, I]`` the kernel multiplies by (scales rounded as stored)."""
         raise NotImplementedError
 
+    _ROW_BUFFERS: tuple[str, ...] = ()      # buffers whose first dimension is the output row
+
+    def select_rows(self, index: torch.Tensor) -> "PackedLinear":
+        """The projection restricted to output rows ``index`` ``[O']`` (same format, no copy of other rows):
+        a reduced-vocabulary LM head for a draft head.
+
+        Raises:
+            SpeculantError: the format's packed layout cannot be sliced by rows (int4).
+        """
+        if not self._ROW_BUFFERS:
+            raise SpeculantError(f"{self.format} weights cannot be sliced by output rows")
+        buffers = {name: getattr(self, name)[index].contiguous() for name in self._ROW_BUFFERS}
+        if self.bias is not None:
+            buffers["bias"] = self.bias[index]
+        return type(self).empty(self.in_features, int(index.numel()), buffers)
+
     @classmethod
     def empty(cls, in_features: int, out_features: int, buffers: dict[str, torch.Tensor]) -> "PackedLinear":
         """An instance whose buffers are ``buffers`` (e.g. meta tensors to be replaced by ``load_state_dict(assign=True)``)."""
@@ -91,6 +107,7 @@ class PackedLinear(nn.Module):
 
 class Bf16Linear(PackedLinear):
     format = "bf16"
+    _ROW_BUFFERS = ("weight",)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(weight.shape[1], weight.shape[0], bias)
@@ -107,6 +124,7 @@ class Int8Linear(PackedLinear):
     """Symmetric per-output-channel int8: ``W[o] = scale[o] * q[o]``, ``q`` in -127..127."""
 
     format = "int8"
+    _ROW_BUFFERS = ("qweight", "scales")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(weight.shape[1], weight.shape[0], bias)
@@ -165,6 +183,24 @@ def _int4_scales_and_zeros(codes: GroupQuantized) -> tuple[torch.Tensor, torch.T
     offset = codes.offset if codes.offset is not None else torch.zeros_like(codes.scale)
     zero = offset + 8.0 * codes.scale
     return packed, torch.stack([codes.scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+
+def select_rows(projection: nn.Module, index: torch.Tensor) -> nn.Module:
+    """Output rows ``index`` of a projection in any format (a float ``nn.Linear`` gives a float
+    :class:`~speculant.models.linear.DecodeLinear`): the reduced-vocabulary LM head of a draft head.
+
+    Raises:
+        SpeculantError: an int4 projection (its packed layout is not row-sliceable).
+    """
+    if isinstance(projection, PackedLinear):
+        return projection.select_rows(index)
+    from ..models.linear import DecodeLinear
+    rows = DecodeLinear(projection.in_features, int(index.numel()), bias=projection.bias is not None,
+                        device="meta")
+    rows.weight = nn.Parameter(projection.weight.detach()[index].contiguous(), requires_grad=False)
+    if projection.bias is not None:
+        rows.bias = nn.Parameter(projection.bias.detach()[index].contiguous(), requires_grad=False)
+    return rows
 
 
 def int4_fits(out_features: int, in_features: int) -> bool:
