@@ -240,3 +240,19 @@ def test_gguf_config_is_read_strictly_and_accepted():
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.rope_theta, cfg.tie_word_embeddings) == (30, 576, 1e5, True)
     with pytest.raises(SpeculantError, match="quantization_config"):
         config_from_gguf_load({**conf, "quantization_config": {"quant_method": "gptq"}})
+
+
+def test_sharded_checkpoint_and_other_safetensors_files(tmp_path):
+    """The checkpoint's files are those of its index (sharded) or model.safetensors; other *.safetensors in
+    the directory (e.g. a cache of packed weights) are not weights of the model."""
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**BASE)).eval()
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    word_tokenizer(VOCAB).save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    save_file({"packed.weight": torch.zeros(3)}, str(tmp_path / "packed-int8.safetensors"))
+    logits_match(tmp_path, hf, 20)
+    shard = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
+    (tmp_path / shard).unlink()
+    with pytest.raises(SpeculantError, match="which is missing"):
+        load_model(str(tmp_path))

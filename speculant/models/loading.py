@@ -291,6 +291,32 @@ def decoder_from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dtyp
     return dec.to(dtype).eval().requires_grad_(False)
 
 
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of the HF checkpoint in ``path``: those listed by ``model.safetensors.index.json``
+    (sharded), else ``model.safetensors``, else every ``*.safetensors`` (other files there, e.g. caches of
+    packed weights, are not the checkpoint's).
+
+    Raises:
+        SpeculantError: no weight file, or an index naming a missing file.
+    """
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise SpeculantError(f"{str(index)!r} is not a safetensors index ({e!r})") from None
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise SpeculantError(f"{str(index)!r} lists {missing[0]!r}, which is missing")
+        return [path / n for n in names]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise SpeculantError(f"{str(path)!r} has no *.safetensors weight files")
+    return files
+
+
 def load_hf_dir(path: Path, dtype=torch.float32, name: str | None = None) -> LoadedModel:
     """Load an HF-format directory (``config.json`` + ``*.safetensors`` + tokenizer files).
 
@@ -304,9 +330,7 @@ def load_hf_dir(path: Path, dtype=torch.float32, name: str | None = None) -> Loa
     path = Path(path)
     if not (path / "config.json").is_file():
         raise SpeculantError(f"{str(path)!r} has no config.json; expected an HF-format model directory")
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise SpeculantError(f"{str(path)!r} has no *.safetensors weight files")
+    files = weight_files(path)
     try:
         raw = json.loads((path / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
