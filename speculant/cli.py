@@ -17,18 +17,23 @@ EXIT_BAD_INPUT = 2
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
     from .engine.methods import METHODS
-    g = p.add_argument_group("method")
+    g = p.add_argument_group("method (a parameter the method does not use is an error)")
     g.add_argument("--method", default="ar", help=f"one of: {', '.join(METHODS)} (default: ar)")
     g.add_argument("--exit-layer", default=None,
-                   help="exit layer E of the early-exit drafter (int, or 'auto' = the stored sweep's best)")
-    g.add_argument("--num-speculations", default="4", help="speculation length K (int) or 'auto' (adaptive)")
+                   help="exit layer E of the early-exit drafter: an int, or 'auto' = the best E (and K, unless "
+                        "--num-speculations is given) of this machine's stored sweep, else the measured defaults "
+                        "shipped for the model (default: the shipped exit adapter's layer, else min(8, layers/2))")
+    g.add_argument("--num-speculations", default=None,
+                   help="speculation length K: an int (default 4) or 'auto' = adaptive length (stops drafting "
+                        "when the draft's confidence is low)")
     g.add_argument("--draft-model", default=None, help="draft model name, HF directory, or truncated:E")
     g.add_argument("--exit-adapter", default=None, help="trained exit adapter: a name ('default') or a directory")
-    g.add_argument("--max-ngram", type=int, default=3, help="prompt lookup: longest n-gram (tokens)")
-    g.add_argument("--min-ngram", type=int, default=1, help="prompt lookup: shortest n-gram (tokens)")
-    g.add_argument("--branching", default="2,2,2", help="rsd-c/specinfer: children per node at each depth, e.g. 3,2,1")
-    g.add_argument("--beam-width", type=int, default=4, help="rsd-s: beam width W")
-    g.add_argument("--draft-length", type=int, default=4, help="rsd-s: draft depth L")
+    g.add_argument("--max-ngram", type=int, default=None, help="prompt lookup: longest n-gram (tokens, default 3)")
+    g.add_argument("--min-ngram", type=int, default=None, help="prompt lookup: shortest n-gram (tokens, default 1)")
+    g.add_argument("--branching", default=None,
+                   help="rsd-c/specinfer: children per node at each depth, e.g. 3,2,1 (default 2,2,2)")
+    g.add_argument("--beam-width", type=int, default=None, help="rsd-s: beam width W (default 4)")
+    g.add_argument("--draft-length", type=int, default=None, help="rsd-s: draft depth L (default 4)")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -55,15 +60,23 @@ def load_for_decoding(args):
 
 
 def method_spec_from_args(args, model):
-    """A :class:`MethodSpec` from parsed CLI arguments (resolves ``auto`` settings)."""
-    from .engine.methods import MethodSpec
+    """A :class:`MethodSpec` from parsed CLI arguments.
+
+    ``--exit-layer auto`` takes the best exit layer of the stored sweep (:func:`speculant.bench.sweep.best_config`:
+    this machine's, else the defaults shipped for the model), and its K when ``--num-speculations`` is not given
+    and the method reads K; ``--num-speculations auto`` always means the adaptive length.
+    """
+    from .engine.methods import MethodSpec, drafts_with_exit_layers
     exit_layer, k = args.exit_layer, args.num_speculations
-    if exit_layer == "auto" or (k == "auto" and args.method == "early-exit" and exit_layer is None):
+    if exit_layer == "auto":
+        if not drafts_with_exit_layers(args.method, args.draft_model):
+            raise SpeculantError(f"--exit-layer auto is not used by --method {args.method}"
+                                 + (" with --draft-model" if args.draft_model else "")
+                                 + "; it applies to early-exit and to rsd-c/rsd-s/specinfer without --draft-model")
         from .bench.sweep import best_config
-        best = best_config(model.name)
-        if exit_layer in (None, "auto"):
-            exit_layer = best["exit_layer"]
-        if k == "auto":
+        best = best_config(model.name, args.exit_adapter if args.exit_adapter != "none" else None)
+        exit_layer = best["exit_layer"]
+        if k is None and args.method == "early-exit":
             k = best["num_speculations"]
     if exit_layer is not None:
         try:
@@ -136,12 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     _add_model_args(g)
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; below 1e-5 (0 included, the default) greedy decoding")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stop", action="append", help="stop string (repeatable); output is cut just before it")
-    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--raw", action="store_true",
+                   help="do not apply the chat template (the tokenizer's special tokens, e.g. BOS, are still added)")
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
     _add_method_args(g)
     g.set_defaults(func=cmd_generate)

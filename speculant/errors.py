@@ -4,17 +4,21 @@ Every error names the bad value and what is allowed; the CLI turns a
 :class:`SpeculantError` into a one-line message and exit code 2.
 """
 
+import numbers
+
 
 class SpeculantError(ValueError):
     """Bad input from a user (model name, option value, prompt length...)."""
 
 
 def check_range(name: str, value, low=None, high=None, *, low_open=False, high_open=False):
-    """Raise :class:`SpeculantError` unless ``low (<|<=) value (<|<=) high``.
+    """Raise :class:`SpeculantError` unless ``low (<|<=) value (<|<=) high`` (NaN never is).
 
     Returns ``value`` so the call can be used inline.
     """
-    bad = False
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise SpeculantError(f"{name}={value!r} is invalid; allowed: a number")
+    bad = value != value                  # NaN is never in range
     if low is not None:
         bad |= value <= low if low_open else value < low
     if high is not None:

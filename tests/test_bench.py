@@ -99,7 +99,7 @@ def test_method_syntax():
     assert rc.branching == "3,2,1" and rc.draft_model == "truncated:2" and rc.exit_adapter is None
     assert by["prompt-lookup:K=5,N=2"].spec.max_ngram == 2
     assert by["hf-assistant:E=8,K=4"].is_hf and by["hf-assistant:E=8,K=4"].params == {"E": 8, "K": 4}
-    for bad in ("", "nope", "ar,ar", "early-exit:Z=1", "early-exit:E=0", "hf-early-exit", "E=3,ar", "hf-ar:K=x"):
+    for bad in ("", "nope", "ar,ar", "early-exit:Z=1", "early-exit:E=0", "hf-assistant", "E=3,ar", "hf-ar:K=x"):
         with pytest.raises(SpeculantError):
             parse_methods(bad)
 

@@ -78,7 +78,8 @@ def test_eos_mid_block_stops_exactly(spec):
     eos_model = tiny_model(seed=11, scale=2.5, vocab=64, layers=4, eos=ar[step])
     ar_eos, _ = run(eos_model, PROMPTS["varied"], method="ar")
     assert ar_eos == ar[:step + 1]
-    out, stats = run(eos_model, PROMPTS["varied"], num_speculations=6, **spec)
+    k = {} if spec["method"] in ("rsd-c", "rsd-s", "specinfer") else {"num_speculations": 6}  # trees have no K
+    out, stats = run(eos_model, PROMPTS["varied"], **k, **spec)
     assert out == ar_eos
     assert stats.new_tokens == len(out)
 

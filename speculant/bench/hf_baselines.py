@@ -21,16 +21,18 @@ import torch
 from ..errors import SpeculantError
 from ..models.llama import LlamaDecoder
 from ..models.loading import LoadedModel, ours_to_hf_state
+from ..sampling.processors import SamplingConfig
 
 
 def hf_model_from_decoder(decoder: LlamaDecoder):
-    """A transformers ``LlamaForCausalLM`` holding a copy of ``decoder``'s weights (same dtype, eval mode)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A transformers ``*ForCausalLM`` of the decoder's family (Llama, Mistral, Qwen2) holding a copy of
+    ``decoder``'s weights (same dtype, eval mode)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = LlamaConfig(**{k: v for k, v in decoder.config.to_hf_dict().items() if k not in ("model_type", "architectures")})
-    cfg.rope_parameters = {"rope_type": "default", "rope_theta": decoder.config.rope_theta}
+    d = decoder.config.to_hf_dict()
+    cfg = AutoConfig.for_model(d.pop("model_type"), **{k: v for k, v in d.items() if k != "architectures"})
     with torch.device("meta"):
-        hf = LlamaForCausalLM(cfg)
+        hf = AutoModelForCausalLM.from_config(cfg)
     state = {k: v.clone() for k, v in ours_to_hf_state(decoder).items()}
     hf.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
@@ -134,7 +136,7 @@ class HFMethod:
         eos = self.model.eos_token_ids
         kw = dict(max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=eos or None,
                   pad_token_id=eos[0] if eos else 0, top_k=0, top_p=1.0, use_cache=True)
-        if temperature == 0:
+        if SamplingConfig(temperature).greedy:        # the same greedy threshold as our methods
             kw.update(do_sample=False, temperature=None, top_k=None, top_p=None)
         else:
             kw.update(do_sample=True, temperature=temperature)

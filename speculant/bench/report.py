@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..sampling.processors import is_greedy
 from .mbsu import mbsu
 
 ALL = "all"
@@ -78,7 +79,7 @@ def summarize(results: dict) -> dict:
     Speed-ups are computed over the prompts both the method and the baseline finished.
     """
     meta = results["meta"]
-    greedy = meta["temperature"] == 0
+    greedy = is_greedy(meta["temperature"])
     costs = {m["label"]: m.get("cost_ratio", 0.0) for m in meta["methods"]}
     labels = [m["label"] for m in meta["methods"]]
     recs = results["records"]

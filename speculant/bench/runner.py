@@ -27,11 +27,11 @@ import torch
 from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.early_exit import EarlyExitDrafter
 from ..engine.generator import GenerationConfig, SpeculativeGenerator
-from ..engine.methods import build_generator
+from ..engine.methods import build_generator, default_exit_layer
 from ..engine.stats import GenerationStats
 from ..errors import SpeculantError, check_range
 from ..models.loading import LoadedModel
-from ..sampling.processors import SamplingConfig
+from ..sampling.processors import SamplingConfig, is_greedy
 from .datasets import Prompt
 from .mbsu import draft_cost_ratio, exit_head_bytes
 from .specs import BenchMethod
@@ -86,9 +86,11 @@ class _HF:
     def __init__(self, model: LoadedModel, method: BenchMethod, hf_model):
         from .hf_baselines import HFMethod
         p = method.params
-        self.m = HFMethod(model, method.name, exit_layer=p.get("E"), num_tokens=p.get("K"), max_ngram=p.get("N"),
-                          hf_model=hf_model)
         e = p.get("E")
+        if e is None and method.name == "hf-early-exit":
+            e = default_exit_layer(model)              # the same default as our early-exit
+        self.m = HFMethod(model, method.name, exit_layer=e, num_tokens=p.get("K"), max_ngram=p.get("N"),
+                          hf_model=hf_model)
         self.cost_ratio = draft_cost_ratio(model.decoder, exit_layer=e) if e else 0.0
         self.drafter = method.name
 
@@ -144,7 +146,7 @@ def check_equality(results: dict) -> None:
     Token ids are compared, except for llama.cpp's records, whose text is compared (it returns text).
     """
     from .specs import LLAMACPP_METHODS
-    greedy = results["meta"]["temperature"] == 0
+    greedy = is_greedy(results["meta"]["temperature"])
     refs: dict[tuple[str, str], dict] = {}
     for r in results["records"]:
         if r["method"] in ("ar", "hf-ar"):

@@ -17,8 +17,8 @@ Ours (keys -> :class:`speculant.engine.methods.MethodSpec` fields):
 ``adapter``            exit_adapter (name or directory)
 =====================  ==========================================================
 
-Transformers (:mod:`speculant.bench.hf_baselines`): ``hf-ar``; ``hf-early-exit:E=..[,K=..]``
-(``assistant_early_exit``); ``hf-prompt-lookup:K=..[,N=..]`` (``prompt_lookup_num_tokens``,
+Transformers (:mod:`speculant.bench.hf_baselines`): ``hf-ar``; ``hf-early-exit[:E=..,K=..]``
+(``assistant_early_exit``; E defaults to ``early-exit``'s default, :func:`~speculant.engine.methods.default_exit_layer`); ``hf-prompt-lookup:K=..[,N=..]`` (``prompt_lookup_num_tokens``,
 ``max_matching_ngram_size``); ``hf-assistant:E=..[,K=..]`` (``assistant_model`` = truncated copy).
 
 llama.cpp (:mod:`speculant.bench.llamacpp`, needs ``xllamacpp``), on the model's own GGUF file: ``llamacpp``;
@@ -95,6 +95,8 @@ def to_spec(name: str, params: dict, exit_adapter: str | None = None) -> MethodS
     if name == "draft-model":
         e = kw.pop("exit_layer", None)
         if e is not None:
+            if "draft_model" in kw:
+                raise SpeculantError(f"draft-model: E={e} and draft={kw['draft_model']!r} conflict; give one of them")
             kw["draft_model"] = f"truncated:{e}"
         if "draft_model" not in kw:
             raise SpeculantError("draft-model needs E=<layers of the truncated copy> or draft=NAME|DIR|truncated:E")
@@ -142,8 +144,8 @@ def parse_methods(text: str, exit_adapter: str | None = None) -> list[BenchMetho
         if label in seen:
             raise SpeculantError(f"method {label!r} is given twice")
         seen.add(label)
-        if name in ("hf-early-exit", "hf-assistant") and "E" not in params:
-            raise SpeculantError(f"{name} needs E=<exit layer>, e.g. {name}:E=20")
+        if name == "hf-assistant" and "E" not in params:
+            raise SpeculantError(f"{name} needs E=<layers of the assistant copy>, e.g. {name}:E=12")
         spec = to_spec(name, params, exit_adapter) if name in METHODS else None
         out.append(BenchMethod(label, name, params, spec))
     return out

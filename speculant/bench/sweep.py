@@ -4,7 +4,7 @@
 (interleaved per prompt, see :mod:`speculant.bench.runner`), records acceptance rate,
 block efficiency, tokens/s and the speed-up over AR, draws heatmaps and stores the
 result as JSON under ``cache_root()/sweeps/<model>.json``; :func:`best_config` reads
-the best point back (``--exit-layer auto``).
+the best point back (``--exit-layer auto``), falling back to the sweep shipped for the model.
 """
 
 from __future__ import annotations
@@ -31,13 +31,22 @@ def sweep_path(model_name: str, exit_adapter: str | None = None) -> Path:
     return cache_root() / "sweeps" / f"{name}.json"
 
 
+SHIPPED = Path(__file__).resolve().parent.parent / "artifacts" / "sweeps"
+"""Sweeps shipped with the package (``<model>.json``): measured defaults for ``--exit-layer auto``."""
+
+
 def best_config(model_name: str, exit_adapter: str | None = None) -> dict:
-    """The best ``{"exit_layer": int, "num_speculations": int}`` of the stored sweep of ``model_name``.
+    """The best ``{"exit_layer": int, "num_speculations": int}`` for ``model_name``.
+
+    This machine's stored sweep (:func:`sweep_path`, written by ``speculant sweep``) comes first; without
+    one (and without ``exit_adapter``), the sweep shipped for the model under ``speculant/artifacts/sweeps``.
 
     Raises:
-        SpeculantError: no sweep stored (the message gives the command that makes one).
+        SpeculantError: neither exists (the message gives the command that makes one), or a corrupt file.
     """
     path = sweep_path(model_name, exit_adapter)
+    if not path.is_file() and exit_adapter is None and (SHIPPED / f"{_safe(model_name)}.json").is_file():
+        path = SHIPPED / f"{_safe(model_name)}.json"
     if not path.is_file():
         adapter = f" --exit-adapter {exit_adapter}" if exit_adapter else ""
         raise SpeculantError(

@@ -7,7 +7,7 @@ cache).  A verification block is ``[root] + tree nodes`` at slots ``n ..``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,13 +20,19 @@ from ..trees.tree import DraftTree
 
 @dataclass
 class DecodingState:
-    """What a drafter may read about the sequence being decoded.
+    """Everything one generation owns: what a drafter may read, and the drafter's own per-generation state.
+
+    One object per generation, so generations on one model (even from one generator) may interleave.
 
     Attributes:
         target: the target decoder.
         cache: the target's KV cache; ``cache.length`` = n committed slots.
         tokens: prompt + emitted token ids; ``tokens[-1]`` is the root (slot n, not cached).
         sampling: the logits processing in force.
+        draft_forwards: draft network calls so far.
+        layer_tokens: tokens each target layer has processed in this generation (``[L]``), counted by
+            :meth:`run_layers`; the decoder's own ``layer_token_counts`` is shared by every generation.
+        drafter_state: the drafter's per-generation state, set by :meth:`Drafter.begin`.
     """
 
     target: LlamaDecoder
@@ -34,19 +40,39 @@ class DecodingState:
     tokens: list[int]
     sampling: SamplingConfig
     draft_forwards: int = 0
+    layer_tokens: list[int] = field(default_factory=list)
+    drafter_state: object = None
+
+    def __post_init__(self):
+        if not self.layer_tokens:
+            self.layer_tokens = [0] * self.target.num_layers
 
     @property
     def n(self) -> int:
         return self.cache.length
 
+    def run_layers(self, hidden: torch.Tensor, start: int, end: int, positions: torch.Tensor,
+                   mask: torch.Tensor | None, cache_position: int) -> torch.Tensor:
+        """Target layers ``start .. end-1`` over ``hidden`` ``[1, T, D]`` with this generation's cache
+        (:meth:`LlamaDecoder.run_layers`), counting ``T`` tokens for each layer in :attr:`layer_tokens`."""
+        out = self.target.run_layers(hidden, start, end, positions, mask, self.cache, cache_position)
+        for i in range(start, end):
+            self.layer_tokens[i] += hidden.shape[1]
+        return out
+
 
 class Drafter:
-    """Proposes a :class:`DraftTree`; may also run the verification forward (to reuse its work)."""
+    """Proposes a :class:`DraftTree`; may also run the verification forward (to reuse its work).
+
+    A drafter object holds configuration only; whatever changes during a generation lives in
+    ``state.drafter_state``, created by :meth:`begin` at the start of every generation.
+    """
 
     name = "none"
 
     def begin(self, state: DecodingState) -> None:
-        """Called once after the target's prefill of a new prompt."""
+        """Called once per generation after the target's prefill: set ``state.drafter_state``."""
+        state.drafter_state = None
 
     def draft(self, state: DecodingState, builder: TreeBuilder | None, generator: torch.Generator | None,
               max_nodes: int, max_depth: int) -> DraftTree:
@@ -58,11 +84,18 @@ class Drafter:
         n = state.n
         mask = None if tree.is_chain else tree.attention_mask(n)
         ids = tree.block_tokens(state.tokens[-1])[None]
-        logits = state.target(ids, tree.block_positions(n), mask, state.cache, n)
-        return logits[0]
+        target = state.target
+        h = state.run_layers(target.embed(ids), 0, target.num_layers, tree.block_positions(n), mask, n)
+        return target.lm_head(target.final_norm(h))[0]
 
     def commit(self, state: DecodingState, path: list[int]) -> None:
         """Called after acceptance with the accepted node indices (before ``state.tokens`` grows)."""
+
+
+def last_position_logits(decoder: LlamaDecoder, hidden: torch.Tensor) -> torch.Tensor:
+    """LM-head logits ``[1, V]`` (fp32) of the last position of ``hidden`` ``[1, T, D]`` only (a prefill
+    needs no more: ``[T, V]`` logits of a long prompt would cost ``T * V * 4`` bytes)."""
+    return decoder.lm_head(decoder.final_norm(hidden[0, -1:]))
 
 
 def draft_distribution(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
@@ -70,15 +103,27 @@ def draft_distribution(logits: torch.Tensor, sampling: SamplingConfig) -> torch.
     return torch.softmax(logits.float(), -1) if sampling.greedy else logits_to_probs(logits, sampling)
 
 
-class ModelDrafterBase(Drafter):
-    """Drafting with a network, one batched forward per depth over the whole frontier.
+@dataclass
+class ModelDraftState:
+    """Per-generation state of a :class:`ModelDrafterBase`.
 
-    Subclasses implement :meth:`frontier_logits`.  ``self.processed`` counts the
-    block entries (root first, breadth-first) the draft network has run on; the
-    deepest frontier is never run (its children are not needed).
+    Attributes:
+        processed: block entries (root first, breadth-first) the draft network has run on in the current tree.
     """
 
     processed: int = 0
+
+
+class ModelDrafterBase(Drafter):
+    """Drafting with a network, one batched forward per depth over the whole frontier.
+
+    Subclasses implement :meth:`frontier_logits`.  ``state.drafter_state.processed`` counts the
+    block entries the draft network has run on; the deepest frontier is never run (its children are
+    not needed).
+    """
+
+    def begin(self, state: DecodingState) -> None:
+        state.drafter_state = ModelDraftState()
 
     def frontier_logits(self, state: DecodingState, tree: DraftTree, first_entry: int, depth: int) -> torch.Tensor:
         """Draft logits ``[F, V]`` for block entries ``first_entry .. N`` (the frontier, all of depth ``depth``)."""
@@ -86,7 +131,8 @@ class ModelDrafterBase(Drafter):
 
     def draft(self, state, builder, generator, max_nodes, max_depth):
         tree = DraftTree()
-        self.processed = 0
+        ds = state.drafter_state
+        ds.processed = 0
         if builder is None or max_nodes < 1 or max_depth < 1:
             return tree
         builder.reset()
@@ -95,7 +141,7 @@ class ModelDrafterBase(Drafter):
             first_entry = frontier[0] + 1
             logits = self.frontier_logits(state, tree, first_entry, depth - 1)
             state.draft_forwards += 1
-            self.processed = len(tree) + 1
+            ds.processed = len(tree) + 1
             q = draft_distribution(logits, state.sampling)
             if not state.sampling.greedy:
                 for node, row in zip(frontier, q):

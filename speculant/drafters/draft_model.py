@@ -9,12 +9,14 @@ measures what LayerSkip's shared KV and exit-query caches buy.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 
 from ..errors import SpeculantError
+from ..models.kv_cache import KVCache
 from ..models.llama import LlamaDecoder
-from .base import DecodingState, ModelDrafterBase
+from .base import DecodingState, ModelDrafterBase, ModelDraftState, last_position_logits
 
 
 def truncated_copy(target: LlamaDecoder, exit_layer: int) -> LlamaDecoder:
@@ -47,36 +49,55 @@ def check_vocab_compatible(target_tok, draft_tok, target: LlamaDecoder, draft: L
                                  "a draft model must share the target's tokenizer")
 
 
+@dataclass
+class DraftModelState(ModelDraftState):
+    """Per-generation state of :class:`DraftModelDrafter`: the draft model's own KV cache
+    (``cache.length`` committed tokens cached)."""
+
+    cache: KVCache | None = None
+
+
 class DraftModelDrafter(ModelDrafterBase):
-    """Drafts with a separate decoder and KV cache (``self.cache``; ``self.cache.length`` tokens cached)."""
+    """Drafts with a separate decoder and its own KV cache (one per generation, in ``state.drafter_state``).
+
+    A draft model with a shorter context than the target drafts only while the positions it would run stay
+    inside its context (``config.context_length``); past that the round drafts nothing and the target
+    goes on alone (one token per round), so the output is unchanged and never fails.
+    """
 
     name = "draft-model"
 
     def __init__(self, draft: LlamaDecoder):
         self.model = draft
-        self.cache = None
 
     def begin(self, state: DecodingState) -> None:
-        if self.cache is None or self.cache.max_length != state.cache.max_length:
-            self.cache = self.model.new_cache(state.cache.max_length)
-        self.cache.crop(0)
+        state.drafter_state = DraftModelState(cache=self.model.new_cache(state.cache.max_length))
+
+    def draft(self, state, builder, generator, max_nodes, max_depth):
+        # the frontier of depth d-1 (children at depth d) runs at position len(tokens) - 1 + d - 1
+        room = self.model.config.context_length - len(state.tokens) + 1
+        return super().draft(state, builder, generator, max_nodes, min(max_depth, room))
 
     def frontier_logits(self, state, tree, first_entry, depth):
-        m = self.cache.length
+        cache = state.drafter_state.cache
+        m = cache.length
         if first_entry == 0:
-            # catch up on every committed token not yet cached, the root last
+            # catch up on every committed token not yet cached, the root last; only the root's logits are needed
             ids = torch.tensor([state.tokens[m:]], dtype=torch.long)
-            return self.model(ids, None, None, self.cache, m)[0, -1:]
+            positions = torch.arange(m, len(state.tokens))
+            h = self.model.run_layers(self.model.embed(ids), 0, self.model.num_layers, positions, None, cache, m)
+            return last_position_logits(self.model, h)
         n = len(state.tokens)           # slots m .. n-1 hold the committed tokens, root included
         ids = torch.tensor([tree.tokens[first_entry - 1:]], dtype=torch.long)
         positions = tree.block_positions(n - 1)[first_entry:]
         mask = None if tree.is_chain else tree.attention_mask(n - 1, slice(first_entry, None))
-        return self.model(ids, positions, mask, self.cache, n - 1 + first_entry)[0]
+        return self.model(ids, positions, mask, cache, n - 1 + first_entry)[0]
 
     def commit(self, state, path):
         # keep the root and the accepted nodes the draft model has already processed
+        ds = state.drafter_state
         n = len(state.tokens)
-        done = [i for i in path if i + 1 < self.processed]
-        self.cache.crop(n if self.processed else self.cache.length)
-        if self.processed:
-            self.cache.keep([n + i for i in done], start=n)
+        done = [i for i in path if i + 1 < ds.processed]
+        ds.cache.crop(n if ds.processed else ds.cache.length)
+        if ds.processed:
+            ds.cache.keep([n + i for i in done], start=n)

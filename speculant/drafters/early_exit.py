@@ -16,13 +16,26 @@ self-speculative RSD possible.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from ..errors import SpeculantError
 from ..trees.tree import DraftTree
-from .base import DecodingState, ModelDrafterBase
+from .base import DecodingState, ModelDrafterBase, ModelDraftState
+
+
+@dataclass
+class EarlyExitState(ModelDraftState):
+    """Per-generation state of :class:`EarlyExitDrafter`.
+
+    Attributes:
+        exit_queries: the exit-query cache of the current tree: hidden states entering layer E,
+            ``[1, F_d, D]`` per draft forward, in block order.
+    """
+
+    exit_queries: list[torch.Tensor] = field(default_factory=list)
 
 
 class EarlyExitDrafter(ModelDrafterBase):
@@ -45,7 +58,9 @@ class EarlyExitDrafter(ModelDrafterBase):
             raise SpeculantError(f"exit_layer={exit_layer} is out of range; allowed: 1..{num_layers - 1}")
         self.exit_layer = exit_layer
         self.exit_head = exit_head
-        self.exit_query_cache: list[torch.Tensor] = []   # hidden states entering layer E, [1, F_d, D] per forward
+
+    def begin(self, state: DecodingState) -> None:
+        state.drafter_state = EarlyExitState()
 
     def _exit_logits(self, state: DecodingState, h: torch.Tensor) -> torch.Tensor:
         if self.exit_head is not None:
@@ -54,28 +69,28 @@ class EarlyExitDrafter(ModelDrafterBase):
 
     def _run_prefix(self, state: DecodingState, tree: DraftTree, first_entry: int) -> torch.Tensor:
         """Layers < E over block entries ``first_entry ..`` (KV into the target cache); returns ``[1, F, D]``."""
-        target, n = state.target, state.n
+        n = state.n
         ids = torch.tensor([[state.tokens[-1]] + tree.tokens], dtype=torch.long)[:, first_entry:]
         positions = tree.block_positions(n)[first_entry:]
         mask = None if tree.is_chain else tree.attention_mask(n, slice(first_entry, None))
-        h = target.run_layers(target.embed(ids), 0, self.exit_layer, positions, mask, state.cache, n + first_entry)
-        self.exit_query_cache.append(h)
+        h = state.run_layers(state.target.embed(ids), 0, self.exit_layer, positions, mask, n + first_entry)
+        state.drafter_state.exit_queries.append(h)
         return h
 
     def frontier_logits(self, state, tree, first_entry, depth):
         if first_entry == 0:
-            self.exit_query_cache = []
+            state.drafter_state.exit_queries = []
         h = self._run_prefix(state, tree, first_entry)
         return self._exit_logits(state, h[0])
 
     def verify_logits(self, state, tree):
-        target, n = state.target, state.n
-        if self.processed < len(tree) + 1:           # the deepest frontier, or everything (nothing drafted)
-            if self.processed == 0:
-                self.exit_query_cache = []
-            self._run_prefix(state, tree, self.processed)
-        h = torch.cat(self.exit_query_cache, dim=1)      # exit-query cache: [1, N+1, D]
-        self.exit_query_cache = []
+        target, n, ds = state.target, state.n, state.drafter_state
+        if ds.processed < len(tree) + 1:           # the deepest frontier, or everything (nothing drafted)
+            if ds.processed == 0:
+                ds.exit_queries = []
+            self._run_prefix(state, tree, ds.processed)
+        h = torch.cat(ds.exit_queries, dim=1)      # exit-query cache: [1, N+1, D]
+        ds.exit_queries = []
         mask = None if tree.is_chain else tree.attention_mask(n)
-        h = target.run_layers(h, self.exit_layer, target.num_layers, tree.block_positions(n), mask, state.cache, n)
+        h = state.run_layers(h, self.exit_layer, target.num_layers, tree.block_positions(n), mask, n)
         return target.lm_head(target.final_norm(h))[0]

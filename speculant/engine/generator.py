@@ -4,23 +4,30 @@ One loop serves every method: autoregressive decoding is the loop with
 nothing drafted, ordinary speculative decoding a chain, RSD/SpecInfer trees.
 Stops (EOS, stop strings, ``max_new_tokens``) inside an accepted block end
 the output exactly there.
+
+Each generation owns its state (KV cache, drafter state in :class:`DecodingState`, a fresh copy of the
+tree builder), and our compute runs under ``torch.inference_mode`` one step at a time, never across a
+``yield``: between blocks the caller's torch state is its own, and any number of generations on one
+model may be interleaved in any order, each giving what it gives alone.
 """
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
-from ..drafters.base import DecodingState, Drafter
+from ..drafters.base import DecodingState, Drafter, last_position_logits
 from ..errors import SpeculantError, check_range
 from ..models.loading import LoadedModel
 from ..sampling.processors import SamplingConfig, logits_to_probs
 from ..trees.builders import IIDTreeBuilder, TreeBuilder
 from ..verification.rules import greedy_accept, recursive_rejection_sampling
 from .stats import GenerationStats
+from .text import StopStringText
 
 
 @dataclass
@@ -30,19 +37,30 @@ class GenerationConfig:
     Attributes:
         max_new_tokens: upper bound on emitted tokens (>= 1) [tokens].
         sampling: temperature / top-k / top-p / seed.
-        stop: strings that end the output; the text is cut just before the first one.
+        stop: stop strings; the text is cut just before the first one.  A single string is one stop
+            string (``stop="t33"`` stops at "t33", not at any of its characters).
         chat: apply the tokenizer's chat template to a string prompt (``--raw`` turns it off).
+    Raises:
+        SpeculantError: ``max_new_tokens < 1``, an empty or non-string stop, ``sampling`` not a SamplingConfig.
     """
 
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] | str = ()
     chat: bool = True
 
     def __post_init__(self):
         check_range("max_new_tokens", self.max_new_tokens, 1)
-        if any(not s for s in self.stop):
-            raise SpeculantError("stop=''; allowed: non-empty strings")
+        if not isinstance(self.sampling, SamplingConfig):
+            raise SpeculantError(f"sampling={self.sampling!r} is invalid; allowed: a SamplingConfig")
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (tuple, list)) or any(not isinstance(s, str) or not s for s in stop):
+            raise SpeculantError(f"stop={self.stop!r} is invalid; allowed: a non-empty string or a sequence of them")
+        self.stop = tuple(stop)
 
 
 @dataclass
@@ -50,7 +68,7 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     stats: GenerationStats
-    stop_reason: str          # 'eos' | 'stop' | 'length'
+    stop_reason: str          # 'eos' | 'stop' | 'length', or 'abandoned' (stream closed early: a partial result)
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "stop_reason": self.stop_reason,
@@ -59,6 +77,9 @@ class GenerationResult:
 
 class SpeculativeGenerator:
     """Generates with a target model, a drafter and a tree builder.
+
+    The generator holds configuration only (plus :attr:`last_result`); each call makes its own state,
+    so a call's output depends on its prompt, config and seed alone, whatever ran before or in between.
 
     Args:
         model: the target (:func:`speculant.load_model`).
@@ -71,15 +92,17 @@ class SpeculativeGenerator:
         self.drafter = drafter or Drafter()
         self.builder = builder
         self.without_replacement = not isinstance(builder, IIDTreeBuilder)
+        self.last_result: GenerationResult | None = None
 
     # ---------------------------------------------------------------- prompts
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
-        """Prompt ids; the chat template is applied when ``chat`` and the tokenizer has one.
+        """Prompt ids; the chat template is applied when ``chat`` and the tokenizer has one, else the text is
+        encoded with the tokenizer's special tokens (e.g. the BOS of Llama/Mistral tokenizers).
 
         Raises:
-            SpeculantError: empty prompt, or one that leaves no room in the model's context.
+            SpeculantError: empty prompt.
         """
-        if not prompt or not prompt.strip():
+        if not isinstance(prompt, str) or not prompt.strip():
             raise SpeculantError("prompt is empty; allowed: a non-empty string")
         tok = self.model.tokenizer
         if chat and getattr(tok, "chat_template", None):
@@ -87,84 +110,107 @@ class SpeculativeGenerator:
             if not isinstance(ids, list):
                 ids = ids["input_ids"]
         else:
-            ids = tok.encode(prompt, add_special_tokens=False)
+            ids = tok.encode(prompt, add_special_tokens=True)
         return list(ids)
 
-    def _check_prompt(self, ids: list[int]) -> None:
-        ctx = self.model.config.max_position_embeddings
+    def _check_prompt(self, ids) -> list[int]:
+        """``ids`` as a list of ints, checked against the model's context and vocabulary."""
+        ctx = self.model.config.context_length
+        vocab = self.model.config.vocab_size
+        ids = list(ids)
         if not ids:
             raise SpeculantError("prompt is empty; allowed: at least one token")
         if len(ids) >= ctx:
             raise SpeculantError(f"prompt length={len(ids)} tokens is too long; allowed: < {ctx} (the model's context)")
+        for t in ids:
+            try:
+                ok = not isinstance(t, bool) and 0 <= operator.index(t) < vocab
+            except TypeError:
+                ok = False
+            if not ok:
+                raise SpeculantError(f"prompt token id {t!r} is invalid; allowed: integers in [0, {vocab - 1}]")
+        return [operator.index(t) for t in ids]
 
     # ---------------------------------------------------------------- core loop
     def generate_blocks(self, prompt_ids: list[int], config: GenerationConfig,
                         stats: GenerationStats) -> Iterator[list[int]]:
-        """Yield each round's emitted tokens (EOS and ``max_new_tokens`` already applied)."""
-        self._check_prompt(prompt_ids)
-        target = self.model.decoder
-        cfg = self.model.config
-        generator = config.sampling.generator()
-        eos = set(self.model.eos_token_ids)
-        builder = self.builder
-        budget = builder.budget() if builder is not None else 0
-        max_new = min(config.max_new_tokens, cfg.max_position_embeddings - len(prompt_ids))
-        cache = target.new_cache(min(cfg.max_position_embeddings, len(prompt_ids) + max_new + budget + 2))
-        counts_before = list(target.layer_token_counts)
-        t0 = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                yield from self._rounds(prompt_ids, config.sampling, max_new, cache, budget, stats, t0, eos, generator)
-        finally:
-            stats.layer_token_evaluations = [a - b for a, b in zip(target.layer_token_counts, counts_before)]
+        """Yield each round's emitted tokens (EOS and ``max_new_tokens`` already applied).
 
-    def _rounds(self, prompt_ids, sampling, max_new, cache, budget, stats, t0, eos, generator):
-        target, builder = self.model.decoder, self.builder
-        logits = target(torch.tensor([prompt_ids]), None, None, cache, 0)[0, -1]
-        cache.crop(len(prompt_ids))
-        stats.target_forwards += 1
-        first = self._pick(logits[None], sampling, generator)
-        state = DecodingState(target, cache, list(prompt_ids) + [first], sampling)
-        stats.time_to_first_token_s = time.perf_counter() - t0
-        emitted = stats.new_tokens = 1
-        stats.seconds = time.perf_counter() - t0
-        yield [first]
-        if first in eos or emitted >= max_new:
-            return
-        self.drafter.begin(state)
-        if builder is not None:
-            builder.reset()
+        ``stats`` is filled as the generation goes (it is right after every block).
+
+        Raises:
+            SpeculantError: an empty or too long prompt, or a token id outside the vocabulary.
+        """
+        prompt_ids = self._check_prompt(prompt_ids)
+        ctx = self.model.config.context_length
+        builder = self.builder.fresh() if self.builder is not None else None
+        budget = builder.budget() if builder is not None else 0
+        max_new = min(config.max_new_tokens, ctx - len(prompt_ids))
+        eos = set(self.model.eos_token_ids)
+        generator = config.sampling.generator()
+        t0 = time.perf_counter()
+        state = self._prefill(prompt_ids, config.sampling, min(ctx, len(prompt_ids) + max_new + budget + 2),
+                              generator, stats, t0)
+        block = state.tokens[-1:]
         while True:
-            n = cache.length
-            max_depth = min(builder.max_depth if builder else 0, max_new - emitted - 1)
-            max_nodes = min(budget, cache.max_length - n - 1)
-            tree = self.drafter.draft(state, builder, generator, max_nodes, max_depth)
-            stats.draft_forwards = state.draft_forwards
-            logits = self.drafter.verify_logits(state, tree)
-            stats.target_forwards += 1
-            if sampling.greedy:
-                path, token = greedy_accept(tree, logits.argmax(-1).tolist())
-            else:
-                probs = logits_to_probs(logits, sampling)
-                path, token = recursive_rejection_sampling(tree, probs, generator, self.without_replacement)
-            cache.crop(n + 1)
-            cache.keep([n + 1 + i for i in path], start=n + 1)
-            self.drafter.commit(state, path)
-            if builder is not None:
-                builder.observe(len(path), tree.max_depth)
-            stats.record_round(len(tree), tree.max_depth, len(path))
-            block = []
-            for tok in [tree.tokens[i] for i in path] + [token]:
-                block.append(tok)
-                emitted += 1
-                if tok in eos or emitted >= max_new:
-                    break
-            state.tokens.extend(block)
-            stats.new_tokens = emitted
-            stats.seconds = time.perf_counter() - t0
-            yield block
+            yield list(block)
+            emitted = len(state.tokens) - len(prompt_ids)
             if block[-1] in eos or emitted >= max_new:
                 return
+            block = self._round(state, builder, budget, max_new - emitted, generator, eos, stats)
+            stats.new_tokens = emitted + len(block)
+            stats.seconds = time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def _prefill(self, prompt_ids, sampling, cache_length, generator, stats, t0) -> DecodingState:
+        """Run the prompt through the target (LM head on the last position only), pick the first token,
+        start the drafter; returns the generation's state (``tokens`` = prompt + first token)."""
+        target = self.model.decoder
+        state = DecodingState(target, target.new_cache(cache_length), list(prompt_ids), sampling)
+        ids = torch.tensor([prompt_ids], dtype=torch.long)
+        h = state.run_layers(target.embed(ids), 0, target.num_layers, torch.arange(len(prompt_ids)), None, 0)
+        state.cache.crop(len(prompt_ids))
+        stats.target_forwards += 1
+        state.tokens.append(self._pick(last_position_logits(target, h), sampling, generator))
+        self.drafter.begin(state)
+        stats.layer_token_evaluations = state.layer_tokens
+        stats.time_to_first_token_s = stats.seconds = time.perf_counter() - t0
+        stats.new_tokens = 1
+        return state
+
+    @torch.inference_mode()
+    def _round(self, state: DecodingState, builder, budget: int, remaining: int, generator, eos,
+               stats: GenerationStats) -> list[int]:
+        """One draft -> verify -> accept -> commit round; returns the emitted tokens (at most ``remaining``,
+        ending at an EOS)."""
+        cache, sampling = state.cache, state.sampling
+        n = cache.length
+        max_depth = min(builder.max_depth if builder else 0, remaining - 1)
+        max_nodes = min(budget, cache.max_length - n - 1)
+        tree = self.drafter.draft(state, builder, generator, max_nodes, max_depth)
+        stats.draft_forwards = state.draft_forwards
+        logits = self.drafter.verify_logits(state, tree)
+        stats.target_forwards += 1
+        if sampling.greedy:
+            path, token = greedy_accept(tree, logits.argmax(-1).tolist())
+        else:
+            # the target's processed distribution of only the rows the rule visits (the accepted path)
+            path, token = recursive_rejection_sampling(tree, lambda entry: logits_to_probs(logits[entry], sampling),
+                                                       generator, self.without_replacement)
+        cache.crop(n + 1)
+        cache.keep([n + 1 + i for i in path], start=n + 1)
+        self.drafter.commit(state, path)
+        if builder is not None:
+            builder.observe(len(path), tree.max_depth)
+        block = []
+        for tok in [tree.tokens[i] for i in path] + [token]:
+            block.append(tok)
+            if tok in eos or len(block) >= remaining:
+                break
+        # accepted drafted tokens that were emitted (an EOS or max_new_tokens may cut the block)
+        stats.record_round(len(tree), tree.max_depth, min(len(path), len(block)))
+        state.tokens.extend(block)
+        return block
 
     @staticmethod
     def _pick(logits: torch.Tensor, sampling: SamplingConfig, generator) -> int:
@@ -176,55 +222,48 @@ class SpeculativeGenerator:
     def stream(self, prompt: str | list[int], config: GenerationConfig | None = None) -> Iterator[str]:
         """Yield text pieces as they are produced; ``self.last_result`` holds the result afterwards.
 
-        A string prompt is encoded with :meth:`encode` (chat template unless
-        ``config.chat`` is False); a list is taken as token ids.
+        A string prompt is encoded with :meth:`encode` (chat template unless ``config.chat`` is False);
+        a list is taken as token ids.  ``last_result`` is ``None`` while the stream runs; a stream closed
+        early (``break`` + ``close()``, or garbage-collected) leaves a partial result with
+        ``stop_reason='abandoned'``.
+
+        Raises:
+            SpeculantError: bad prompt (see :meth:`encode`, :meth:`generate_blocks`).
         """
+        self.last_result = None
         config = config or GenerationConfig()
         ids = self.encode(prompt, config.chat) if isinstance(prompt, str) else list(prompt)
-        tok = self.model.tokenizer
         eos = set(self.model.eos_token_ids)
         stats = GenerationStats()
-        out: list[int] = []
-        text, shown = "", 0
-        hold = max((len(s) for s in config.stop), default=1) - 1
+        text = StopStringText(self.model.tokenizer, config.stop)
         reason = "length"
         blocks = self.generate_blocks(ids, config, stats)
-        for block in blocks:
-            start = len(out)
-            out.extend(block)
-            text = tok.decode(out, skip_special_tokens=True)
-            hit = _find_stop(text, config.stop, max(0, shown - hold))
-            if hit is not None:
-                # cut exactly at the stop string: keep the fewest tokens whose text contains it
-                for k in range(start + 1, len(out) + 1):
-                    if _find_stop(tok.decode(out[:k], skip_special_tokens=True), config.stop, 0) is not None:
-                        break
-                del out[k:]
-                text = text[:hit]
-                stats.new_tokens = len(out)
-                reason = "stop"
-                blocks.close()
-                break
-            if out[-1] in eos:
-                reason = "eos"
-            safe = len(text) - hold if config.stop else len(text)
-            if text.endswith("\ufffd"):
-                safe = min(safe, len(text) - 1)
-            if safe > shown:
-                yield text[shown:safe]
-                shown = safe
-        if len(text) > shown:
-            yield text[shown:]
-        self.last_result = GenerationResult(text, out, stats, reason)
+        try:
+            for block in blocks:
+                piece = text.add(block)
+                if text.stopped:
+                    stats.new_tokens = len(text.token_ids)
+                    reason = "stop"
+                    blocks.close()
+                elif block[-1] in eos:
+                    reason = "eos"
+                if piece:
+                    yield piece
+                if text.stopped:
+                    break
+            piece = text.finish()
+            if piece:
+                yield piece
+        except GeneratorExit:
+            blocks.close()
+            text.finish()
+            self.last_result = GenerationResult(text.text, list(text.token_ids), stats,
+                                                "stop" if text.stopped else "abandoned")
+            raise
+        self.last_result = GenerationResult(text.text, list(text.token_ids), stats, reason)
 
     def generate(self, prompt: str | list[int], config: GenerationConfig | None = None) -> GenerationResult:
         """Generate to completion; returns text, token ids (prompt excluded) and stats."""
         for _ in self.stream(prompt, config):
             pass
         return self.last_result
-
-
-def _find_stop(text: str, stops, start: int) -> int | None:
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-

@@ -18,6 +18,25 @@ METHODS = ("ar", "early-exit", "draft-model", "prompt-lookup", "rsd-c", "rsd-s",
 TREE_METHODS = ("rsd-c", "rsd-s", "specinfer")
 
 
+_USES = {
+    "ar": (),
+    "early-exit": ("exit_layer", "exit_adapter", "num_speculations"),
+    "draft-model": ("draft_model", "num_speculations"),
+    "prompt-lookup": ("num_speculations", "max_ngram", "min_ngram"),
+    "rsd-c": ("exit_layer", "exit_adapter", "draft_model", "branching"),
+    "specinfer": ("exit_layer", "exit_adapter", "draft_model", "branching"),
+    "rsd-s": ("exit_layer", "exit_adapter", "draft_model", "beam_width", "draft_length"),
+}
+"""The :class:`MethodSpec` parameters each method reads."""
+_DEFAULTS = {"num_speculations": 4, "max_ngram": 3, "min_ngram": 1, "branching": "2,2,2", "beam_width": 4,
+             "draft_length": 4}
+
+
+def drafts_with_exit_layers(method: str, draft_model: str | None = None) -> bool:
+    """True when ``method`` drafts with the target's first layers (early exit), not a separate model."""
+    return method == "early-exit" or (method in TREE_METHODS and not draft_model)
+
+
 @dataclass
 class MethodSpec:
     """Parameters of a decoding method (CLI flags map 1:1 onto these fields).
@@ -27,33 +46,63 @@ class MethodSpec:
     ``exit_adapter``: a trained exit head (name or directory); with ``method="early-exit"`` and
     ``None``, a shipped ``default`` adapter for the model is used when its exit layer fits
     ``exit_layer`` (or ``exit_layer`` is ``None``); ``"none"`` turns that off.
+
+    ``None`` means "not given": a parameter the method reads then takes its default
+    (num_speculations 4, max_ngram 3, min_ngram 1, branching "2,2,2", beam_width 4, draft_length 4;
+    exit_layer: see :func:`default_exit_layer`).  A parameter given to a method that does not read it
+    is refused, never silently ignored, and so are ``exit_layer``/``exit_adapter`` together with
+    ``draft_model`` (the draft model replaces early-exit drafting).  ``num_speculations="auto"`` is the
+    adaptive chain length (early-exit and draft-model drafting).
+
+    Raises:
+        SpeculantError: unknown method, a parameter the method does not use, conflicting parameters,
+            or a bad value (the message names it and what is allowed).
     """
 
     method: str = "ar"
     exit_layer: int | None = None
-    num_speculations: int | str = 4         # int, or "auto" (adaptive chain length)
+    num_speculations: int | str | None = None     # int, or "auto" (adaptive chain length)
     draft_model: str | None = None
-    max_ngram: int = 3
-    min_ngram: int = 1
-    branching: str | list[int] = "2,2,2"
-    beam_width: int = 4
-    draft_length: int = 4
+    max_ngram: int | None = None
+    min_ngram: int | None = None
+    branching: str | list[int] | None = None
+    beam_width: int | None = None
+    draft_length: int | None = None
     exit_adapter: str | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise SpeculantError(f"method={self.method!r} is unknown; allowed: {', '.join(METHODS)}")
-        # Checked for every method, so a bad value is never silently ignored (e.g. with method="ar").
+        if self.draft_model:
+            for name in ("exit_layer", "exit_adapter"):
+                value = getattr(self, name)
+                if value is not None and value != "none":
+                    raise SpeculantError(f"{name}={value!r} conflicts with draft_model={self.draft_model!r}: a draft "
+                                         "model drafts instead of the early-exit layers; give one of them")
+        uses = _USES[self.method]
+        for name in ("exit_layer", "exit_adapter", "draft_model", *_DEFAULTS):
+            value = getattr(self, name)
+            if value is None or name in uses or (name == "exit_adapter" and value == "none"):
+                continue
+            users = ", ".join(m for m, u in _USES.items() if name in u)
+            raise SpeculantError(f"{name}={value!r} is not used by method={self.method!r}; it applies to: {users}")
+        for name in uses:
+            if name in _DEFAULTS and getattr(self, name) is None:
+                setattr(self, name, _DEFAULTS[name])
         k = self.num_speculations
-        if k != "auto":
+        if k is not None and k != "auto":
             if isinstance(k, str) and k.strip().isdigit():
                 k = int(k)
             if isinstance(k, bool) or not isinstance(k, int) or k < 1:
                 raise SpeculantError(f"num_speculations={self.num_speculations!r} is invalid; "
                                      "allowed: an integer >= 1 or 'auto'")
             self.num_speculations = k
+        if k == "auto" and self.method == "prompt-lookup":
+            raise SpeculantError("num_speculations='auto' is not supported by method='prompt-lookup' (an n-gram "
+                                 "draft has no confidence to adapt on); allowed: an integer >= 1")
         for name in ("beam_width", "draft_length", "max_ngram", "min_ngram"):
-            check_range(name, getattr(self, name), 1)
+            if getattr(self, name) is not None:
+                check_range(name, getattr(self, name), 1)
 
 
 def _builder(spec: MethodSpec) -> TreeBuilder | None:
@@ -72,14 +121,21 @@ def _builder(spec: MethodSpec) -> TreeBuilder | None:
 DEFAULT_EXIT_LAYER = 8   # used when no exit layer is given (capped at half the layers)
 
 
+def default_exit_layer(model: LoadedModel) -> int:
+    """Exit layer E when none is given: that of the model's shipped ``default`` exit adapter, else
+    ``min(DEFAULT_EXIT_LAYER, L // 2)``.  ``early-exit`` and ``hf-early-exit`` both use it."""
+    from ..training.adapter import default_adapter_exit_layer
+    e = default_adapter_exit_layer(model.name)
+    return e if e is not None else min(DEFAULT_EXIT_LAYER, model.decoder.num_layers // 2)
+
+
 def _drafter(spec: MethodSpec, model: LoadedModel) -> Drafter | None:
     target = model.decoder
     if spec.method == "ar":
         return None
     if spec.method == "prompt-lookup":
         return PromptLookupDrafter(spec.max_ngram, spec.min_ngram)
-    use_model = spec.method == "draft-model" or (spec.method in TREE_METHODS and spec.draft_model)
-    if use_model:
+    if not drafts_with_exit_layers(spec.method, spec.draft_model):
         name = spec.draft_model
         if not name:
             raise SpeculantError("--method draft-model needs --draft-model NAME_OR_PATH or truncated:E")
@@ -100,7 +156,7 @@ def _drafter(spec: MethodSpec, model: LoadedModel) -> Drafter | None:
         from ..training.adapter import load_exit_adapter
         head, exit_layer = load_exit_adapter(adapter, model, exit_layer)
     if exit_layer is None:
-        exit_layer = min(DEFAULT_EXIT_LAYER, target.num_layers // 2)
+        exit_layer = default_exit_layer(model)
     return EarlyExitDrafter(target.num_layers, exit_layer, head)
 
 

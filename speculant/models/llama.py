@@ -21,6 +21,7 @@ from .config import ModelConfig
 from .kv_cache import KVCache
 from ..errors import SpeculantError
 from .linear import DecodeLinear
+from .rope import rope_tables
 
 
 COMPILED_MAX_ROWS = 64
@@ -50,16 +51,16 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        self.qkv_proj = DecodeLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = DecodeLinear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = DecodeLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = DecodeLinear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = DecodeLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = DecodeLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = DecodeLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = DecodeLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -259,14 +260,6 @@ class LlamaDecoder(nn.Module):
             positions = torch.arange(cache_position, cache_position + input_ids.shape[1], device=input_ids.device)
         h = self.run_layers(self.embed(input_ids), 0, self.num_layers, positions, attention_mask, cache, cache_position)
         return self.lm_head(self.final_norm(h))
-
-
-def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE tables ``[max_position_embeddings, head_dim]`` (Su et al. 2021), fp32: cos, and sin with the
-    first half negated (so rotate_half becomes a roll, see :func:`apply_rope`)."""
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
-    freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv_freq)
-    return torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
 
 
 def _dense_mask(mask: torch.Tensor | None, t: int, prefix: int, device) -> torch.Tensor:

@@ -20,7 +20,8 @@ import torch
 
 from ..errors import SpeculantError
 from .config import ModelConfig
-from .llama import LlamaDecoder, rope_tables
+from .llama import LlamaDecoder
+from .rope import rope_tables
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,21 @@ class LoadedModel:
         return sorted(ids)
 
 
+def config_from_gguf_load(conf: dict) -> ModelConfig:
+    """Our config of a model transformers' GGUF loader built (``model.config.to_dict()``), read as strictly
+    as a ``config.json``; its ``quantization_config`` (``quant_method: gguf``) is dropped because that loader
+    has already dequantized every tensor.
+
+    Raises:
+        SpeculantError: as :meth:`ModelConfig.from_hf_dict`.
+    """
+    conf = dict(conf)
+    method = (conf.get("quantization_config") or {}).get("quant_method")
+    if str(getattr(method, "value", method)) == "gguf":
+        del conf["quantization_config"]
+    return ModelConfig.from_hf_dict(conf)
+
+
 def convert_gguf(source: GGUFSource, out_dir: Path) -> Path:
     """Dequantize ``source`` into an HF-format directory ``out_dir`` (written atomically)."""
     from safetensors.torch import save_file
@@ -102,7 +118,7 @@ def convert_gguf(source: GGUFSource, out_dir: Path) -> Path:
     gguf = find_gguf(source)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    cfg = ModelConfig.from_hf_dict(hf.config.to_dict())
+    cfg = config_from_gguf_load(hf.config.to_dict())
     state = {k: v.contiguous() for k, v in hf.state_dict().items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
@@ -124,27 +140,92 @@ def convert_gguf(source: GGUFSource, out_dir: Path) -> Path:
     return out_dir
 
 
+def _hf_layer_keys(cfg: ModelConfig, i: int) -> list[str]:
+    """HF parameter names of decoder layer ``i`` (biases where ``cfg`` has them)."""
+    p = f"model.layers.{i}."
+    keys = [p + f"self_attn.{n}_proj.weight" for n in "qkvo"] + [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+    keys += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+    if cfg.qkv_bias:
+        keys += [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
+    if cfg.o_bias:
+        keys.append(p + "self_attn.o_proj.bias")
+    if cfg.mlp_bias:
+        keys += [p + f"mlp.{n}_proj.bias" for n in ("gate", "up", "down")]
+    return keys
+
+
+def expected_hf_keys(cfg: ModelConfig) -> set[str]:
+    """Every HF parameter name a checkpoint of ``cfg`` must hold (``lm_head.weight`` only when untied)."""
+    keys = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not cfg.tie_word_embeddings:
+        keys.add("lm_head.weight")
+    for i in range(cfg.num_hidden_layers):
+        keys.update(_hf_layer_keys(cfg, i))
+    return keys
+
+
+def check_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The checkpoint's parameters, checked strictly against ``cfg``; returns them without derived copies.
+
+    Accepted beyond :func:`expected_hf_keys`: ``lm_head.weight`` of a tied model when it equals the
+    embedding (a saved copy of it), and rotary ``inv_freq`` buffers of older checkpoints when they equal
+    ours.  Nothing else is ever dropped.
+
+    Raises:
+        SpeculantError: missing or unexpected weights (named), or a copy that differs from what it copies.
+    """
+    from .rope import inv_frequencies
+
+    state = dict(state)
+    if cfg.tie_word_embeddings and "lm_head.weight" in state and "model.embed_tokens.weight" in state:
+        if not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
+            raise SpeculantError("tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight; "
+                                 "allowed: an untied config (tie_word_embeddings=false) for a separate LM head")
+        del state["lm_head.weight"]
+    rotary = [k for k in state if k.endswith("rotary_emb.inv_freq")]
+    if rotary:
+        ours = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        for k in rotary:
+            rtol = max(1e-4, 4 * torch.finfo(state[k].dtype).eps)   # stored in the checkpoint's dtype
+            if state[k].shape != ours.shape or not torch.allclose(state[k].float(), ours, rtol=rtol, atol=0):
+                raise SpeculantError(f"{k} differs from the RoPE frequencies of config.json; "
+                                     "allowed: a checkpoint whose stored frequencies match its config")
+            del state[k]
+    expected = expected_hf_keys(cfg)
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    for name, keys in (("missing", missing), ("unexpected", unexpected)):
+        if keys:
+            more = f" (+{len(keys) - 4} more)" if len(keys) > 4 else ""
+            raise SpeculantError(f"{name} weight(s) {', '.join(keys[:4])}{more} for the model of config.json "
+                                 f"(model_type={cfg.model_type!r}); allowed: exactly the weights the config describes")
+    return state
+
+
 def hf_state_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Map Hugging Face Llama parameter names to ours (fusing q/k/v and gate/up)."""
+    """Map Hugging Face Llama/Mistral/Qwen2 parameter names to ours (fusing q/k/v and gate/up, biases alike)."""
     out = {"embed_tokens.weight": state["model.embed_tokens.weight"], "norm.weight": state["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
         out["lm_head_proj.weight"] = state["lm_head.weight"]
+    kinds = ["weight"] + (["bias"] if cfg.qkv_bias else [])
+    mlp_kinds = ["weight"] + (["bias"] if cfg.mlp_bias else [])
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         q = f"layers.{i}."
-        out[q + "self_attn.qkv_proj.weight"] = torch.cat(
-            [state[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], dim=0)
-        out[q + "self_attn.o_proj.weight"] = state[p + "self_attn.o_proj.weight"]
-        out[q + "mlp.gate_up_proj.weight"] = torch.cat(
-            [state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]], dim=0)
-        out[q + "mlp.down_proj.weight"] = state[p + "mlp.down_proj.weight"]
+        for kind in kinds:
+            out[q + f"self_attn.qkv_proj.{kind}"] = torch.cat([state[p + f"self_attn.{n}_proj.{kind}"] for n in "qkv"], dim=0)
+        for kind in ["weight"] + (["bias"] if cfg.o_bias else []):
+            out[q + f"self_attn.o_proj.{kind}"] = state[p + f"self_attn.o_proj.{kind}"]
+        for kind in mlp_kinds:
+            out[q + f"mlp.gate_up_proj.{kind}"] = torch.cat(
+                [state[p + f"mlp.gate_proj.{kind}"], state[p + f"mlp.up_proj.{kind}"]], dim=0)
+            out[q + f"mlp.down_proj.{kind}"] = state[p + f"mlp.down_proj.{kind}"]
         out[q + "input_layernorm.weight"] = state[p + "input_layernorm.weight"]
         out[q + "post_attention_layernorm.weight"] = state[p + "post_attention_layernorm.weight"]
     return out
 
 
 def ours_to_hf_state(decoder: LlamaDecoder) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`hf_state_to_ours`: a state dict transformers' ``LlamaForCausalLM`` loads."""
+    """Inverse of :func:`hf_state_to_ours`: a state dict transformers' ``*ForCausalLM`` of the family loads."""
     cfg = decoder.config
     sd = decoder.state_dict()
     out = {"model.embed_tokens.weight": sd["embed_tokens.weight"], "model.norm.weight": sd["norm.weight"],
@@ -152,13 +233,17 @@ def ours_to_hf_state(decoder: LlamaDecoder) -> dict[str, torch.Tensor]:
     qs, kvs = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     for i in range(decoder.num_layers):
         p, q = f"model.layers.{i}.", f"layers.{i}."
-        wq, wk, wv = sd[q + "self_attn.qkv_proj.weight"].split([qs, kvs, kvs], dim=0)
-        gate, up = sd[q + "mlp.gate_up_proj.weight"].split(cfg.intermediate_size, dim=0)
-        out.update({p + "self_attn.q_proj.weight": wq, p + "self_attn.k_proj.weight": wk,
-                    p + "self_attn.v_proj.weight": wv, p + "self_attn.o_proj.weight": sd[q + "self_attn.o_proj.weight"],
-                    p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-                    p + "mlp.down_proj.weight": sd[q + "mlp.down_proj.weight"],
-                    p + "input_layernorm.weight": sd[q + "input_layernorm.weight"],
+        for kind in ("weight", "bias"):
+            if q + f"self_attn.qkv_proj.{kind}" in sd:
+                for n, t in zip("qkv", sd[q + f"self_attn.qkv_proj.{kind}"].split([qs, kvs, kvs], dim=0)):
+                    out[p + f"self_attn.{n}_proj.{kind}"] = t
+            if q + f"mlp.gate_up_proj.{kind}" in sd:
+                gate, up = sd[q + f"mlp.gate_up_proj.{kind}"].split(cfg.intermediate_size, dim=0)
+                out.update({p + f"mlp.gate_proj.{kind}": gate, p + f"mlp.up_proj.{kind}": up})
+            for name in ("self_attn.o_proj", "mlp.down_proj"):
+                if q + f"{name}.{kind}" in sd:
+                    out[p + f"{name}.{kind}"] = sd[q + f"{name}.{kind}"]
+        out.update({p + "input_layernorm.weight": sd[q + "input_layernorm.weight"],
                     p + "post_attention_layernorm.weight": sd[q + "post_attention_layernorm.weight"]})
     return {k: v.contiguous() for k, v in out.items()}
 
@@ -183,11 +268,25 @@ def save_hf_dir(model: LoadedModel | LlamaDecoder, path: Path, tokenizer=None) -
 
 
 def decoder_from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype=torch.float32) -> LlamaDecoder:
-    """Build our decoder from an HF-named state dict."""
+    """Build our decoder from an HF-named state dict, strictly: every weight of ``cfg`` present with its
+    shape, nothing left over (:func:`check_hf_state`).
+
+    Raises:
+        SpeculantError: a missing, unexpected or wrongly shaped weight (named).
+    """
+    state = check_hf_state(state, cfg)
     with torch.device("meta"):
         dec = LlamaDecoder(cfg)
+    ours = hf_state_to_ours(state, cfg)
+    shapes = {k: v.shape for k, v in dec.state_dict().items()}
+    bad = [f"{k} {tuple(v.shape)} (expected {tuple(shapes[k])})" for k, v in ours.items() if v.shape != shapes[k]]
+    if bad:
+        raise SpeculantError(f"weight shape(s) differ from config.json: {'; '.join(bad[:3])}")
     dec = dec.to_empty(device="cpu")
-    dec.load_state_dict(hf_state_to_ours(state, cfg), strict=False, assign=True)
+    result = dec.load_state_dict(ours, strict=False, assign=True)
+    allowed_missing = {"lm_head_proj.weight"} if cfg.tie_word_embeddings else set()
+    if set(result.missing_keys) - allowed_missing or result.unexpected_keys:  # a mapping bug, never user input
+        raise RuntimeError(f"weight mapping incomplete: missing {result.missing_keys}, unexpected {result.unexpected_keys}")
     if cfg.tie_word_embeddings:
         dec.lm_head_proj.weight = dec.embed_tokens.weight
     dec.rope_cos, dec.rope_sin = rope_tables(cfg)  # buffers were on the meta device
@@ -195,11 +294,38 @@ def decoder_from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dtyp
     return dec.to(dtype).eval().requires_grad_(False)
 
 
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of the HF checkpoint in ``path``: those listed by ``model.safetensors.index.json``
+    (sharded), else ``model.safetensors``, else every ``*.safetensors`` (other files there, e.g. caches of
+    packed weights, are not the checkpoint's).
+
+    Raises:
+        SpeculantError: no weight file, or an index naming a missing file.
+    """
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise SpeculantError(f"{str(index)!r} is not a safetensors index ({e!r})") from None
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise SpeculantError(f"{str(index)!r} lists {missing[0]!r}, which is missing")
+        return [path / n for n in names]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise SpeculantError(f"{str(path)!r} has no *.safetensors weight files")
+    return files
+
+
 def load_hf_dir(path: Path, dtype=torch.float32, name: str | None = None) -> LoadedModel:
     """Load an HF-format directory (``config.json`` + ``*.safetensors`` + tokenizer files).
 
     Raises:
-        SpeculantError: missing files or an unsupported architecture.
+        SpeculantError: missing or unreadable files, an unsupported architecture or config field
+            (:meth:`ModelConfig.from_hf_dict`), missing/unexpected weights (:func:`check_hf_state`).
     """
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
@@ -207,15 +333,29 @@ def load_hf_dir(path: Path, dtype=torch.float32, name: str | None = None) -> Loa
     path = Path(path)
     if not (path / "config.json").is_file():
         raise SpeculantError(f"{str(path)!r} has no config.json; expected an HF-format model directory")
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise SpeculantError(f"{str(path)!r} has no *.safetensors weight files")
-    cfg = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+    files = weight_files(path)
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SpeculantError(f"{str(path / 'config.json')!r} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise SpeculantError(f"{str(path / 'config.json')!r} is not a JSON object")
+    cfg = ModelConfig.from_hf_dict(raw)
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(str(f)))
+        try:
+            part = load_file(str(f))
+        except Exception as e:              # safetensors raises its own error types for corrupt files
+            raise SpeculantError(f"cannot read weights {str(f)!r} ({type(e).__name__}: {e})") from None
+        dup = sorted(set(part) & set(state))
+        if dup:
+            raise SpeculantError(f"weight {dup[0]} is stored in more than one *.safetensors file in {str(path)!r}")
+        state.update(part)
     decoder = decoder_from_hf_state(cfg, state, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise SpeculantError(f"cannot load the tokenizer of {str(path)!r} ({str(e).splitlines()[0]})") from None
     return LoadedModel(name or path.name, decoder, tokenizer, path)
 
 

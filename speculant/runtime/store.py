@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from ..models.config import ModelConfig
-from ..models.llama import LlamaDecoder, rope_tables
+from ..models.llama import LlamaDecoder
+from ..models.rope import rope_tables
 from .formats import PACKED_CLASSES, PackedLinear
 
 SCHEMA = "speculant-packed-1"

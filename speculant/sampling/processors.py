@@ -7,11 +7,22 @@ distribution (Leviathan et al. 2023, Sec. 2.3 "any sampling method").
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import SpeculantError, check_range
+
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy decoding (argmax), as in vLLM (``_SAMPLING_EPS``): dividing logits by
+a smaller temperature overflows fp32 (1e-39 and 1e-45 are subnormal) and the limit T -> 0 of sampling is
+the argmax anyway (up to exact ties)."""
+
+
+def is_greedy(temperature: float) -> bool:
+    """True when ``temperature`` means greedy decoding (``< GREEDY_TEMPERATURE``, 0 included)."""
+    return temperature < GREEDY_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -19,7 +30,8 @@ class SamplingConfig:
     """How a token is drawn from logits.
 
     Attributes:
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        temperature: below :data:`GREEDY_TEMPERATURE` (1e-5; 0 included) greedy decoding (argmax), for
+            every method; otherwise logits are divided by it.
         top_k: keep the k most likely tokens (0 = all).
         top_p: keep the smallest set whose probability reaches top_p (1 = all).
         seed: seed of the ``torch.Generator`` every random draw uses.
@@ -31,14 +43,14 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self):
-        check_range("temperature", self.temperature, 0.0)
+        check_range("temperature", self.temperature, 0.0, math.inf, high_open=True)
         check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
         if self.top_k < 0:
             raise SpeculantError(f"top_k={self.top_k} is out of range; allowed: 0 (off) or a positive integer")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return is_greedy(self.temperature)
 
     def generator(self) -> torch.Generator:
         g = torch.Generator()

@@ -225,10 +225,15 @@ def load_exit_adapter(name_or_path: str, model, exit_layer: int | None = None):
     return ExitHead(ad, model.decoder.config.vocab_size), ad.exit_layer
 
 
+def default_adapter_exit_layer(model_name: str) -> int | None:
+    """Exit layer of the ``default`` adapter shipped for ``model_name`` (``None`` when none ships)."""
+    if "default" not in available_adapters(model_name):
+        return None
+    return int(json.loads((ARTIFACTS / model_name / "default" / "config.json").read_text())["exit_layer"])
+
+
 def default_adapter_for(model_name: str, exit_layer: int | None = None) -> str | None:
     """``'default'`` when an adapter named default ships for ``model_name`` and was trained for
     ``exit_layer`` (any layer when ``None``), else ``None``."""
-    if "default" not in available_adapters(model_name):
-        return None
-    conf = json.loads((ARTIFACTS / model_name / "default" / "config.json").read_text())
-    return "default" if exit_layer is None or int(exit_layer) == int(conf["exit_layer"]) else None
+    e = default_adapter_exit_layer(model_name)
+    return "default" if e is not None and (exit_layer is None or int(exit_layer) == e) else None

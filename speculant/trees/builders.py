@@ -20,6 +20,7 @@ Under greedy decoding each builder falls back to its deterministic analogue
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -29,9 +30,25 @@ from ..sampling.gumbel import gumbel_like, gumbel_top_k, truncated_gumbel
 
 
 class TreeBuilder:
-    """Base class. ``max_depth`` bounds the tree depth; ``budget`` the node count."""
+    """Base class. ``max_depth`` bounds the tree depth; ``budget`` the node count.
+
+    State: what a builder changes while it works lives in attributes that :meth:`begin` (per-generation
+    state, e.g. an adaptive threshold) and :meth:`reset` (per-tree state) set; the constructor's fields
+    are never changed.  The engine works on :meth:`fresh` copies, one per generation, so neither earlier
+    calls nor interleaved generations change what a generation does.
+    """
 
     max_depth: int = 0
+
+    def fresh(self) -> "TreeBuilder":
+        """An independent copy with its per-generation state at its initial values (:meth:`begin`)."""
+        builder = copy.copy(self)
+        builder.begin()
+        return builder
+
+    def begin(self) -> None:
+        """Set the per-generation state to its initial values (called by :meth:`fresh`)."""
+        self.reset()
 
     def reset(self) -> None:
         """Called before each new tree."""
@@ -63,11 +80,12 @@ class ChainBuilder(TreeBuilder):
     """A single chain of ``num_speculations`` drafted tokens.
 
     ``adaptive=True`` stops drafting when the draft's top probability falls under
-    ``threshold``, and moves the threshold after each block: up when the block
+    ``current_threshold``, and moves that threshold after each block: up when the block
     was rejected early, down when fully accepted (in the spirit of the dynamic
     speculation lookahead of Mamou et al. 2024 / HF's assistant confidence
-    threshold).  Stopping early never changes the output distribution: the
-    acceptance rule is exact for any draft length.
+    threshold).  Every generation starts again from ``threshold`` (:meth:`begin`).
+    Stopping early never changes the output distribution: the acceptance rule is
+    exact for any draft length.
     """
 
     num_speculations: int = 4
@@ -79,6 +97,10 @@ class ChainBuilder(TreeBuilder):
         if self.num_speculations < 1:
             raise SpeculantError(f"num_speculations={self.num_speculations} is out of range; allowed: >= 1")
         self.max_depth = self.num_speculations
+        self.begin()
+
+    def begin(self):
+        self.current_threshold = self.threshold
 
     def budget(self) -> int:
         return self.num_speculations
@@ -86,7 +108,7 @@ class ChainBuilder(TreeBuilder):
     def expand(self, depth, q, greedy, generator):
         toks = q.argmax(-1) if greedy else torch.multinomial(q, 1, generator=generator)[:, 0]
         if self.adaptive and depth > 1:
-            keep = (q.amax(-1) >= self.threshold).tolist()
+            keep = (q.amax(-1) >= self.current_threshold).tolist()
             return [[t] if k else [] for t, k in zip(toks.tolist(), keep)]
         return [[t] for t in toks.tolist()]
 
@@ -94,9 +116,9 @@ class ChainBuilder(TreeBuilder):
         if not self.adaptive or drafted_depth == 0:
             return
         if accepted_length >= drafted_depth:
-            self.threshold = max(0.0, self.threshold - self.step)
+            self.current_threshold = max(0.0, self.current_threshold - self.step)
         else:
-            self.threshold = min(0.95, self.threshold + self.step)
+            self.current_threshold = min(0.95, self.current_threshold + self.step)
 
 
 def _parse_branching(branching) -> list[int]:

@@ -19,6 +19,8 @@ Sources:
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..trees.tree import DraftTree
@@ -62,8 +64,11 @@ def remove_token(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return q / q.sum(-1, keepdim=True).clamp_min(1e-30)
 
 
-def recursive_rejection_sampling_batch(tokens: torch.Tensor, children: torch.Tensor, q: torch.Tensor,
-                                       p: torch.Tensor, generator: torch.Generator | None = None,
+RowSource = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
+
+
+def recursive_rejection_sampling_batch(tokens: torch.Tensor, children: torch.Tensor, q: RowSource,
+                                       p: RowSource, generator: torch.Generator | None = None,
                                        without_replacement: bool = True):
     """Recursive rejection sampling over a batch of B independent draft trees.
 
@@ -81,8 +86,10 @@ def recursive_rejection_sampling_batch(tokens: torch.Tensor, children: torch.Ten
         tokens: drafted tokens ``[B, N]`` (node i = block entry i + 1).
         children: ``[B, N + 1, C]`` node indices of each block entry's children in
             sampling order, -1 padded.
-        q: draft distributions ``[B, N + 1, V]`` each entry's children were sampled from.
-        p: target distributions ``[B, N + 1, V]``.
+        q: draft distributions ``[B, N + 1, V]`` each entry's children were sampled from, or a callable
+            mapping block entries ``[B]`` (int64) to their rows ``[B, V]``.
+        p: target distributions ``[B, N + 1, V]``, or such a callable: then only the rows the rule
+            visits (one per accepted depth) are ever computed.
         generator: source of every uniform and categorical draw.
     Returns:
         ``path`` ``[B, D]`` accepted node indices from the root down (-1 padded) and
@@ -95,7 +102,9 @@ def recursive_rejection_sampling_batch(tokens: torch.Tensor, children: torch.Ten
     token = torch.full((b,), -1, dtype=torch.long)
     path = []
     while True:
-        r, big_q, kids = p[rows, entry], q[rows, entry], children[rows, entry]
+        r = p(entry) if callable(p) else p[rows, entry]
+        big_q = q(entry) if callable(q) else q[rows, entry]
+        kids = children[rows, entry]
         accepted = torch.full((b,), -1, dtype=torch.long)
         trying = active
         for j in range(kids.shape[1]):
@@ -125,14 +134,25 @@ def recursive_rejection_sampling_batch(tokens: torch.Tensor, children: torch.Ten
     return path_t, token
 
 
-def recursive_rejection_sampling(tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None,
+def recursive_rejection_sampling(tree: DraftTree, p: torch.Tensor | Callable[[int], torch.Tensor],
+                                 generator: torch.Generator | None,
                                  without_replacement: bool = True) -> tuple[list[int], int]:
-    """:func:`recursive_rejection_sampling_batch` for one tree; ``p`` is ``[N + 1, V]``.
+    """:func:`recursive_rejection_sampling_batch` for one tree (the same rule and the same random draws).
 
+    Args:
+        p: the target's processed distributions ``[N + 1, V]``, or a callable mapping a block entry to
+            its row ``[V]``; the callable is called only for the entries the rule visits (the root and
+            each accepted node), so a large tree never needs ``[N + 1, V]`` probabilities.
     Returns (accepted node indices, emitted token).
     """
-    q = tree.draft_prob_matrix(p.shape[-1])
+    vocab = next(iter(tree.draft_probs.values())).shape[-1] if tree.draft_probs else None
+
+    def q_row(entry: torch.Tensor) -> torch.Tensor:
+        row = tree.draft_probs.get(int(entry[0]))
+        return row[None] if row is not None else torch.zeros(1, vocab or 1)
+
+    p_rows = (lambda entry: p(int(entry[0]))[None]) if callable(p) else p[None]
     path, token = recursive_rejection_sampling_batch(
-        torch.tensor([tree.tokens or [0]]), tree.children_table()[None], q[None], p[None], generator,
+        torch.tensor([tree.tokens or [0]]), tree.children_table()[None], q_row, p_rows, generator,
         without_replacement)
     return path[0].tolist(), int(token[0])
