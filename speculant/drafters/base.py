@@ -7,6 +7,7 @@ cache).  A verification block is ``[root] + tree nodes`` at slots ``n ..``.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -40,10 +41,52 @@ class DecodingState:
         return self.cache.length
 
 
+@dataclass
+class VerificationInput:
+    """What the target runs to verify one tree: the block's hidden states entering layer ``start_layer``.
+
+    Attributes:
+        hidden: ``[1, T, D]`` (``T`` = tree nodes + 1, root first): token embeddings when
+            ``start_layer == 0``; an early-exit drafter's exit-query cache when it resumes at its exit layer.
+        start_layer: first target layer to run.
+        positions: RoPE positions ``[T]``.
+        mask: bool ``[T, cache_position + T]`` (tree attention), or ``None`` for a causal block (a chain).
+        cache_position: first KV-cache slot the block writes (``n``, the committed length) [tokens].
+    """
+
+    hidden: torch.Tensor
+    start_layer: int
+    positions: torch.Tensor
+    mask: torch.Tensor | None
+    cache_position: int
+
+
 class Drafter:
-    """Proposes a :class:`DraftTree`; may also run the verification forward (to reuse its work)."""
+    """Proposes a :class:`DraftTree`; may also run the verification forward (to reuse its work).
+
+    Verification is split in two hooks so that a batch of sequences can be verified in one target forward
+    (:mod:`speculant.engine.batch`): :meth:`verification_input` says what to run, the engine runs layers
+    ``start_layer .. L-1`` (alone, or with other sequences' blocks), and :meth:`verification_hidden` receives
+    the block's last-layer hidden states.  :meth:`verify_logits` is the one-sequence composition of the two.
+    """
 
     name = "none"
+
+    def fork(self) -> "Drafter":
+        """A drafter for one more sequence: the same networks and settings, its own per-sequence state.
+
+        The default (a shallow copy) suits drafters that keep no per-sequence state on the object or
+        re-create it in :meth:`prefill` / :meth:`begin`; drafters holding a cache or buffers override it.
+        """
+        return copy.copy(self)
+
+    def prefill(self, target: LlamaDecoder, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The target's forward over a new prompt ``ids`` ``[1, T]`` (KV into ``cache`` slots ``0 .. T-1``).
+
+        The first call of every generation.  Returns fp32 logits ``[1, T, V]``.  Drafters that need
+        more of the prompt than its KV (a draft head reads the target's features) override it.
+        """
+        return target(ids, None, None, cache, 0)
 
     def begin(self, state: DecodingState) -> None:
         """Called once after the target's prefill of a new prompt."""
@@ -53,13 +96,24 @@ class Drafter:
         """A tree of at most ``max_nodes`` nodes and ``max_depth`` depths (both in tokens)."""
         return DraftTree()
 
+    def verification_input(self, state: DecodingState, tree: DraftTree) -> VerificationInput:
+        """The block to verify ``tree``: by default the embedded ``[root] + tree`` tokens from layer 0."""
+        n = state.n
+        ids = tree.block_tokens(state.tokens[-1])[None]
+        return VerificationInput(state.target.embed(ids), 0, tree.block_positions(n),
+                                 None if tree.is_chain else tree.attention_mask(n), n)
+
+    def verification_hidden(self, state: DecodingState, tree: DraftTree, hidden: torch.Tensor) -> None:
+        """Receives the verified block's hidden states ``[T, D]`` leaving the target's last layer (before the
+        final norm), e.g. for a draft head that reads the target's features.  Default: nothing."""
+
     def verify_logits(self, state: DecodingState, tree: DraftTree) -> torch.Tensor:
         """Target logits ``[N + 1, V]`` (fp32) after each block entry; writes the block's KV at slots ``n ..``."""
-        n = state.n
-        mask = None if tree.is_chain else tree.attention_mask(n)
-        ids = tree.block_tokens(state.tokens[-1])[None]
-        logits = state.target(ids, tree.block_positions(n), mask, state.cache, n)
-        return logits[0]
+        target, block = state.target, self.verification_input(state, tree)
+        h = target.run_layers(block.hidden, block.start_layer, target.num_layers, block.positions, block.mask,
+                              state.cache, block.cache_position)
+        self.verification_hidden(state, tree, h[0])
+        return target.lm_head(target.final_norm(h))[0]
 
     def commit(self, state: DecodingState, path: list[int]) -> None:
         """Called after acceptance with the accepted node indices (before ``state.tokens`` grows)."""

@@ -56,6 +56,9 @@ class DraftModelDrafter(ModelDrafterBase):
         self.model = draft
         self.cache = None
 
+    def fork(self):
+        return DraftModelDrafter(self.model)
+
     def begin(self, state: DecodingState) -> None:
         if self.cache is None or self.cache.max_length != state.cache.max_length:
             self.cache = self.model.new_cache(state.cache.max_length)

@@ -22,7 +22,7 @@ import torch
 
 from ..errors import SpeculantError
 from ..trees.tree import DraftTree
-from .base import DecodingState, ModelDrafterBase
+from .base import DecodingState, ModelDrafterBase, VerificationInput
 
 
 class EarlyExitDrafter(ModelDrafterBase):
@@ -43,6 +43,7 @@ class EarlyExitDrafter(ModelDrafterBase):
     def __init__(self, num_layers: int, exit_layer: int, exit_head: Callable | None = None):
         if not 1 <= exit_layer < num_layers:
             raise SpeculantError(f"exit_layer={exit_layer} is out of range; allowed: 1..{num_layers - 1}")
+        self.num_layers = num_layers
         self.exit_layer = exit_layer
         self.exit_head = exit_head
         self.exit_query_cache: list[torch.Tensor] = []   # hidden states entering layer E, [1, F_d, D] per forward
@@ -68,14 +69,18 @@ class EarlyExitDrafter(ModelDrafterBase):
         h = self._run_prefix(state, tree, first_entry)
         return self._exit_logits(state, h[0])
 
-    def verify_logits(self, state, tree):
-        target, n = state.target, state.n
+    def fork(self):
+        return EarlyExitDrafter(self.num_layers, self.exit_layer, self.exit_head)
+
+    def verification_input(self, state, tree):
+        """Resume at the exit layer from the exit-query cache (after running layers < E over the deepest
+        frontier, which drafting never runs)."""
+        n = state.n
         if self.processed < len(tree) + 1:           # the deepest frontier, or everything (nothing drafted)
             if self.processed == 0:
                 self.exit_query_cache = []
             self._run_prefix(state, tree, self.processed)
         h = torch.cat(self.exit_query_cache, dim=1)      # exit-query cache: [1, N+1, D]
         self.exit_query_cache = []
-        mask = None if tree.is_chain else tree.attention_mask(n)
-        h = target.run_layers(h, self.exit_layer, target.num_layers, tree.block_positions(n), mask, state.cache, n)
-        return target.lm_head(target.final_norm(h))[0]
+        return VerificationInput(h, self.exit_layer, tree.block_positions(n),
+                                 None if tree.is_chain else tree.attention_mask(n), n)

@@ -14,13 +14,14 @@ from typing import Iterator
 
 import torch
 
-from ..drafters.base import DecodingState, Drafter
+from ..drafters.base import Drafter
 from ..errors import SpeculantError, check_range
 from ..models.loading import LoadedModel
-from ..sampling.processors import SamplingConfig, logits_to_probs
+from ..sampling.processors import SamplingConfig
 from ..trees.builders import IIDTreeBuilder, TreeBuilder
-from ..verification.rules import greedy_accept, recursive_rejection_sampling
+from .rounds import accept_and_commit, draft_limits, prefill
 from .stats import GenerationStats
+from .text import StopStringText
 
 
 @dataclass
@@ -109,68 +110,42 @@ class SpeculativeGenerator:
         builder = self.builder
         budget = builder.budget() if builder is not None else 0
         max_new = min(config.max_new_tokens, cfg.max_position_embeddings - len(prompt_ids))
-        cache = target.new_cache(min(cfg.max_position_embeddings, len(prompt_ids) + max_new + budget + 2))
+        cache_length = min(cfg.max_position_embeddings, len(prompt_ids) + max_new + budget + 2)
         counts_before = list(target.layer_token_counts)
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():
-                yield from self._rounds(prompt_ids, config.sampling, max_new, cache, budget, stats, t0, eos, generator)
+                yield from self._rounds(prompt_ids, config.sampling, max_new, cache_length, budget, stats, t0, eos,
+                                        generator)
         finally:
             stats.layer_token_evaluations = [a - b for a, b in zip(target.layer_token_counts, counts_before)]
 
-    def _rounds(self, prompt_ids, sampling, max_new, cache, budget, stats, t0, eos, generator):
+    def _rounds(self, prompt_ids, sampling, max_new, cache_length, budget, stats, t0, eos, generator):
         target, builder = self.model.decoder, self.builder
-        logits = target(torch.tensor([prompt_ids]), None, None, cache, 0)[0, -1]
-        cache.crop(len(prompt_ids))
-        stats.target_forwards += 1
-        first = self._pick(logits[None], sampling, generator)
-        state = DecodingState(target, cache, list(prompt_ids) + [first], sampling)
+        if builder is not None:
+            builder.reset()
+        state = prefill(target, self.drafter, prompt_ids, cache_length, sampling, generator, stats)
+        first = state.tokens[-1]
         stats.time_to_first_token_s = time.perf_counter() - t0
         emitted = stats.new_tokens = 1
         stats.seconds = time.perf_counter() - t0
         yield [first]
         if first in eos or emitted >= max_new:
             return
-        self.drafter.begin(state)
-        if builder is not None:
-            builder.reset()
         while True:
-            n = cache.length
-            max_depth = min(builder.max_depth if builder else 0, max_new - emitted - 1)
-            max_nodes = min(budget, cache.max_length - n - 1)
+            max_nodes, max_depth = draft_limits(state, builder, budget, max_new - emitted)
             tree = self.drafter.draft(state, builder, generator, max_nodes, max_depth)
             stats.draft_forwards = state.draft_forwards
             logits = self.drafter.verify_logits(state, tree)
             stats.target_forwards += 1
-            if sampling.greedy:
-                path, token = greedy_accept(tree, logits.argmax(-1).tolist())
-            else:
-                probs = logits_to_probs(logits, sampling)
-                path, token = recursive_rejection_sampling(tree, probs, generator, self.without_replacement)
-            cache.crop(n + 1)
-            cache.keep([n + 1 + i for i in path], start=n + 1)
-            self.drafter.commit(state, path)
-            if builder is not None:
-                builder.observe(len(path), tree.max_depth)
-            stats.record_round(len(tree), tree.max_depth, len(path))
-            block = []
-            for tok in [tree.tokens[i] for i in path] + [token]:
-                block.append(tok)
-                emitted += 1
-                if tok in eos or emitted >= max_new:
-                    break
-            state.tokens.extend(block)
+            block = accept_and_commit(state, self.drafter, builder, tree, logits, generator, self.without_replacement,
+                                      max_new - emitted, eos, stats)
+            emitted += len(block)
             stats.new_tokens = emitted
             stats.seconds = time.perf_counter() - t0
             yield block
             if block[-1] in eos or emitted >= max_new:
                 return
-
-    @staticmethod
-    def _pick(logits: torch.Tensor, sampling: SamplingConfig, generator) -> int:
-        if sampling.greedy:
-            return int(logits[0].argmax())
-        return int(torch.multinomial(logits_to_probs(logits[0], sampling), 1, generator=generator))
 
     # ---------------------------------------------------------------- text layer
     def stream(self, prompt: str | list[int], config: GenerationConfig | None = None) -> Iterator[str]:
@@ -181,50 +156,31 @@ class SpeculativeGenerator:
         """
         config = config or GenerationConfig()
         ids = self.encode(prompt, config.chat) if isinstance(prompt, str) else list(prompt)
-        tok = self.model.tokenizer
         eos = set(self.model.eos_token_ids)
         stats = GenerationStats()
-        out: list[int] = []
-        text, shown = "", 0
-        hold = max((len(s) for s in config.stop), default=1) - 1
+        text = StopStringText(self.model.tokenizer, config.stop)
         reason = "length"
         blocks = self.generate_blocks(ids, config, stats)
         for block in blocks:
-            start = len(out)
-            out.extend(block)
-            text = tok.decode(out, skip_special_tokens=True)
-            hit = _find_stop(text, config.stop, max(0, shown - hold))
-            if hit is not None:
-                # cut exactly at the stop string: keep the fewest tokens whose text contains it
-                for k in range(start + 1, len(out) + 1):
-                    if _find_stop(tok.decode(out[:k], skip_special_tokens=True), config.stop, 0) is not None:
-                        break
-                del out[k:]
-                text = text[:hit]
-                stats.new_tokens = len(out)
+            piece = text.add(block)
+            if text.stopped:
+                stats.new_tokens = len(text.token_ids)
                 reason = "stop"
                 blocks.close()
-                break
-            if out[-1] in eos:
+            elif block[-1] in eos:
                 reason = "eos"
-            safe = len(text) - hold if config.stop else len(text)
-            if text.endswith("\ufffd"):
-                safe = min(safe, len(text) - 1)
-            if safe > shown:
-                yield text[shown:safe]
-                shown = safe
-        if len(text) > shown:
-            yield text[shown:]
-        self.last_result = GenerationResult(text, out, stats, reason)
+            if piece:
+                yield piece
+            if text.stopped:
+                break
+        piece = text.finish()
+        if piece:
+            yield piece
+        self.last_result = GenerationResult(text.text, list(text.token_ids), stats, reason)
 
     def generate(self, prompt: str | list[int], config: GenerationConfig | None = None) -> GenerationResult:
         """Generate to completion; returns text, token ids (prompt excluded) and stats."""
         for _ in self.stream(prompt, config):
             pass
         return self.last_result
-
-
-def _find_stop(text: str, stops, start: int) -> int | None:
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(hits) if hits else None
 
