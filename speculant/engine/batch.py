@@ -33,6 +33,7 @@ from ..drafters.base import DecodingState, Drafter
 from ..errors import SpeculantError
 from ..models.loading import LoadedModel
 from ..models.ragged import RaggedBlock, ragged_run_layers
+from ..runtime.compiled import compiled_halves
 from ..trees.builders import IIDTreeBuilder, TreeBuilder
 from ..trees.tree import DraftTree
 from .generator import GenerationConfig
@@ -174,6 +175,35 @@ class BatchedGenerator:
             s.last_block = block
             self._finish_if_done(s)
 
+    @torch.inference_mode()
+    def matches_single_sequence(self, with_neighbours: bool = True, seed: int = 0) -> bool:
+        """Whether a sequence's logits in a batched forward equal, bit for bit, those of the one-sequence
+        forward (:meth:`LlamaDecoder.forward`, the compiled step when compiled): a one-token step alone, and a
+        one-token step and a three-token block each next to another sequence's block (``with_neighbours``).
+
+        A self-check on random tokens (it also compiles the ragged forward's graphs, when compiled): the
+        ragged forward runs the layer halves (compiled separately when the model is compiled) instead of
+        the fused one-sequence step, which an optimizing compiler could round differently.
+        """
+        target = self.model.decoder
+        g = torch.Generator().manual_seed(seed)
+        vocab = self.model.config.vocab_size
+        prompt = torch.randint(vocab, (1, 6), generator=g)
+        same = True
+        for sizes in ((1,), (3,)) + (((1, 2), (3, 2)) if with_neighbours else ()):
+            caches = [target.new_cache(16) for _ in range(len(sizes) + 1)]
+            for c in caches:
+                target(prompt, None, None, c, 0)
+                c.crop(6)
+            ids = [torch.randint(vocab, (1, t), generator=g) for t in sizes]
+            alone = target(ids[0], torch.arange(6, 6 + sizes[0]), None, caches[-1], 6)[0]
+            blocks = [RaggedBlock(target.embed(x), 0, torch.arange(6, 6 + x.shape[1]), None, c, 6)
+                      for x, c in zip(ids, caches)]
+            hidden = ragged_run_layers(target, blocks, halves=compiled_halves(target))
+            logits = target.lm_head(target.final_norm(torch.cat(hidden, dim=1)))[0, :sizes[0]]
+            same &= torch.equal(alone, logits)
+        return bool(same)
+
     def _verify(self, seqs: list[Sequence], trees: list[DraftTree]) -> list[torch.Tensor]:
         """Every sequence's tree in one ragged target forward; returns per sequence fp32 logits ``[N_i + 1, V]``."""
         target = self.model.decoder
@@ -181,7 +211,7 @@ class BatchedGenerator:
         for s, tree in zip(seqs, trees):
             v = s.drafter.verification_input(s.state, tree)
             blocks.append(RaggedBlock(v.hidden, v.start_layer, v.positions, v.mask, s.state.cache, v.cache_position))
-        hidden = ragged_run_layers(target, blocks)
+        hidden = ragged_run_layers(target, blocks, halves=compiled_halves(target))
         for s, tree, h in zip(seqs, trees, hidden):
             s.drafter.verification_hidden(s.state, tree, h[0])
         sizes = [h.shape[1] for h in hidden]

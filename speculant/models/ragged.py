@@ -47,7 +47,8 @@ class RaggedBlock:
     cache_position: int
 
 
-def ragged_run_layers(decoder: LlamaDecoder, blocks: list[RaggedBlock], end: int | None = None) -> list[torch.Tensor]:
+def ragged_run_layers(decoder: LlamaDecoder, blocks: list[RaggedBlock], end: int | None = None,
+                      halves=(attention_inputs, layer_output)) -> list[torch.Tensor]:
     """Run every block through its layers ``start_layer .. end-1`` in one batched pass per layer.
 
     At layer ``i`` the rows of every block with ``start_layer <= i`` are concatenated (``[1, R, D]``) for
@@ -57,12 +58,15 @@ def ragged_run_layers(decoder: LlamaDecoder, blocks: list[RaggedBlock], end: int
         decoder: the target.
         blocks: the sequences' blocks (each its own cache).
         end: one past the last layer to run (default: all layers).
+        halves: the ``(attention_inputs, layer_output)`` functions to use (e.g. compiled ones,
+            :func:`speculant.runtime.compiled.compiled_halves`).
     Returns:
         per block, the hidden states ``[1, T, D]`` leaving layer ``end - 1``.
     Raises:
         SpeculantError: a block would write past its cache's ``max_length``, or its mask has the wrong shape.
     """
     end = decoder.num_layers if end is None else end
+    first_half, second_half = halves
     hidden = [b.hidden for b in blocks]
     masks, tables = [], []
     for b in blocks:
@@ -76,24 +80,37 @@ def ragged_run_layers(decoder: LlamaDecoder, blocks: list[RaggedBlock], end: int
         masks.append(mask)
         tables.append((decoder.rope_cos[b.positions], decoder.rope_sin[b.positions]))
     members: list[int] = []
-    cos = sin = None
+    cos = sin = x = None
+    sizes: list[int] = []
     for i in range(min((b.start_layer for b in blocks), default=end), end):
         now = [j for j, b in enumerate(blocks) if b.start_layer <= i]
-        if now != members:                     # a block joins at its start layer: rebuild the RoPE rows
+        if now != members:                     # a block joins at its start layer: regroup the rows
+            if x is not None:
+                for j, h in zip(members, x.split(sizes, 1)):
+                    hidden[j] = h
             members = now
-            dtype = hidden[members[0]].dtype
-            cos = torch.cat([tables[j][0] for j in members]).to(dtype).unsqueeze(-2)    # [R, 1, Dh]
-            sin = torch.cat([tables[j][1] for j in members]).to(dtype).unsqueeze(-2)
+            sizes = [hidden[j].shape[1] for j in members]
+            x = torch.cat([hidden[j] for j in members], dim=1) if len(members) > 1 else hidden[members[0]]
+            cos = torch.cat([tables[j][0] for j in members]).to(x.dtype).unsqueeze(-2)    # [R, 1, Dh]
+            sin = torch.cat([tables[j][1] for j in members]).to(x.dtype).unsqueeze(-2)
         layer = decoder.layers[i]
-        sizes = [hidden[j].shape[1] for j in members]
-        x = torch.cat([hidden[j] for j in members], dim=1) if len(members) > 1 else hidden[members[0]]
-        q, k, v = attention_inputs(layer, x, cos, sin)
+        if x.shape[1] > 1:            # one compiled graph for every row count 2..R
+            torch._dynamo.maybe_mark_dynamic(x, 1)
+            torch._dynamo.maybe_mark_dynamic(cos, 0)
+            torch._dynamo.maybe_mark_dynamic(sin, 0)
+        q, k, v = first_half(layer, x, cos, sin)
+        dtype, adtype = x.dtype, blocks[members[0]].cache.dtype
+        q, k, v = q.to(adtype), k.to(adtype), v.to(adtype)    # once per layer, not per sequence (same values)
         attended = []
         for j, qj, kj, vj in zip(members, q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2)):
             b = blocks[j]
             attended.append(attend(qj, kj, vj, masks[j], False, b.cache, i, b.cache_position))
-        x = layer_output(layer, x, torch.cat(attended, dim=1) if len(attended) > 1 else attended[0])
+        attended = (torch.cat(attended, dim=1) if len(attended) > 1 else attended[0]).to(dtype)
+        if x.shape[1] > 1:
+            torch._dynamo.maybe_mark_dynamic(attended, 1)
+        x = second_half(layer, x, attended)
+        decoder.layer_token_counts[i] += x.shape[1]
+    if x is not None:
         for j, h in zip(members, x.split(sizes, 1)):
             hidden[j] = h
-        decoder.layer_token_counts[i] += x.shape[1]
     return hidden

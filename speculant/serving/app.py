@@ -122,6 +122,8 @@ class ServingEngine:
 
 async def _next_event(sub: Submission, request: Request | None) -> Event:
     """The next event of ``sub``; with ``request``, cancels ``sub`` and raises when the client went away."""
+    if request is None:
+        return await sub.events.get()
     while True:
         try:
             return await asyncio.wait_for(sub.events.get(), timeout=DISCONNECT_POLL_S)

@@ -59,9 +59,15 @@ class ServerMetrics:
         self.e2e = Histogram("speculant:e2e_request_latency_seconds", "Arrival to last token [s].", label,
                              buckets=_REQUEST_BUCKETS, registry=r)
         self.max_positions = max_positions
+        self._children: dict = {}
 
     def labels(self, metric, **kw):
-        return metric.labels(model_name=self.model_name, **kw)
+        """``metric``'s child for this model (and ``kw`` labels), looked up once."""
+        key = (id(metric), tuple(sorted(kw.items())))
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(model_name=self.model_name, **kw)
+        return child
 
     def record_round(self, batch: int, drafted: list[int], accepted: list[int], emitted: list[int]) -> None:
         """One verification round over ``batch`` sequences: per sequence its tree size, accepted length and

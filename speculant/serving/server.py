@@ -58,6 +58,11 @@ def build_engine(model, spec, name: str, max_batch: int, max_queue: int, drain_t
     gen = build_generator(model, spec)
     batched = BatchedGenerator(model, gen.drafter, gen.builder)
     max_batch = exact_batch_limit(batched, max_batch, log)
+    if not batched.matches_single_sequence(with_neighbours=max_batch > 1):
+        print("speculant: warning: batched rounds do not reproduce the one-sequence forward bit for bit on this "
+              "machine (a compiled model's layer halves may round differently from its fused step; --no-compile "
+              "avoids that); greedy outputs may then differ from `speculant generate` at near-ties",
+              file=log or sys.stderr, flush=True)
     metrics = ServerMetrics(name)
     scheduler = Scheduler(batched, model.tokenizer, metrics, max_batch, max_queue, drain_timeout)
     return ServingEngine(name, batched, scheduler, metrics)
