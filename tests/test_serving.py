@@ -239,6 +239,15 @@ def test_disconnect_mid_stream_frees_the_slot(model):
         assert r.usage.completion_tokens == 5
 
 
+@pytest.mark.parametrize("args,needle", [(["--max-batch", "0"], "--max-batch=0"), (["--port", "70000"], "--port=70000"),
+                                         (["--drain-timeout", "-1"], "--drain-timeout=-1.0")])
+def test_serve_cli_bad_options_are_one_line_errors(capsys, args, needle):
+    from speculant.cli import main
+    assert main(["serve", "--model", "no-such-model", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("speculant: error:") and needle in err and "\n" not in err
+
+
 def _smollm2_installed() -> bool:
     try:
         from speculant.models.loading import KNOWN_MODELS, find_gguf

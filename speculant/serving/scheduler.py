@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from ..engine.batch import BatchedGenerator, Sequence
 from ..engine.generator import GenerationConfig
 from ..engine.text import StopStringText
+from ..errors import SpeculantError
 from .metrics import ServerMetrics
 
 log = logging.getLogger("speculant.serving")
@@ -206,7 +207,11 @@ class Scheduler:
             if sub.cancelled.is_set():
                 self.metrics.labels(self.metrics.request_success, finished_reason="abort").inc()
                 continue
-            seq = self.batched.start(sub.prompt_ids, sub.config)
+            try:
+                seq = self.batched.start(sub.prompt_ids, sub.config)
+            except SpeculantError as e:          # checked before submission; kept as a guard for this request only
+                self._send(sub, Event("error", error=str(e), status=400))
+                continue
             now = time.perf_counter()
             self.metrics.labels(self.metrics.target_forwards).inc()
             self.metrics.labels(self.metrics.prompt_tokens).inc(len(sub.prompt_ids))

@@ -113,6 +113,7 @@ def cmd_serve(args) -> int:
     check_range("--port", args.port, 0, 65535)
     check_range("--max-batch", args.max_batch, 1)
     check_range("--max-queue", args.max_queue, 0)
+    check_range("--drain-timeout", args.drain_timeout, 0.0)
     model = load_for_decoding(args)
     spec = method_spec_from_args(args, model)
     name = args.served_model_name or model.name
