@@ -27,7 +27,6 @@ import json
 import os
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import time

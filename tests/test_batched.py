@@ -11,12 +11,15 @@ from helpers import tiny_model
 from speculant import GenerationConfig, SamplingConfig, build_generator
 from speculant.drafters.draft_model import DraftModelDrafter
 from speculant.drafters.early_exit import EarlyExitDrafter
+from speculant.drafters.prompt_lookup import PromptLookupDrafter
+from speculant.engine.generator import SpeculativeGenerator
 from speculant.engine.batch import BatchedGenerator
 from speculant.engine.methods import MethodSpec
 from speculant.models.ragged import RaggedBlock, ragged_run_layers
 from speculant.runtime import tune
 from speculant.runtime.formats import apply_weight_format
 from speculant.serving.server import exact_batch_limit
+from speculant.trees.builders import ChainBuilder
 from speculant.trees.tree import DraftTree
 
 METHODS = [("ar", {}), ("prompt-lookup", {}), ("early-exit", {"exit_layer": 2}),
@@ -148,3 +151,55 @@ def test_invariant_rows_and_the_batch_limit(monkeypatch, model):
     assert exact_batch_limit(bg, 8) == 1                  # not invariant at all: no batching
     monkeypatch.setattr(tune, "invariant_rows", lambda mods, limits: max(limits))
     assert exact_batch_limit(bg, 8) == 8
+
+
+class _RecordingLookup(PromptLookupDrafter):
+    """Prompt lookup that keeps the verified blocks' last-layer hidden states (the hook a draft head uses)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden: list[torch.Tensor] = []
+        self.forks: list[_RecordingLookup] = []
+
+    def fork(self):
+        child = _RecordingLookup()
+        self.forks.append(child)
+        return child
+
+    def verification_hidden(self, state, tree, hidden):
+        assert hidden.shape == (len(tree) + 1, state.target.config.hidden_size)
+        self.hidden.append(hidden.clone())
+
+
+def test_verification_hidden_gets_each_sequences_own_states(model):
+    dec = model.decoder
+    if tune.invariant_rows(tune.invariance_sample(dec), (32,)) < 32:
+        pytest.skip("int8 projections are not batch-invariant on this machine")
+    builder = ChainBuilder(3)
+    configs = [GenerationConfig(max_new_tokens=n) for n in LENGTHS]
+    alone = []
+    for p, c in zip(PROMPTS, configs):
+        d = _RecordingLookup()
+        SpeculativeGenerator(model, d, builder).generate(p, c)
+        alone.append(d.hidden)
+    proto = _RecordingLookup()
+    decode_staggered(BatchedGenerator(model, proto, builder), configs)
+    assert len(proto.forks) == len(PROMPTS) and not proto.hidden
+    for fork, want in zip(proto.forks, alone):
+        assert len(fork.hidden) == len(want)
+        assert all(torch.equal(a, b) for a, b in zip(fork.hidden, want))
+
+
+class _OwnVerification(PromptLookupDrafter):
+    """A drafter that runs its verification itself (no batching hook): verified alone inside the round."""
+
+    def verify_logits(self, state, tree):
+        return super().verify_logits(state, tree)
+
+
+def test_a_drafter_with_its_own_verification_is_verified_alone_and_stays_exact(model):
+    ar = build_generator(model, method="ar")
+    want = [ar.generate(p, GenerationConfig(max_new_tokens=n)).token_ids for p, n in zip(PROMPTS, LENGTHS)]
+    bg = BatchedGenerator(model, _OwnVerification(), ChainBuilder(3))
+    assert not bg.batched_verification
+    assert decode_staggered(bg, [GenerationConfig(max_new_tokens=n) for n in LENGTHS]) == want

@@ -58,6 +58,7 @@ class Sequence:
         budget: the builder's node budget [tokens].
         emitted: tokens emitted so far [tokens].
         finished: why it ended: ``'eos'``, ``'length'``, or ``None`` while it runs.
+        last_block: the tokens its last :meth:`BatchedGenerator.start` / :meth:`BatchedGenerator.step` emitted.
     """
 
     prompt_ids: list[int]
@@ -157,7 +158,6 @@ class BatchedGenerator:
         an EOS, at most ``remaining``), ``emitted`` and ``finished``."""
         if not seqs:
             return
-        target = self.model.decoder
         trees: list[DraftTree] = []
         for s in seqs:
             max_nodes, max_depth = draft_limits(s.state, s.builder, s.budget, s.remaining)

@@ -54,6 +54,8 @@ class Event:
         finish_reason: ``'stop'`` (EOS or a stop string), ``'length'`` (max_tokens or the context), ``'abort'``.
         completion_tokens: tokens generated so far (cut at a stop string) [tokens].
         error: the message of an ``'error'`` event; ``status`` its HTTP status.
+        stats: with ``'done'``: the request's speculative counters (rounds, drafted and accepted tokens,
+            acceptance rate, target forwards), returned as the response's ``speculant`` field.
     """
 
     kind: str
