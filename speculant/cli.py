@@ -1,4 +1,4 @@
-"""Command line: ``speculant generate | models`` (and ``bench | sweep | train | make-data`` when installed).
+"""Command line: ``speculant generate | models | tune | serve`` (and ``bench | sweep | train | make-data``).
 
 Bad input prints one line ``speculant: error: ...`` and exits with code 2.
 """
@@ -177,9 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extensions():
-    """Sub-commands that live with their packages (bench, sweep, training)."""
+    """Sub-commands that live with their packages (bench, sweep, training, serve)."""
     regs = []
-    for mod in ("speculant.bench.cli", "speculant.training.cli"):
+    for mod in ("speculant.bench.cli", "speculant.training.cli", "speculant.serving.server"):
         try:
             module = __import__(mod, fromlist=["register"])
         except ModuleNotFoundError as e:

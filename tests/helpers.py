@@ -38,3 +38,11 @@ def tiny_model(seed=0, scale=1.0, **kw) -> LoadedModel:
                 p.normal_(0, 0.02 * 10 * scale if "embed" in name else 0.02 * 5 * scale)
     dec.eval().requires_grad_(False)
     return LoadedModel("tiny", dec, word_tokenizer(cfg.vocab_size), None)
+
+
+def one_line_error(err: str) -> bool:
+    """The CLI's bad-input contract: exactly one ``speculant: error: ...`` line, the last one on stderr
+    (progress lines such as the first-load kernel measurement may come before it)."""
+    lines = err.strip().splitlines()
+    return bool(lines) and lines[-1].startswith("speculant: error: ") and \
+        sum(line.startswith("speculant: error:") for line in lines) == 1 and "Traceback" not in err

@@ -7,7 +7,7 @@ import importlib.util
 import json
 
 import pytest
-from helpers import tiny_model, word_tokenizer
+from helpers import one_line_error, tiny_model, word_tokenizer
 
 from speculant import GenerationConfig, MethodSpec, SamplingConfig, SpeculantError, build_generator
 from speculant.cli import main
@@ -229,7 +229,7 @@ def test_no_traceback_from_generate(capsys, model_dir, tmp_path, monkeypatch, ar
     code, out, err = run_cli(capsys, "generate", "t1 t2 t3", "--model", model_dir, "--raw", "--max-new-tokens", 6, *args)
     assert code == want and "Traceback" not in err, err
     if code == 2:
-        assert err.startswith("speculant: error: ") and len(err.strip().splitlines()) == 1
+        assert one_line_error(err)
 
 
 @pytest.mark.parametrize("args,want", [(["bench", "--methods", "hf-early-exit,early-exit"], 0),
@@ -245,6 +245,6 @@ def test_no_traceback_from_bench_and_sweep(capsys, model_dir, tmp_path, monkeypa
                              "--categories", "qa", "--max-new-tokens", 3, "--quiet", "--out", tmp_path / "out")
     assert code == want and "Traceback" not in err, err
     if code == 2:
-        assert err.startswith("speculant: error: ") and len(err.strip().splitlines()) == 1
+        assert one_line_error(err)
     else:
         assert (tmp_path / "out" / "results.json").is_file()

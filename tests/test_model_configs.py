@@ -17,7 +17,8 @@ from helpers import word_tokenizer
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from speculant import GenerationConfig, SpeculantError, build_generator, load_model
+from speculant import GenerationConfig, SpeculantError, build_generator
+from speculant.models.loading import load_model
 from speculant.cli import main
 from speculant.models.config import FAMILY_DEFAULTS, ModelConfig
 

@@ -190,7 +190,7 @@ def test_rejection_sampling_computes_only_visited_rows(without_replacement):
 
 def test_engine_processes_only_the_rows_the_rule_reads(monkeypatch):
     """RSD-C with 39-node trees: per round the target distribution is built for at most depth + 1 rows."""
-    import speculant.engine.generator as generator
+    import speculant.engine.rounds as generator
     model = tiny_model(seed=11, scale=1.0, vocab=64, layers=3)
     rows = []
     real = generator.logits_to_probs

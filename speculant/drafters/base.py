@@ -7,6 +7,7 @@ cache).  A verification block is ``[root] + tree nodes`` at slots ``n ..``.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -61,14 +62,57 @@ class DecodingState:
         return out
 
 
+@dataclass
+class VerificationInput:
+    """What the target runs to verify one tree: the block's hidden states entering layer ``start_layer``.
+
+    Attributes:
+        hidden: ``[1, T, D]`` (``T`` = tree nodes + 1, root first): token embeddings when
+            ``start_layer == 0``; an early-exit drafter's exit-query cache when it resumes at its exit layer.
+        start_layer: first target layer to run.
+        positions: RoPE positions ``[T]``.
+        mask: bool ``[T, cache_position + T]`` (tree attention), or ``None`` for a causal block (a chain).
+        cache_position: first KV-cache slot the block writes (``n``, the committed length) [tokens].
+    """
+
+    hidden: torch.Tensor
+    start_layer: int
+    positions: torch.Tensor
+    mask: torch.Tensor | None
+    cache_position: int
+
+
 class Drafter:
     """Proposes a :class:`DraftTree`; may also run the verification forward (to reuse its work).
 
     A drafter object holds configuration only; whatever changes during a generation lives in
     ``state.drafter_state``, created by :meth:`begin` at the start of every generation.
+
+    Verification is split in two hooks so that a batch of sequences can be verified in one target forward
+    (:mod:`speculant.engine.batch`): :meth:`verification_input` says what to run, the engine runs layers
+    ``start_layer .. L-1`` (alone, or with other sequences' blocks), and :meth:`verification_hidden` receives
+    the block's last-layer hidden states.  :meth:`verify_logits` is the one-sequence composition of the two.
     """
 
     name = "none"
+
+    def fork(self) -> "Drafter":
+        """A drafter for one more sequence: the same networks and settings, its own per-sequence state.
+
+        The default (a shallow copy) suits drafters that keep no per-sequence state on the object or
+        re-create it in :meth:`prefill` / :meth:`begin`; drafters holding a cache or buffers override it.
+        """
+        return copy.copy(self)
+
+    def prefill(self, state: DecodingState) -> torch.Tensor:
+        """The target's forward over the prompt ``state.tokens`` (KV into ``state.cache`` slots ``0 .. T-1``): the
+        first call of every generation, before :meth:`begin`.  Returns fp32 logits ``[1, V]`` of the last position
+        (the LM head runs on it only).  A drafter that needs more of the prompt than its KV (a draft head reads
+        the target's features) overrides it."""
+        target = state.target
+        ids = torch.tensor([state.tokens], dtype=torch.long)
+        h = state.run_layers(target.embed(ids), 0, target.num_layers, torch.arange(len(state.tokens)), None, 0)
+        return last_position_logits(target, h)
 
     def begin(self, state: DecodingState) -> None:
         """Called once per generation after the target's prefill: set ``state.drafter_state``."""
@@ -79,13 +123,23 @@ class Drafter:
         """A tree of at most ``max_nodes`` nodes and ``max_depth`` depths (both in tokens)."""
         return DraftTree()
 
+    def verification_input(self, state: DecodingState, tree: DraftTree) -> VerificationInput:
+        """The block to verify ``tree``: by default the embedded ``[root] + tree`` tokens from layer 0."""
+        n = state.n
+        ids = tree.block_tokens(state.tokens[-1])[None]
+        return VerificationInput(state.target.embed(ids), 0, tree.block_positions(n),
+                                 None if tree.is_chain else tree.attention_mask(n), n)
+
+    def verification_hidden(self, state: DecodingState, tree: DraftTree, hidden: torch.Tensor) -> None:
+        """Receives the verified block's hidden states ``[T, D]`` leaving the target's last layer (before the
+        final norm), e.g. for a draft head that reads the target's features.  Default: nothing."""
+
     def verify_logits(self, state: DecodingState, tree: DraftTree) -> torch.Tensor:
         """Target logits ``[N + 1, V]`` (fp32) after each block entry; writes the block's KV at slots ``n ..``."""
-        n = state.n
-        mask = None if tree.is_chain else tree.attention_mask(n)
-        ids = tree.block_tokens(state.tokens[-1])[None]
-        target = state.target
-        h = state.run_layers(target.embed(ids), 0, target.num_layers, tree.block_positions(n), mask, n)
+        target, block = state.target, self.verification_input(state, tree)
+        h = state.run_layers(block.hidden, block.start_layer, target.num_layers, block.positions, block.mask,
+                             block.cache_position)
+        self.verification_hidden(state, tree, h[0])
         return target.lm_head(target.final_norm(h))[0]
 
     def commit(self, state: DecodingState, path: list[int]) -> None:

@@ -70,6 +70,9 @@ class DraftModelDrafter(ModelDrafterBase):
     def __init__(self, draft: LlamaDecoder):
         self.model = draft
 
+    def fork(self):
+        return DraftModelDrafter(self.model)
+
     def begin(self, state: DecodingState) -> None:
         state.drafter_state = DraftModelState(cache=self.model.new_cache(state.cache.max_length))
 

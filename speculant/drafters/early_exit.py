@@ -23,7 +23,7 @@ import torch
 
 from ..errors import SpeculantError
 from ..trees.tree import DraftTree
-from .base import DecodingState, ModelDrafterBase, ModelDraftState
+from .base import DecodingState, ModelDrafterBase, ModelDraftState, VerificationInput
 
 
 @dataclass
@@ -56,6 +56,7 @@ class EarlyExitDrafter(ModelDrafterBase):
     def __init__(self, num_layers: int, exit_layer: int, exit_head: Callable | None = None):
         if not 1 <= exit_layer < num_layers:
             raise SpeculantError(f"exit_layer={exit_layer} is out of range; allowed: 1..{num_layers - 1}")
+        self.num_layers = num_layers
         self.exit_layer = exit_layer
         self.exit_head = exit_head
 
@@ -83,14 +84,15 @@ class EarlyExitDrafter(ModelDrafterBase):
         h = self._run_prefix(state, tree, first_entry)
         return self._exit_logits(state, h[0])
 
-    def verify_logits(self, state, tree):
-        target, n, ds = state.target, state.n, state.drafter_state
+    def verification_input(self, state, tree):
+        """Resume at the exit layer from the exit-query cache (after running layers < E over the deepest
+        frontier, which drafting never runs)."""
+        n, ds = state.n, state.drafter_state
         if ds.processed < len(tree) + 1:           # the deepest frontier, or everything (nothing drafted)
             if ds.processed == 0:
                 ds.exit_queries = []
             self._run_prefix(state, tree, ds.processed)
         h = torch.cat(ds.exit_queries, dim=1)      # exit-query cache: [1, N+1, D]
         ds.exit_queries = []
-        mask = None if tree.is_chain else tree.attention_mask(n)
-        h = state.run_layers(h, self.exit_layer, target.num_layers, tree.block_positions(n), mask, n)
-        return target.lm_head(target.final_norm(h))[0]
+        return VerificationInput(h, self.exit_layer, tree.block_positions(n),
+                                 None if tree.is_chain else tree.attention_mask(n), n)

@@ -20,12 +20,12 @@ from typing import Iterator
 
 import torch
 
-from ..drafters.base import DecodingState, Drafter, last_position_logits
+from ..drafters.base import DecodingState, Drafter
 from ..errors import SpeculantError, check_range
 from ..models.loading import LoadedModel
-from ..sampling.processors import SamplingConfig, logits_to_probs
+from ..sampling.processors import SamplingConfig
 from ..trees.builders import IIDTreeBuilder, TreeBuilder
-from ..verification.rules import greedy_accept, recursive_rejection_sampling
+from .rounds import accept_and_commit, draft_limits, prefill
 from .stats import GenerationStats
 from .text import StopStringText
 
@@ -163,17 +163,9 @@ class SpeculativeGenerator:
 
     @torch.inference_mode()
     def _prefill(self, prompt_ids, sampling, cache_length, generator, stats, t0) -> DecodingState:
-        """Run the prompt through the target (LM head on the last position only), pick the first token,
-        start the drafter; returns the generation's state (``tokens`` = prompt + first token)."""
-        target = self.model.decoder
-        state = DecodingState(target, target.new_cache(cache_length), list(prompt_ids), sampling)
-        ids = torch.tensor([prompt_ids], dtype=torch.long)
-        h = state.run_layers(target.embed(ids), 0, target.num_layers, torch.arange(len(prompt_ids)), None, 0)
-        state.cache.crop(len(prompt_ids))
-        stats.target_forwards += 1
-        state.tokens.append(self._pick(last_position_logits(target, h), sampling, generator))
-        self.drafter.begin(state)
-        stats.layer_token_evaluations = state.layer_tokens
+        """Run the prompt through the target, pick the first token, start the drafter (:func:`rounds.prefill`);
+        returns the generation's state (``tokens`` = prompt + first token)."""
+        state = prefill(self.model.decoder, self.drafter, prompt_ids, cache_length, sampling, generator, stats)
         stats.time_to_first_token_s = stats.seconds = time.perf_counter() - t0
         stats.new_tokens = 1
         return state
@@ -183,40 +175,13 @@ class SpeculativeGenerator:
                stats: GenerationStats) -> list[int]:
         """One draft -> verify -> accept -> commit round; returns the emitted tokens (at most ``remaining``,
         ending at an EOS)."""
-        cache, sampling = state.cache, state.sampling
-        n = cache.length
-        max_depth = min(builder.max_depth if builder else 0, remaining - 1)
-        max_nodes = min(budget, cache.max_length - n - 1)
+        max_nodes, max_depth = draft_limits(state, builder, budget, remaining)
         tree = self.drafter.draft(state, builder, generator, max_nodes, max_depth)
         stats.draft_forwards = state.draft_forwards
         logits = self.drafter.verify_logits(state, tree)
         stats.target_forwards += 1
-        if sampling.greedy:
-            path, token = greedy_accept(tree, logits.argmax(-1).tolist())
-        else:
-            # the target's processed distribution of only the rows the rule visits (the accepted path)
-            path, token = recursive_rejection_sampling(tree, lambda entry: logits_to_probs(logits[entry], sampling),
-                                                       generator, self.without_replacement)
-        cache.crop(n + 1)
-        cache.keep([n + 1 + i for i in path], start=n + 1)
-        self.drafter.commit(state, path)
-        if builder is not None:
-            builder.observe(len(path), tree.max_depth)
-        block = []
-        for tok in [tree.tokens[i] for i in path] + [token]:
-            block.append(tok)
-            if tok in eos or len(block) >= remaining:
-                break
-        # accepted drafted tokens that were emitted (an EOS or max_new_tokens may cut the block)
-        stats.record_round(len(tree), tree.max_depth, min(len(path), len(block)))
-        state.tokens.extend(block)
-        return block
-
-    @staticmethod
-    def _pick(logits: torch.Tensor, sampling: SamplingConfig, generator) -> int:
-        if sampling.greedy:
-            return int(logits[0].argmax())
-        return int(torch.multinomial(logits_to_probs(logits[0], sampling), 1, generator=generator))
+        return accept_and_commit(state, self.drafter, builder, tree, logits, generator, self.without_replacement,
+                                 remaining, eos, stats)
 
     # ---------------------------------------------------------------- text layer
     def stream(self, prompt: str | list[int], config: GenerationConfig | None = None) -> Iterator[str]:

@@ -53,6 +53,19 @@ def _compiled_step(key: str):
     return _COMPILED[key]
 
 
+def compiled_halves(decoder: LlamaDecoder):
+    """The two halves of a decoder layer around attention, each compiled on its own (for the ragged
+    multi-sequence forward, :func:`speculant.models.ragged.ragged_run_layers`, whose attention runs per
+    sequence between them): ``(attention_inputs, layer_output)``, eager ones when ``decoder`` is not compiled."""
+    from ..models.llama import attention_inputs, layer_output
+    if decoder.layer_step is decoder_layer_step:
+        return attention_inputs, layer_output
+    key = f"{decoder.config}|{decoder.weight_format}|halves"
+    if key not in _COMPILED:
+        _COMPILED[key] = (torch.compile(attention_inputs, dynamic=None), torch.compile(layer_output, dynamic=None))
+    return _COMPILED[key]
+
+
 def enable_compile(decoder: LlamaDecoder, warm_up: bool = True, log=None) -> bool:
     """Route ``decoder``'s layers through compiled graphs; returns False (eager, one warning) without a C++ compiler.
 

@@ -203,6 +203,17 @@ def select_rows(projection: nn.Module, index: torch.Tensor) -> nn.Module:
     return rows
 
 
+def lm_head_rows_weight(decoder, index: torch.Tensor | None = None) -> torch.Tensor:
+    """Float32 rows ``index`` (all when ``None``) ``[V', D]`` of ``decoder``'s LM head as its kernel uses them
+    (dequantized for an int8/bf16 head): for heads that reuse the frozen LM head at another precision."""
+    head = decoder.lm_head_proj
+    if isinstance(head, PackedLinear):
+        head = head if index is None else head.select_rows(index)
+        return head.dequantized_weight()
+    w = head.weight.detach()
+    return w if index is None else w[index]
+
+
 def int4_fits(out_features: int, in_features: int) -> bool:
     """Whether torch's int4 kernel takes an ``[O, I]`` weight."""
     return out_features % 16 == 0 and in_features % INT4_GROUP == 0

@@ -8,7 +8,8 @@ it runs alone (a decoding step) or inside a block (a verification).  So :func:`m
 1. packs the model's projections in every weight format (:mod:`speculant.runtime.formats`);
 2. checks each format's kernel for batch invariance: rows of a 2..16-row product must equal, bit for
    bit, the same rows computed one at a time (for ``fp32``, each route: plain ``F.linear``,
-   ``(W x^T)^T`` for 2..16 rows, a one-row product padded to two columns);
+   ``(W x^T)^T`` for 2..16 rows, a one-row product padded to two columns); and records up to which of
+   32 and 64 rows that still holds (the blocks of a batch of sequences, ``speculant serve``);
 3. times one pass over every projection of the model (all layers and the LM head, so the weights come
    from DRAM as in decoding) for 1, 2, 4, 5, 8 and 16 rows, formats interleaved, best of the repeats
    (the minimum is the figure least disturbed by other work on a shared machine);
@@ -42,6 +43,9 @@ ROWS = (1, 2, 4, 5, 8, 16)
 """Row counts measured: a decoding step, verification blocks and tree frontiers."""
 FP32_ROUTES = {"linear": Routes("linear", "linear"), "transposed": Routes("linear", "transposed"),
                "pad2+transposed": Routes("pad2", "transposed"), "pad2": Routes("pad2", "linear")}
+BATCH_ROWS = (32, 64)
+"""Row counts a batch of sequences reaches (one verification block per sequence, one forward): checked for
+batch invariance only (the ``invariant_rows`` column), so the one-sequence choice of format is unchanged."""
 SCHEMA = 1
 
 
@@ -55,7 +59,8 @@ class TuneResult:
         fp32_route: name of the float32 route chosen (a key of :data:`FP32_ROUTES`).
         threads: torch threads chosen (fastest one-row pass of ``weights``).
         table: one row per (format, route): ``ms`` per row count [milliseconds per pass over all
-            projections], ``batch_invariant`` [bool].
+            projections], ``batch_invariant`` [bool] (at :data:`ROWS`), ``invariant_rows`` [rows] (the
+            largest checked row count up to which it stays invariant, :func:`invariant_rows`).
         thread_ms: one-row pass of ``weights`` per thread count [milliseconds].
         seconds: time the measurement took [s].
     """
@@ -135,6 +140,13 @@ def _projections(decoder) -> list[nn.Module]:
     return [_get(layer, p) for layer in decoder.layers for p in PROJECTIONS] + [decoder.lm_head_proj]
 
 
+def invariance_sample(decoder) -> list[nn.Module]:
+    """The projections batch invariance is checked on: the first layer's and the LM head's (every layer runs
+    the same kernels on the same shapes)."""
+    mods = _projections(decoder)
+    return mods[:len(PROJECTIONS)] + mods[-1:]
+
+
 def _packed(modules: list[nn.Module], fmt: str) -> list[nn.Module]:
     if fmt == "fp32":
         return modules
@@ -170,6 +182,30 @@ def batch_invariant(modules: list[nn.Module], rows=ROWS, seed: int = 0) -> bool:
     return True
 
 
+def invariant_rows(modules: list[nn.Module], limits=BATCH_ROWS, seed: int = 0) -> int:
+    """The largest of ``limits`` (row counts) up to which ``modules`` stay batch-invariant.
+
+    A limit counts when every module gives each row of a 2..``limit``-row product the bits it gives that row
+    alone, checked at :data:`ROWS` and at every limit up to it (row counts in between are not checked).
+    Returns 0 when that fails already at :data:`ROWS`, ``max(ROWS)`` when it fails at the first limit above.
+    """
+    steps = sorted({max(ROWS), *limits})
+    counts = sorted({r for r in ROWS if r > 1} | set(steps))
+    first_bad = None
+    g = torch.Generator().manual_seed(seed)
+    for m in modules:
+        x = torch.randn(counts[-1], m.in_features, generator=g)
+        alone = torch.cat([m(x[i:i + 1]) for i in range(x.shape[0])])
+        for r in counts:
+            if first_bad is not None and r >= first_bad:
+                break
+            if not torch.equal(m(x[:r]), alone[:r]):
+                first_bad = r
+                break
+    return max((s for s in steps if first_bad is None or s < first_bad), default=0) if \
+        first_bad is None or first_bad > max(ROWS) else 0
+
+
 def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> TuneResult:
     """Measure the kernel table on this machine for ``decoder`` (float32 :class:`DecodeLinear` projections).
 
@@ -195,11 +231,13 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
             else:
                 variants.append((fmt, "-", mods, None))
         sample = {}     # invariance on the first layer and the LM head (same kernels as the rest)
+        batch_rows = {}  # rows up to which that holds, for batches of sequences (speculant serve)
         per_layer = len(PROJECTIONS)
         for fmt, route, mods, routes in variants:
             if routes is not None:
                 fp32_linear.ROUTES = routes
             sample[(fmt, route)] = batch_invariant(mods[:per_layer] + mods[-1:])
+            batch_rows[(fmt, route)] = invariant_rows(mods[:per_layer] + mods[-1:])
         times = {(fmt, route): {r: [] for r in ROWS} for fmt, route, _, _ in variants}
         g = torch.Generator().manual_seed(1)
         widths = sorted({m.in_features for m in base})
@@ -213,7 +251,8 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
                         times[(fmt, route)][r].append(ms)
         table = [{"format": fmt, "route": route,
                   "ms": {str(r): round(min(v), 3) for r, v in times[(fmt, route)].items()},
-                  "batch_invariant": sample[(fmt, route)]} for fmt, route, _, _ in variants]
+                  "batch_invariant": sample[(fmt, route)], "invariant_rows": batch_rows[(fmt, route)]}
+                 for fmt, route, _, _ in variants]
         fp32_rows = [row for row in table if row["format"] == "fp32"]
         fp32_pick = min(fp32_rows, key=lambda row: (not row["batch_invariant"], row["ms"]["1"] + row["ms"]["5"]))
         candidates = [row for row in table if row["format"] != "fp32" or row is fp32_pick]
@@ -288,13 +327,15 @@ def format_table(result: TuneResult) -> str:
     k = result.key
     lines = [f"CPU: {k['cpu']} ({', '.join(k['isa']) or 'no AVX2/AVX-512 flags'}), torch {k['torch']}, "
              f"{k['threads']} threads; measured {result.measured_at} in {result.seconds} s", "",
-             "| format | route | batch-invariant | " + " | ".join(f"{r} row{'s' if r > 1 else ''} [ms]" for r in ROWS)
-             + " | 5 rows / 1 row |", "|" + "---|" * (4 + len(ROWS))]
+             "| format | route | batch-invariant | invariant up to [rows] | "
+             + " | ".join(f"{r} row{'s' if r > 1 else ''} [ms]" for r in ROWS)
+             + " | 5 rows / 1 row |", "|" + "---|" * (5 + len(ROWS))]
     for row in result.table:
         ms = row["ms"]
         chosen = (row["format"] == result.weights and (row["format"] != "fp32" or row["route"] == result.fp32_route))
         name = f"**{row['format']}**" if chosen else row["format"]
         lines.append(f"| {name} | {row['route']} | {'yes' if row['batch_invariant'] else 'no'} | "
+                     f"{row.get('invariant_rows', '?')} | "
                      + " | ".join(f"{ms[str(r)]:.2f}" for r in ROWS) + f" | {ms['5'] / ms['1']:.2f} |")
     lines += ["", f"default weights: **{result.weights}**; float32 route: {result.fp32_route}; threads: "
               f"{result.threads} (one-row pass: " + ", ".join(f"{n} threads {v:.2f} ms" for n, v in result.thread_ms.items())

@@ -31,6 +31,7 @@ from torch import nn
 from ..errors import SpeculantError
 from ..models.linear import DecodeLinear, small_batch_linear
 from ..models.llama import RMSNorm
+from ..runtime.formats import lm_head_rows_weight
 
 FORMAT = "speculant-exit-adapter"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts" / "exit_adapters"
@@ -126,8 +127,7 @@ def new_adapter(model, exit_layer: int, num_blocks: int = 1, vocab_ids: torch.Te
             "intermediate_size": cfg.intermediate_size, "num_blocks": num_blocks, "rms_norm_eps": cfg.rms_norm_eps,
             "exit_layer": exit_layer, "num_layers": L, "vocab_size": cfg.vocab_size,
             "draft_vocab_size": cfg.vocab_size if vocab_ids is None else int(len(vocab_ids))}
-    w = dec.lm_head_proj.weight.detach()
-    head = w if vocab_ids is None else w[vocab_ids.long()]
+    head = lm_head_rows_weight(dec, None if vocab_ids is None else vocab_ids.long())
     ad = ExitAdapter(conf, head.float(), vocab_ids)
     with torch.no_grad():
         for j, b in enumerate(ad.blocks):
@@ -198,8 +198,7 @@ def load_adapter(path: str | Path, model) -> ExitAdapter:
                                  f"{have}; allowed: an adapter trained for this model")
     sd = load_file(str(path / "adapter.safetensors"))
     vocab_ids = sd.pop("vocab_ids", None)
-    w = model.decoder.lm_head_proj.weight.detach()
-    head = w if vocab_ids is None else w[vocab_ids.long()]
+    head = lm_head_rows_weight(model.decoder, None if vocab_ids is None else vocab_ids.long())
     ad = ExitAdapter(conf, head, vocab_ids)
     ad.load_state_dict({k: v for k, v in sd.items()}, strict=True)
     return ad.to(model.decoder.dtype).eval().requires_grad_(False)

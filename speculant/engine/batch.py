@@ -1,0 +1,216 @@
+"""Batched speculative decoding: many sequences, one target forward per round.
+
+Each round drafts for every active sequence (each with its own drafter state, tree builder, sampling
+``torch.Generator`` and KV cache), then verifies *all* their trees in one ragged target forward
+(:func:`~speculant.models.ragged.ragged_run_layers`: the rows of every block concatenated for the projections
+and the MLP, attention per sequence against its own cache and mask), then accepts and commits each sequence
+with its own accepted length (:func:`~speculant.engine.rounds.accept_and_commit`, the same code the
+one-sequence generator runs).  Sequences join (:meth:`BatchedGenerator.start`: their own prefill forward) and
+leave between rounds, which is continuous batching (Yu et al. 2022, "Orca", iteration-level scheduling).
+
+Exactness: a sequence's logits in the batched forward are bit-identical to those of the same sequence
+decoded alone (per-row projections batch-invariant, measured: :func:`speculant.runtime.tune.invariant_rows`;
+per-row norms; attention per sequence in float64), its draws come from its own seeded generator in the
+order its own rounds make them, so greedy output equals the sequence's ``ar`` output and a seeded sampled
+output is the same whatever else runs beside it.
+
+Verification hooks: drafters whose verification is a plain forward from a layer (``ar``, prompt lookup,
+a draft model, early exit resuming at its exit layer, a draft head capturing the target's hidden states
+through :meth:`~speculant.drafters.base.Drafter.verification_hidden`) are batched through
+:meth:`~speculant.drafters.base.Drafter.verification_input`; a drafter that overrides
+:meth:`~speculant.drafters.base.Drafter.verify_logits` itself is verified alone inside the round.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..drafters.base import DecodingState, Drafter
+from ..errors import SpeculantError
+from ..models.loading import LoadedModel
+from ..models.ragged import RaggedBlock, ragged_run_layers
+from ..runtime.compiled import compiled_halves
+from ..trees.builders import IIDTreeBuilder, TreeBuilder
+from ..trees.tree import DraftTree
+from .generator import GenerationConfig
+from .rounds import accept_and_commit, draft_limits, prefill
+from .stats import GenerationStats
+
+
+@dataclass
+class Sequence:
+    """One request decoded inside a batch.
+
+    Attributes:
+        prompt_ids: the prompt's token ids.
+        config: its generation settings (``max_new_tokens``, sampling, seed; stop strings are the text
+            layer's business, see :mod:`speculant.engine.text`).
+        drafter: its own drafter (a :meth:`~Drafter.fork` of the batch's).
+        builder: its own tree builder (a copy of the batch's), or ``None``.
+        generator: the ``torch.Generator`` of every random draw of this sequence (seeded from ``config``).
+        state: tokens (prompt + emitted), KV cache (``cache.length`` committed slots).
+        stats: its counters (rounds, drafted/accepted tokens by depth, target forwards shared by the batch).
+        max_new: tokens it may emit (``max_new_tokens`` within the context) [tokens].
+        budget: the builder's node budget [tokens].
+        emitted: tokens emitted so far [tokens].
+        finished: why it ended: ``'eos'``, ``'length'``, or ``None`` while it runs.
+        last_block: the tokens its last :meth:`BatchedGenerator.start` / :meth:`BatchedGenerator.step` emitted.
+    """
+
+    prompt_ids: list[int]
+    config: GenerationConfig
+    drafter: Drafter
+    builder: TreeBuilder | None
+    generator: torch.Generator
+    state: DecodingState
+    stats: GenerationStats
+    max_new: int
+    budget: int
+    emitted: int = 1
+    finished: str | None = None
+    last_block: list[int] = field(default_factory=list)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens it may still emit."""
+        return self.max_new - self.emitted
+
+
+class BatchedGenerator:
+    """Decodes a changing set of sequences, one batched round at a time.
+
+    Not thread-safe: one thread (the server's scheduler) calls :meth:`start` and :meth:`step`.
+
+    Args:
+        model: the target.
+        drafter: the drafter every sequence forks (``None``: autoregressive decoding).
+        builder: the tree builder every sequence copies (``None`` with no drafter).
+    """
+
+    def __init__(self, model: LoadedModel, drafter: Drafter | None = None, builder: TreeBuilder | None = None):
+        self.model = model
+        self.drafter = drafter or Drafter()
+        self.builder = builder
+        self.without_replacement = not isinstance(builder, IIDTreeBuilder)
+        self.eos = set(model.eos_token_ids)
+        self.target_forwards = 0                   # batched verification forwards + prefills [count]
+        self.batched_verification = type(self.drafter).verify_logits is Drafter.verify_logits
+
+    @property
+    def rows_per_sequence(self) -> int:
+        """Most rows one sequence adds to a round's forward: its tree budget + the root [tokens]."""
+        return (self.builder.budget() if self.builder is not None else 0) + 1
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        """Raises :class:`SpeculantError` for an empty prompt or one with no room left in the context."""
+        ctx = self.model.config.context_length
+        if not prompt_ids:
+            raise SpeculantError("prompt is empty; allowed: at least one token")
+        if len(prompt_ids) >= ctx:
+            raise SpeculantError(f"prompt length={len(prompt_ids)} tokens is too long; allowed: < {ctx} "
+                                 "(the model's context)")
+
+    @torch.inference_mode()
+    def start(self, prompt_ids: list[int], config: GenerationConfig) -> Sequence:
+        """Prefill a new sequence on its own (one target forward over the prompt) and pick its first token.
+
+        The prompt runs alone, exactly as a one-sequence generation runs it, so its KV cache holds the same
+        bits.  ``seq.last_block`` is ``[first token]``; ``seq.finished`` is set when that already ends it.
+
+        Raises:
+            SpeculantError: see :meth:`check_prompt`.
+        """
+        self.check_prompt(prompt_ids)
+        cfg = self.model.config
+        drafter = self.drafter.fork()
+        builder = self.builder.fresh() if self.builder is not None else None
+        budget = builder.budget() if builder is not None else 0
+        max_new = min(config.max_new_tokens, cfg.context_length - len(prompt_ids))
+        cache_length = min(cfg.context_length, len(prompt_ids) + max_new + budget + 2)
+        generator = config.sampling.generator()
+        stats = GenerationStats()
+        t0 = time.perf_counter()
+        state = prefill(self.model.decoder, drafter, list(prompt_ids), cache_length, config.sampling, generator, stats)
+        self.target_forwards += 1
+        stats.time_to_first_token_s = stats.seconds = time.perf_counter() - t0
+        stats.new_tokens = 1
+        seq = Sequence(list(prompt_ids), config, drafter, builder, generator, state, stats, max_new, budget,
+                       last_block=[state.tokens[-1]])
+        self._finish_if_done(seq)
+        return seq
+
+    def _finish_if_done(self, seq: Sequence) -> None:
+        if seq.last_block[-1] in self.eos:
+            seq.finished = "eos"
+        elif seq.emitted >= seq.max_new:
+            seq.finished = "length"
+
+    @torch.inference_mode()
+    def step(self, seqs: list[Sequence]) -> None:
+        """One round for every sequence in ``seqs`` (all unfinished): draft each, verify all in one target
+        forward, accept and commit each.  Sets each sequence's ``last_block`` (its emitted tokens, ending at
+        an EOS, at most ``remaining``), ``emitted`` and ``finished``."""
+        if not seqs:
+            return
+        trees: list[DraftTree] = []
+        for s in seqs:
+            max_nodes, max_depth = draft_limits(s.state, s.builder, s.budget, s.remaining)
+            trees.append(s.drafter.draft(s.state, s.builder, s.generator, max_nodes, max_depth))
+            s.stats.draft_forwards = s.state.draft_forwards
+        logits = self._verify(seqs, trees) if self.batched_verification else \
+            [s.drafter.verify_logits(s.state, tree) for s, tree in zip(seqs, trees)]
+        self.target_forwards += 1 if self.batched_verification else len(seqs)
+        for s, tree, lg in zip(seqs, trees, logits):
+            s.stats.target_forwards += 1
+            block = accept_and_commit(s.state, s.drafter, s.builder, tree, lg, s.generator, self.without_replacement,
+                                      s.remaining, self.eos, s.stats)
+            s.emitted += len(block)
+            s.stats.new_tokens = s.emitted
+            s.last_block = block
+            self._finish_if_done(s)
+
+    @torch.inference_mode()
+    def matches_single_sequence(self, with_neighbours: bool = True, seed: int = 0) -> bool:
+        """Whether a sequence's logits in a batched forward equal, bit for bit, those of the one-sequence
+        forward (:meth:`LlamaDecoder.forward`, the compiled step when compiled): a one-token step alone, and a
+        one-token step and a three-token block each next to another sequence's block (``with_neighbours``).
+
+        A self-check on random tokens (it also compiles the ragged forward's graphs, when compiled): the
+        ragged forward runs the layer halves (compiled separately when the model is compiled) instead of
+        the fused one-sequence step, which an optimizing compiler could round differently.
+        """
+        target = self.model.decoder
+        g = torch.Generator().manual_seed(seed)
+        vocab = self.model.config.vocab_size
+        prompt = torch.randint(vocab, (1, 6), generator=g)
+        same = True
+        for sizes in ((1,), (3,)) + (((1, 2), (3, 2)) if with_neighbours else ()):
+            caches = [target.new_cache(16) for _ in range(len(sizes) + 1)]
+            for c in caches:
+                target(prompt, None, None, c, 0)
+                c.crop(6)
+            ids = [torch.randint(vocab, (1, t), generator=g) for t in sizes]
+            alone = target(ids[0], torch.arange(6, 6 + sizes[0]), None, caches[-1], 6)[0]
+            blocks = [RaggedBlock(target.embed(x), 0, torch.arange(6, 6 + x.shape[1]), None, c, 6)
+                      for x, c in zip(ids, caches)]
+            hidden = ragged_run_layers(target, blocks, halves=compiled_halves(target))
+            logits = target.lm_head(target.final_norm(torch.cat(hidden, dim=1)))[0, :sizes[0]]
+            same &= torch.equal(alone, logits)
+        return bool(same)
+
+    def _verify(self, seqs: list[Sequence], trees: list[DraftTree]) -> list[torch.Tensor]:
+        """Every sequence's tree in one ragged target forward; returns per sequence fp32 logits ``[N_i + 1, V]``."""
+        target = self.model.decoder
+        blocks = []
+        for s, tree in zip(seqs, trees):
+            v = s.drafter.verification_input(s.state, tree)
+            blocks.append(RaggedBlock(v.hidden, v.start_layer, v.positions, v.mask, s.state.cache, v.cache_position))
+        hidden = ragged_run_layers(target, blocks, halves=compiled_halves(target))
+        for s, tree, h in zip(seqs, trees, hidden):
+            s.drafter.verification_hidden(s.state, tree, h[0])
+        sizes = [h.shape[1] for h in hidden]
+        logits = target.lm_head(target.final_norm(torch.cat(hidden, dim=1)))[0]    # one LM-head pass: [R, V]
+        return list(logits.split(sizes))

@@ -1,0 +1,87 @@
+"""The parts of a decoding round that do not depend on how the target forward was batched.
+
+One sequence (:class:`~speculant.engine.generator.SpeculativeGenerator`) and a batch of sequences
+(:class:`~speculant.engine.batch.BatchedGenerator`) run the same steps around their target forwards:
+prefill and the first token (:func:`prefill`), the draft limits (:func:`draft_limits`), and acceptance +
+commit of the caches, drafter and tree builder (:func:`accept_and_commit`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..drafters.base import DecodingState, Drafter
+from ..models.llama import LlamaDecoder
+from ..sampling.processors import SamplingConfig, logits_to_probs
+from ..trees.builders import TreeBuilder
+from ..trees.tree import DraftTree
+from ..verification.rules import greedy_accept, recursive_rejection_sampling
+from .stats import GenerationStats
+
+
+def pick_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:
+    """The target's token from fp32 logits ``[V]``: argmax under greedy decoding, else one draw."""
+    if sampling.greedy:
+        return int(logits.argmax())
+    return int(torch.multinomial(logits_to_probs(logits, sampling), 1, generator=generator))
+
+
+def prefill(target: LlamaDecoder, drafter: Drafter, prompt_ids: list[int], cache_length: int,
+            sampling: SamplingConfig, generator: torch.Generator | None, stats: GenerationStats) -> DecodingState:
+    """Run the prompt through the target (the drafter's :meth:`~Drafter.prefill`; the LM head on the last
+    position only), pick the first token and start the drafter.
+
+    Args:
+        cache_length: slots of the new KV cache [tokens].
+    Returns:
+        the sequence's :class:`DecodingState`: ``tokens`` = prompt + first token, ``cache.length`` = prompt length;
+        ``stats.layer_token_evaluations`` is its per-layer token count (kept up to date as it decodes).
+    """
+    state = DecodingState(target, target.new_cache(cache_length), list(prompt_ids), sampling)
+    logits = drafter.prefill(state)
+    state.cache.crop(len(prompt_ids))
+    stats.target_forwards += 1
+    state.tokens.append(pick_token(logits[0], sampling, generator))
+    drafter.begin(state)
+    stats.layer_token_evaluations = state.layer_tokens
+    return state
+
+
+def draft_limits(state: DecodingState, builder: TreeBuilder | None, budget: int, remaining: int) -> tuple[int, int]:
+    """``(max_nodes, max_depth)`` of the next tree [tokens]: the builder's budget and depth, within the KV
+    cache and within the ``remaining`` tokens the sequence may still emit (one is always the target's)."""
+    max_depth = min(builder.max_depth if builder else 0, remaining - 1)
+    max_nodes = min(budget, state.cache.max_length - state.n - 1)
+    return max_nodes, max_depth
+
+
+def accept_and_commit(state: DecodingState, drafter: Drafter, builder: TreeBuilder | None, tree: DraftTree,
+                      logits: torch.Tensor, generator: torch.Generator | None, without_replacement: bool,
+                      remaining: int, eos: set[int], stats: GenerationStats) -> list[int]:
+    """Accept against the target's logits ``[N + 1, V]``, keep the accepted path in the KV cache, commit the
+    drafter and the builder, record the round; returns the emitted tokens (appended to ``state.tokens``).
+
+    The block ends at the first EOS and holds at most ``remaining`` tokens.  Acceptance: greedy match
+    (Stern et al. 2018) or recursive rejection sampling (:mod:`speculant.verification.rules`) on the target's
+    processed distribution of only the rows the rule visits (the accepted path).
+    """
+    cache, sampling, n = state.cache, state.sampling, state.n
+    if sampling.greedy:
+        path, token = greedy_accept(tree, logits.argmax(-1).tolist())
+    else:
+        path, token = recursive_rejection_sampling(tree, lambda entry: logits_to_probs(logits[entry], sampling),
+                                                   generator, without_replacement)
+    cache.crop(n + 1)
+    cache.keep([n + 1 + i for i in path], start=n + 1)
+    drafter.commit(state, path)
+    if builder is not None:
+        builder.observe(len(path), tree.max_depth)
+    block = []
+    for tok in [tree.tokens[i] for i in path] + [token]:
+        block.append(tok)
+        if tok in eos or len(block) >= remaining:
+            break
+    # accepted drafted tokens that were emitted (an EOS or max_new_tokens may cut the block)
+    stats.record_round(len(tree), tree.max_depth, min(len(path), len(block)))
+    state.tokens.extend(block)
+    return block

@@ -1,0 +1,116 @@
+"""The multi-sequence ("ragged") target forward: several sequences' blocks in one pass over the weights.
+
+Decoding on a CPU is bound by reading the weights; a forward over ``T`` rows costs about what one row
+costs while ``T`` is small.  So a batch of sequences, each with its own verification block (a tree or a
+chain, ``T_i`` rows) and its own KV cache, is run as one ``[1, sum T_i, D]`` batch through each layer's
+projections, norms and MLP (:func:`~speculant.models.llama.attention_inputs`,
+:func:`~speculant.models.llama.layer_output`), while attention runs per sequence against its own cache with
+its own mask (:func:`~speculant.models.llama.attend`, in the cache's float64).  No padding: the rows are
+simply concatenated, as in vLLM's flattened batches (Kwon et al. 2023) or Orca's selective batching
+(Yu et al. 2022, Sec. 4.2: batch the token-wise operations, split for attention).
+
+Each row's result equals, bit for bit, what the one-sequence forward (:meth:`LlamaDecoder.run_layers`)
+gives it, provided the projection kernels are batch-invariant at ``sum T_i`` rows (measured, see
+:func:`speculant.runtime.tune.invariant_rows`): the per-row operations (RMSNorm, RoPE, SiLU, residuals)
+do not mix rows, and attention is computed exactly as the single-sequence step computes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import SpeculantError
+from .kv_cache import KVCache
+from .llama import LlamaDecoder, _dense_mask, attend, attention_inputs, layer_output
+
+
+@dataclass
+class RaggedBlock:
+    """One sequence's rows in a ragged forward.
+
+    Attributes:
+        hidden: ``[1, T, D]`` hidden states entering layer ``start_layer``.
+        start_layer: the first layer this block runs (0 for tokens; an exit layer for early-exit verification).
+        positions: RoPE positions ``[T]`` (int64).
+        mask: bool ``[T, cache_position + T]`` (True = may attend), or ``None`` for causal rows.
+        cache: this sequence's KV cache; the block's keys/values go to slots ``cache_position ..``.
+        cache_position: first slot written [tokens].
+    """
+
+    hidden: torch.Tensor
+    start_layer: int
+    positions: torch.Tensor
+    mask: torch.Tensor | None
+    cache: KVCache
+    cache_position: int
+
+
+def ragged_run_layers(decoder: LlamaDecoder, blocks: list[RaggedBlock], end: int | None = None,
+                      halves=(attention_inputs, layer_output)) -> list[torch.Tensor]:
+    """Run every block through its layers ``start_layer .. end-1`` in one batched pass per layer.
+
+    At layer ``i`` the rows of every block with ``start_layer <= i`` are concatenated (``[1, R, D]``) for
+    the projections and MLP; attention is per block.  Counts ``R`` tokens in ``decoder.layer_token_counts[i]``.
+
+    Args:
+        decoder: the target.
+        blocks: the sequences' blocks (each its own cache).
+        end: one past the last layer to run (default: all layers).
+        halves: the ``(attention_inputs, layer_output)`` functions to use (e.g. compiled ones,
+            :func:`speculant.runtime.compiled.compiled_halves`).
+    Returns:
+        per block, the hidden states ``[1, T, D]`` leaving layer ``end - 1``.
+    Raises:
+        SpeculantError: a block would write past its cache's ``max_length``, or its mask has the wrong shape.
+    """
+    end = decoder.num_layers if end is None else end
+    first_half, second_half = halves
+    hidden = [b.hidden for b in blocks]
+    masks, tables = [], []
+    for b in blocks:
+        t = b.hidden.shape[1]
+        if b.cache_position + t > b.cache.max_length:
+            raise SpeculantError(f"KV cache overflow: slot {b.cache_position + t} > max_length={b.cache.max_length}")
+        mask = _dense_mask(b.mask, t, b.cache_position, b.hidden.device)
+        if tuple(mask.shape) != (t, b.cache_position + t):
+            raise SpeculantError(f"mask shape {tuple(mask.shape)} does not match the block; "
+                                 f"allowed: ({t}, {b.cache_position + t})")
+        masks.append(mask)
+        tables.append((decoder.rope_cos[b.positions], decoder.rope_sin[b.positions]))
+    members: list[int] = []
+    cos = sin = x = None
+    sizes: list[int] = []
+    for i in range(min((b.start_layer for b in blocks), default=end), end):
+        now = [j for j, b in enumerate(blocks) if b.start_layer <= i]
+        if now != members:                     # a block joins at its start layer: regroup the rows
+            if x is not None:
+                for j, h in zip(members, x.split(sizes, 1)):
+                    hidden[j] = h
+            members = now
+            sizes = [hidden[j].shape[1] for j in members]
+            x = torch.cat([hidden[j] for j in members], dim=1) if len(members) > 1 else hidden[members[0]]
+            cos = torch.cat([tables[j][0] for j in members]).to(x.dtype).unsqueeze(-2)    # [R, 1, Dh]
+            sin = torch.cat([tables[j][1] for j in members]).to(x.dtype).unsqueeze(-2)
+        layer = decoder.layers[i]
+        if x.shape[1] > 1:            # one compiled graph for every row count 2..R
+            torch._dynamo.maybe_mark_dynamic(x, 1)
+            torch._dynamo.maybe_mark_dynamic(cos, 0)
+            torch._dynamo.maybe_mark_dynamic(sin, 0)
+        q, k, v = first_half(layer, x, cos, sin)
+        dtype, adtype = x.dtype, blocks[members[0]].cache.dtype
+        q, k, v = q.to(adtype), k.to(adtype), v.to(adtype)    # once per layer, not per sequence (same values)
+        attended = []
+        for j, qj, kj, vj in zip(members, q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2)):
+            b = blocks[j]
+            attended.append(attend(qj, kj, vj, masks[j], False, b.cache, i, b.cache_position))
+        attended = (torch.cat(attended, dim=1) if len(attended) > 1 else attended[0]).to(dtype)
+        if x.shape[1] > 1:
+            torch._dynamo.maybe_mark_dynamic(attended, 1)
+        x = second_half(layer, x, attended)
+        decoder.layer_token_counts[i] += x.shape[1]
+    if x is not None:
+        for j, h in zip(members, x.split(sizes, 1)):
+            hidden[j] = h
+    return hidden

@@ -1,0 +1,276 @@
+"""The scheduler: one background thread runs every target forward; the asyncio side talks to it through queues.
+
+Requests wait in a bounded FIFO queue (``max_queue``; a full queue refuses with :class:`QueueFull`).
+Before each round the thread admits waiting requests while fewer than ``max_batch`` sequences run
+(each gets its own prefill forward and first token), drops sequences whose client went away
+(:meth:`Submission.cancel`), then runs one batched round (:meth:`BatchedGenerator.step`) over all running
+sequences.  That is continuous batching: a request that arrives while others run joins at the next round,
+and a finished one leaves at once, freeing its slot (Yu et al. 2022, "Orca", iteration-level scheduling).
+
+Per request the thread also runs the text layer (:class:`~speculant.engine.text.StopStringText`:
+incremental detokenization, stop strings), so a stop string ends the sequence at that round, and hands
+text pieces to the request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``.
+
+Shutdown (:meth:`Scheduler.begin_shutdown`): no new request is accepted (:class:`ShuttingDown`), waiting
+ones are refused, running ones go on until they finish or ``drain_timeout`` seconds pass (then they end with
+``finish_reason='abort'``); then the thread exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from ..engine.batch import BatchedGenerator, Sequence
+from ..engine.generator import GenerationConfig
+from ..engine.text import StopStringText
+from ..errors import SpeculantError
+from .metrics import ServerMetrics
+
+log = logging.getLogger("speculant.serving")
+
+
+class QueueFull(Exception):
+    """The waiting queue holds ``max_queue`` requests (HTTP 429)."""
+
+
+class ShuttingDown(Exception):
+    """The server is draining and takes no new request (HTTP 503)."""
+
+
+@dataclass
+class Event:
+    """What the thread tells a request.
+
+    Attributes:
+        kind: ``'text'`` (a new piece), ``'done'`` (finished: ``finish_reason`` and usage set) or ``'error'``.
+        text: the new text (may be empty).
+        finish_reason: ``'stop'`` (EOS or a stop string), ``'length'`` (max_tokens or the context), ``'abort'``.
+        completion_tokens: tokens generated so far (cut at a stop string) [tokens].
+        error: the message of an ``'error'`` event; ``status`` its HTTP status.
+        stats: with ``'done'``: the request's speculative counters (rounds, drafted and accepted tokens,
+            acceptance rate, target forwards), returned as the response's ``speculant`` field.
+    """
+
+    kind: str
+    text: str = ""
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    error: str = ""
+    status: int = 500
+    stats: dict | None = None
+
+
+@dataclass
+class Submission:
+    """One request handed to the scheduler (created on the event loop, read by the thread)."""
+
+    prompt_ids: list[int]
+    config: GenerationConfig
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    id: int = field(default_factory=itertools.count().__next__)
+    arrival: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """The client went away: the thread drops the sequence before its next round (thread-safe)."""
+        self.cancelled.set()
+
+
+@dataclass
+class _Running:
+    sub: Submission
+    seq: Sequence
+    text: StopStringText
+    first_token_at: float
+    last_emit_at: float
+
+
+class Scheduler:
+    """Owns the :class:`BatchedGenerator` and the thread that drives it.
+
+    Args:
+        batched: the batched generator (model, drafter, tree builder).
+        tokenizer: for the text layer.
+        metrics: where counters and latencies go.
+        max_batch: most sequences in one round (>= 1).
+        max_queue: most requests waiting to start (>= 0).
+        drain_timeout: seconds running requests get after :meth:`begin_shutdown` [s].
+    """
+
+    def __init__(self, batched: BatchedGenerator, tokenizer, metrics: ServerMetrics, max_batch: int, max_queue: int,
+                 drain_timeout: float = 30.0):
+        self.batched = batched
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.drain_timeout = drain_timeout
+        self._waiting: collections.deque[Submission] = collections.deque()
+        self._running: list[_Running] = []
+        self._cond = threading.Condition()
+        self._draining_since: float | None = None
+        self._stopped = False
+        self._abort_all = False
+        self._thread: threading.Thread | None = None
+
+    # ---------------------------------------------------------------- event-loop side (any thread)
+    @property
+    def draining(self) -> bool:
+        return self._draining_since is not None
+
+    def start(self) -> None:
+        """Start the compute thread."""
+        self._thread = threading.Thread(target=self._run, name="speculant-scheduler", daemon=True)
+        self._thread.start()
+
+    def submit(self, sub: Submission) -> None:
+        """Queue ``sub``.
+
+        Raises:
+            ShuttingDown: :meth:`begin_shutdown` was called.
+            QueueFull: ``max_queue`` requests are already waiting.
+        """
+        with self._cond:
+            if self.draining or self._stopped:
+                raise ShuttingDown("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting, {len(self._running)} running); "
+                                "retry later")
+            self._waiting.append(sub)
+            self.metrics.labels(self.metrics.waiting).set(len(self._waiting))
+            self._cond.notify()
+
+    def begin_shutdown(self) -> None:
+        """Refuse new and waiting requests; let running ones finish within ``drain_timeout`` seconds."""
+        with self._cond:
+            if self._draining_since is None:
+                self._draining_since = time.perf_counter()
+            refused = list(self._waiting)
+            self._waiting.clear()
+            self.metrics.labels(self.metrics.waiting).set(0)
+            self._cond.notify()
+        for sub in refused:
+            self._send(sub, Event("error", error="the server is shutting down", status=503))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread after the drain (or at once when :meth:`begin_shutdown` was not called)."""
+        self.begin_shutdown()
+        with self._cond:
+            self._abort_all = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def snapshot(self) -> dict:
+        """Running and waiting counts (for ``/health``)."""
+        with self._cond:
+            return {"running": len(self._running), "waiting": len(self._waiting), "draining": self.draining}
+
+    # ---------------------------------------------------------------- compute thread
+    def _send(self, sub: Submission, event: Event) -> None:
+        try:
+            sub.loop.call_soon_threadsafe(sub.events.put_nowait, event)
+        except RuntimeError:          # the event loop is closed: nobody is listening any more
+            pass
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._running and not self.draining:
+                    self._cond.wait(timeout=1.0)
+                if self.draining and not self._running:
+                    self._stopped = True
+                    return
+                admitted = []
+                while self._waiting and len(self._running) + len(admitted) < self.max_batch:
+                    admitted.append(self._waiting.popleft())
+                self.metrics.labels(self.metrics.waiting).set(len(self._waiting))
+            try:
+                self._iteration(admitted)
+            except Exception as e:       # a bug: fail the requests involved, keep serving the others
+                log.error("scheduler round failed: %s", traceback.format_exc())
+                for item in list(self._running):
+                    self._finish(item, None, error=f"internal error: {type(e).__name__}: {e}")
+                for sub in admitted:
+                    if not any(r.sub is sub for r in self._running):
+                        self._send(sub, Event("error", error=f"internal error: {type(e).__name__}: {e}"))
+                self._running = []
+
+    def _iteration(self, admitted: list[Submission]) -> None:
+        for sub in admitted:
+            if sub.cancelled.is_set():
+                self.metrics.labels(self.metrics.request_success, finished_reason="abort").inc()
+                continue
+            try:
+                seq = self.batched.start(sub.prompt_ids, sub.config)
+            except SpeculantError as e:          # checked before submission; kept as a guard for this request only
+                self._send(sub, Event("error", error=str(e), status=400))
+                continue
+            now = time.perf_counter()
+            self.metrics.labels(self.metrics.target_forwards).inc()
+            self.metrics.labels(self.metrics.prompt_tokens).inc(len(sub.prompt_ids))
+            self.metrics.labels(self.metrics.ttft).observe(now - sub.arrival)
+            item = _Running(sub, seq, StopStringText(self.tokenizer, sub.config.stop), now, now)
+            self._running.append(item)
+            self._emit(item, seq.last_block, first=True)
+        overdue = self.draining and (self._abort_all or time.perf_counter() - self._draining_since > self.drain_timeout)
+        for item in list(self._running):
+            if item.sub.cancelled.is_set() or overdue:
+                self._finish(item, "abort")
+        self.metrics.labels(self.metrics.running).set(len(self._running))
+        if not self._running:
+            return
+        seqs = [item.seq for item in self._running]
+        before = [(s.stats.drafted_tokens, s.stats.accepted_tokens) for s in seqs]
+        self.batched.step(seqs)
+        self.metrics.record_round(len(seqs), [s.stats.drafted_tokens - d for s, (d, _) in zip(seqs, before)],
+                                  [s.stats.accepted_tokens - a for s, (_, a) in zip(seqs, before)],
+                                  [len(s.last_block) for s in seqs])
+        for item in list(self._running):
+            self._emit(item, item.seq.last_block, first=False)
+        self.metrics.labels(self.metrics.running).set(len(self._running))
+
+    def _emit(self, item: _Running, block: list[int], first: bool) -> None:
+        """Run a block through the request's text layer; send the text; finish the request when it ends."""
+        now = time.perf_counter()
+        if not first:
+            self.metrics.labels(self.metrics.itl).observe(now - item.last_emit_at)
+        item.last_emit_at = now
+        piece = item.text.add(block)
+        reason = "stop" if item.text.stopped or item.seq.finished == "eos" else \
+            ("length" if item.seq.finished == "length" else None)
+        if reason is None:
+            if piece:
+                self._send(item.sub, Event("text", piece, completion_tokens=len(item.text.token_ids)))
+            return
+        self._finish(item, reason, piece)
+
+    def _finish(self, item: _Running, reason: str | None, piece: str = "", error: str = "") -> None:
+        if item in self._running:
+            self._running.remove(item)
+        m, seq, now = self.metrics, item.seq, time.perf_counter()
+        tokens = len(item.text.token_ids)
+        if error:
+            self._send(item.sub, Event("error", error=error))
+            return
+        if reason != "abort":
+            piece += item.text.finish()
+        m.labels(m.request_success, finished_reason=reason).inc()
+        m.labels(m.generation_tokens).inc(tokens)
+        m.labels(m.e2e).observe(now - item.sub.arrival)
+        if tokens > 1:
+            m.labels(m.tpot).observe((now - item.first_token_at) / (tokens - 1))
+        stats = seq.stats
+        self._send(item.sub, Event("done", piece, finish_reason=reason, completion_tokens=tokens,
+                                   stats={"rounds": stats.rounds, "drafted_tokens": stats.drafted_tokens,
+                                          "accepted_tokens": stats.accepted_tokens,
+                                          "acceptance_rate": stats.acceptance_rate,
+                                          "target_forwards": stats.target_forwards}))

@@ -1,0 +1,145 @@
+"""``speculant serve``: load the model, check how large a batch stays exact, run uvicorn; SIGTERM drains.
+
+On SIGTERM (or Ctrl-C) the server stops accepting connections, answers requests on open connections with
+503, refuses queued requests with 503, lets running requests finish for up to ``--drain-timeout`` seconds
+(streams included), then exits with code 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from ..engine.batch import BatchedGenerator
+from ..errors import check_range
+from ..runtime import tune
+from .metrics import ServerMetrics
+from .scheduler import Scheduler
+
+BATCH_CHECK_ROWS = (32, 64, 128, 256, 512)
+"""Row counts checked for batch invariance at startup, up to the largest round ``--max-batch`` allows."""
+
+
+def exact_batch_limit(batched: BatchedGenerator, max_batch: int, log=None) -> int:
+    """The largest batch (<= ``max_batch``) whose rounds stay within the rows the projections are
+    batch-invariant at on this machine, so each sequence's logits are those it gets decoded alone.
+
+    A round runs at most ``max_batch * rows_per_sequence`` rows through each projection; the model's
+    kernels are checked at that count and the :data:`BATCH_CHECK_ROWS` below it
+    (:func:`speculant.runtime.tune.invariant_rows`, on the first layer and the LM head).
+
+    When even one sequence's block is not batch-invariant (a weight format that is not exact on this machine,
+    e.g. ``--weights fp32`` where MKL's one-row and multi-row products round differently), batching is turned
+    off (1): each request then gets exactly what ``speculant generate`` gives it in that format.
+    """
+    log = log or sys.stderr
+    per = batched.rows_per_sequence
+    needed = per * max_batch
+    limits = sorted({r for r in BATCH_CHECK_ROWS if r < needed} | {needed})
+    import torch
+    with torch.inference_mode():
+        ok = tune.invariant_rows(tune.invariance_sample(batched.model.decoder), limits)
+    if ok >= needed:
+        return max_batch
+    fit = max(1, ok // per)
+    print(f"speculant: --max-batch {max_batch} lowered to {fit}: the {getattr(batched.model, 'weights', '')} "
+          f"projections are batch-invariant up to {ok} rows on this machine, and a round takes up to {per} rows per "
+          "sequence" + ("" if ok else " (--weights auto picks a format that is)"), file=log, flush=True)
+    return fit
+
+
+def build_engine(model, spec, name: str, max_batch: int, max_queue: int, drain_timeout: float, log=None):
+    """A :class:`~speculant.serving.app.ServingEngine` for ``model`` decoding with method ``spec``."""
+    from ..engine.methods import build_generator
+    from .app import ServingEngine
+    check_range("--max-batch", max_batch, 1)
+    check_range("--max-queue", max_queue, 0)
+    check_range("--drain-timeout", drain_timeout, 0.0)
+    gen = build_generator(model, spec)
+    batched = BatchedGenerator(model, gen.drafter, gen.builder)
+    max_batch = exact_batch_limit(batched, max_batch, log)
+    if not batched.matches_single_sequence(with_neighbours=max_batch > 1):
+        print("speculant: warning: batched rounds do not reproduce the one-sequence forward bit for bit on this "
+              "machine (a compiled model's layer halves may round differently from its fused step; --no-compile "
+              "avoids that); greedy outputs may then differ from `speculant generate` at near-ties",
+              file=log or sys.stderr, flush=True)
+    metrics = ServerMetrics(name)
+    scheduler = Scheduler(batched, model.tokenizer, metrics, max_batch, max_queue, drain_timeout)
+    return ServingEngine(name, batched, scheduler, metrics)
+
+
+def _server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server, which on SIGTERM/SIGINT first puts the engine into draining, and exits with
+        code 0 after a SIGTERM (uvicorn re-raises the captured signal otherwise)."""
+
+        engine = None
+        announce = False
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if self.announce and self.started and self.servers:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                print(f"speculant: ready on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+
+        def handle_exit(self, sig, frame):
+            if self.engine is not None:
+                self.engine.begin_shutdown()
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM:
+                self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+    return DrainingServer
+
+
+def make_server(engine, host: str, port: int, drain_timeout: float, start_scheduler: bool = True,
+                log_level: str = "warning"):
+    """A configured uvicorn server for ``engine`` (call ``.run()``; ``.should_exit = True`` stops it)."""
+    import uvicorn
+    from .app import create_app
+    app = create_app(engine, start_scheduler=start_scheduler, drain_timeout=drain_timeout)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=drain_timeout + 5, lifespan="on")
+    server = _server_class()(config)
+    server.engine = engine
+    return server
+
+
+def cmd_serve(args) -> int:
+    """``speculant serve``: see the module docstring."""
+    from ..cli import load_for_decoding, method_spec_from_args
+    check_range("--port", args.port, 0, 65535)
+    check_range("--max-batch", args.max_batch, 1)
+    check_range("--max-queue", args.max_queue, 0)
+    check_range("--drain-timeout", args.drain_timeout, 0.0)
+    model = load_for_decoding(args)
+    spec = method_spec_from_args(args, model)
+    name = args.served_model_name or model.name
+    engine = build_engine(model, spec, name, args.max_batch, args.max_queue, args.drain_timeout)
+    server = make_server(engine, args.host, args.port, args.drain_timeout, log_level=args.log_level)
+    server.announce = True
+    print(f"speculant: serving {name!r} (method {spec.method}, weights {getattr(model, 'weights', '?')}, "
+          f"max batch {engine.scheduler.max_batch}, queue {args.max_queue})", file=sys.stderr, flush=True)
+    server.run()
+    return 0
+
+
+def register(sub, add_model_args, add_method_args) -> None:
+    """Add the ``serve`` sub-command to the CLI."""
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with batched speculative decoding")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="most sequences decoded together in one round (default: 8; lowered at startup if the "
+                        "projections are not batch-invariant at that many rows on this machine)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="most requests waiting to start; more get HTTP 429 (default: 64)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish after SIGTERM (default: 30)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
+    p.add_argument("--log-level", default="warning", help="uvicorn log level (default: warning)")
+    add_method_args(p)
+    p.set_defaults(func=cmd_serve)

@@ -1,0 +1,212 @@
+"""Batched speculative decoding (engine level): the ragged forward, continuous batching, exactness per sequence."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import tiny_model
+
+from speculant import GenerationConfig, SamplingConfig, build_generator
+from speculant.drafters.base import DecodingState
+from speculant.drafters.draft_model import DraftModelDrafter
+from speculant.drafters.early_exit import EarlyExitDrafter
+from speculant.drafters.prompt_lookup import PromptLookupDrafter
+from speculant.engine.generator import SpeculativeGenerator
+from speculant.engine.batch import BatchedGenerator
+from speculant.engine.methods import MethodSpec
+from speculant.models.ragged import RaggedBlock, ragged_run_layers
+from speculant.runtime import tune
+from speculant.runtime.formats import apply_weight_format
+from speculant.serving.server import exact_batch_limit
+from speculant.trees.builders import ChainBuilder
+from speculant.trees.tree import DraftTree
+
+METHODS = [("ar", {}), ("prompt-lookup", {}), ("early-exit", {"exit_layer": 2}),
+           ("draft-model", {"draft_model": "truncated:2"}), ("rsd-c", {"exit_layer": 2, "branching": "2,2"}),
+           ("rsd-s", {"exit_layer": 1, "beam_width": 2, "draft_length": 3}),
+           ("specinfer", {"draft_model": "truncated:1", "branching": "2,1"})]
+PROMPTS = [[1 + (i * 7 + j) % 60 for j in range(3 + 2 * i)] for i in range(6)]
+LENGTHS = [5, 17, 9, 30, 2, 12]
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A tiny model in int8 weights: a batch-invariant format (checked by the tests that rely on it)."""
+    m = tiny_model(seed=1, scale=2.5, layers=4)
+    apply_weight_format(m.decoder, "int8")
+    return m
+
+
+def batched_for(model, method, kw) -> BatchedGenerator:
+    gen = build_generator(model, MethodSpec(method=method, **kw))
+    return BatchedGenerator(model, gen.drafter, gen.builder)
+
+
+def decode_staggered(bg: BatchedGenerator, configs) -> list[list[int]]:
+    """One new sequence joins before each round (continuous batching); finished ones leave at once."""
+    outs, active, pending = {}, [], list(range(len(PROMPTS)))
+    max_batch = 0
+    while pending or active:
+        if pending:
+            i = pending.pop(0)
+            seq = bg.start(PROMPTS[i], configs[i])
+            outs[i] = list(seq.last_block)
+            if not seq.finished:
+                active.append((i, seq))
+        max_batch = max(max_batch, len(active))
+        bg.step([s for _, s in active])
+        for i, s in active:
+            outs[i] += s.last_block
+        active = [(i, s) for i, s in active if not s.finished]
+    assert max_batch >= 4
+    return [outs[i] for i in range(len(PROMPTS))]
+
+
+@pytest.mark.parametrize("method,kw", METHODS, ids=[m for m, _ in METHODS])
+def test_batched_greedy_equals_each_sequence_alone_with_ar(model, method, kw):
+    ar = build_generator(model, method="ar")
+    want = [ar.generate(p, GenerationConfig(max_new_tokens=n)).token_ids for p, n in zip(PROMPTS, LENGTHS)]
+    bg = batched_for(model, method, kw)
+    got = decode_staggered(bg, [GenerationConfig(max_new_tokens=n) for n in LENGTHS])
+    assert got == want
+    assert bg.batched_verification
+
+
+@pytest.mark.parametrize("method,kw", [METHODS[0], METHODS[2], METHODS[4], METHODS[1]], ids=["ar", "early-exit",
+                                                                                                "rsd-c", "prompt-lookup"])
+def test_batched_sampling_draws_what_each_seed_draws_alone(model, method, kw):
+    configs = [GenerationConfig(max_new_tokens=n, sampling=SamplingConfig(temperature=0.9, top_p=0.95, seed=50 + i))
+               for i, n in enumerate(LENGTHS)]
+    gen = build_generator(model, MethodSpec(method=method, **kw))
+    want = [gen.generate(p, c).token_ids for p, c in zip(PROMPTS, configs)]
+    assert decode_staggered(batched_for(model, method, kw), configs) == want
+
+
+def test_ragged_forward_is_bitwise_the_one_sequence_forward(model):
+    dec = model.decoder
+    rows = 3 + 4 + 2
+    if tune.invariant_rows(tune.invariance_sample(dec), (rows,)) < rows:
+        pytest.skip("int8 projections are not batch-invariant on this machine")
+    torch.manual_seed(0)
+    prompts = [[5, 9, 2, 7], [1, 2, 3, 4, 5, 6], [8, 8]]
+    caches = []
+    with torch.inference_mode():
+        for p in prompts:
+            c = dec.new_cache(32)
+            dec(torch.tensor([p]), None, None, c, 0)
+            c.crop(len(p))
+            caches.append(c)
+        tree = DraftTree()
+        a = tree.add(-1, 3)
+        tree.add(-1, 4)
+        tree.add(a, 5)
+        n1 = caches[1].length
+        blocks = [  # a causal chain from layer 0; a tree with its mask; an early-exit block resuming at layer 2
+            RaggedBlock(dec.embed(torch.tensor([[11, 12, 13]])), 0, torch.arange(4, 7), None, caches[0], 4),
+            RaggedBlock(dec.embed(tree.block_tokens(6)[None]), 0, tree.block_positions(n1), tree.attention_mask(n1),
+                        caches[1], n1),
+            RaggedBlock(torch.randn(1, 2, dec.config.hidden_size), 2, torch.arange(2, 4), None, caches[2], 2)]
+        alone_caches = [copy.deepcopy(c) for c in caches]
+        alone = [dec.run_layers(b.hidden, b.start_layer, dec.num_layers, b.positions, b.mask, c, b.cache_position)
+                 for b, c in zip(blocks, alone_caches)]
+        together = ragged_run_layers(dec, blocks)
+    for x, y in zip(together, alone):
+        assert torch.equal(x, y)
+    for c, d in zip(caches, alone_caches):
+        assert torch.equal(c.keys, d.keys) and torch.equal(c.values, d.values)
+
+
+def test_forked_drafters_share_networks_and_keep_no_state(model):
+    """A fork shares the drafter's networks; what changes during a generation lives in the sequence's
+    ``DecodingState.drafter_state`` (created by ``begin``), so forks never share it."""
+    ee = EarlyExitDrafter(4, 2)
+    f1, f2 = ee.fork(), ee.fork()
+    assert f1 is not f2 and f1.exit_layer == f2.exit_layer == 2
+    dm = DraftModelDrafter(model.decoder)
+    fork = dm.fork()
+    assert fork is not dm and fork.model is dm.model
+    states = [DecodingState(model.decoder, model.decoder.new_cache(16), [1, 2, 3], SamplingConfig()) for _ in "ab"]
+    for drafter, state in zip((dm, fork), states):
+        drafter.begin(state)
+    assert states[0].drafter_state is not states[1].drafter_state
+    assert states[0].drafter_state.cache is not states[1].drafter_state.cache
+
+
+class _RowDependent(torch.nn.Module):
+    """A projection whose results change once a product has more than ``exact_up_to`` rows."""
+
+    def __init__(self, exact_up_to: int):
+        super().__init__()
+        self.in_features, self.exact_up_to = 8, exact_up_to
+
+    def forward(self, x):
+        return x * 2 + (1e-3 if x.shape[0] > self.exact_up_to else 0.0)
+
+
+def test_invariant_rows_and_the_batch_limit(monkeypatch, model):
+    assert tune.invariant_rows([_RowDependent(1000)], (32, 64)) == 64
+    assert tune.invariant_rows([_RowDependent(40)], (32, 64)) == 32
+    assert tune.invariant_rows([_RowDependent(20)], (32, 64)) == 16
+    assert tune.invariant_rows([_RowDependent(3)], (32, 64)) == 0
+    bg = batched_for(model, "rsd-c", {"exit_layer": 2, "branching": "2,2"})
+    assert bg.rows_per_sequence == 7                      # 6 tree nodes + the root
+    monkeypatch.setattr(tune, "invariant_rows", lambda mods, limits: 16)
+    assert exact_batch_limit(bg, 8) == 2                  # 2 * 7 rows fit in 16
+    monkeypatch.setattr(tune, "invariant_rows", lambda mods, limits: 0)
+    assert exact_batch_limit(bg, 8) == 1                  # not invariant at all: no batching
+    monkeypatch.setattr(tune, "invariant_rows", lambda mods, limits: max(limits))
+    assert exact_batch_limit(bg, 8) == 8
+
+
+class _RecordingLookup(PromptLookupDrafter):
+    """Prompt lookup that keeps the verified blocks' last-layer hidden states (the hook a draft head uses)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden: list[torch.Tensor] = []
+        self.forks: list[_RecordingLookup] = []
+
+    def fork(self):
+        child = _RecordingLookup()
+        self.forks.append(child)
+        return child
+
+    def verification_hidden(self, state, tree, hidden):
+        assert hidden.shape == (len(tree) + 1, state.target.config.hidden_size)
+        self.hidden.append(hidden.clone())
+
+
+def test_verification_hidden_gets_each_sequences_own_states(model):
+    dec = model.decoder
+    if tune.invariant_rows(tune.invariance_sample(dec), (32,)) < 32:
+        pytest.skip("int8 projections are not batch-invariant on this machine")
+    builder = ChainBuilder(3)
+    configs = [GenerationConfig(max_new_tokens=n) for n in LENGTHS]
+    alone = []
+    for p, c in zip(PROMPTS, configs):
+        d = _RecordingLookup()
+        SpeculativeGenerator(model, d, builder).generate(p, c)
+        alone.append(d.hidden)
+    proto = _RecordingLookup()
+    decode_staggered(BatchedGenerator(model, proto, builder), configs)
+    assert len(proto.forks) == len(PROMPTS) and not proto.hidden
+    for fork, want in zip(proto.forks, alone):
+        assert len(fork.hidden) == len(want)
+        assert all(torch.equal(a, b) for a, b in zip(fork.hidden, want))
+
+
+class _OwnVerification(PromptLookupDrafter):
+    """A drafter that runs its verification itself (no batching hook): verified alone inside the round."""
+
+    def verify_logits(self, state, tree):
+        return super().verify_logits(state, tree)
+
+
+def test_a_drafter_with_its_own_verification_is_verified_alone_and_stays_exact(model):
+    ar = build_generator(model, method="ar")
+    want = [ar.generate(p, GenerationConfig(max_new_tokens=n)).token_ids for p, n in zip(PROMPTS, LENGTHS)]
+    bg = BatchedGenerator(model, _OwnVerification(), ChainBuilder(3))
+    assert not bg.batched_verification
+    assert decode_staggered(bg, [GenerationConfig(max_new_tokens=n) for n in LENGTHS]) == want
