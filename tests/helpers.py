@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -38,3 +40,15 @@ def tiny_model(seed=0, scale=1.0, **kw) -> LoadedModel:
                 p.normal_(0, 0.02 * 10 * scale if "embed" in name else 0.02 * 5 * scale)
     dec.eval().requires_grad_(False)
     return LoadedModel("tiny", dec, word_tokenizer(cfg.vocab_size), None)
+
+
+def pattern_corpus(path, n_train=24, n_heldout=4, length=40, vocab=64):
+    """Sequences that count up by a per-sequence stride mod vocab: learnable, and different from random."""
+    g = torch.Generator().manual_seed(3)
+    with open(path, "w") as f:
+        for i in range(n_train + n_heldout):
+            start, stride = int(torch.randint(vocab, (1,), generator=g)), 1 + i % 3
+            ids = [(start + stride * j) % vocab for j in range(length)]
+            f.write(json.dumps({"id": str(i), "source": "t", "split": "train" if i < n_train else "heldout",
+                                "prompt": "", "prompt_ids": ids[:5], "response_ids": ids[5:], "text": ""}) + "\n")
+    return path

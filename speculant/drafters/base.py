@@ -45,6 +45,14 @@ class Drafter:
 
     name = "none"
 
+    def prefill(self, target: LlamaDecoder, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The target's forward over a new prompt ``ids`` ``[1, T]`` (KV into ``cache`` slots ``0 .. T-1``).
+
+        The first call of every generation.  Returns fp32 logits ``[1, T, V]``.  Drafters that need
+        more of the prompt than its KV (a draft head reads the target's features) override it.
+        """
+        return target(ids, None, None, cache, 0)
+
     def begin(self, state: DecodingState) -> None:
         """Called once after the target's prefill of a new prompt."""
 
@@ -63,6 +71,16 @@ class Drafter:
 
     def commit(self, state: DecodingState, path: list[int]) -> None:
         """Called after acceptance with the accepted node indices (before ``state.tokens`` grows)."""
+
+
+def full_vocab_logits(logits: torch.Tensor, vocab_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """Logits ``[..., V']`` over a reduced draft vocabulary ``vocab_ids`` -> ``[..., V]`` with ``-inf`` outside
+    it (identity when ``vocab_ids`` is ``None``)."""
+    if vocab_ids is None:
+        return logits
+    full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    full[..., vocab_ids] = logits
+    return full
 
 
 def draft_distribution(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:

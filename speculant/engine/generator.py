@@ -120,7 +120,7 @@ class SpeculativeGenerator:
 
     def _rounds(self, prompt_ids, sampling, max_new, cache, budget, stats, t0, eos, generator):
         target, builder = self.model.decoder, self.builder
-        logits = target(torch.tensor([prompt_ids]), None, None, cache, 0)[0, -1]
+        logits = self.drafter.prefill(target, torch.tensor([prompt_ids]), cache)[0, -1]
         cache.crop(len(prompt_ids))
         stats.target_forwards += 1
         first = self._pick(logits[None], sampling, generator)

@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..drafters.base import Drafter
+from ..drafters.draft_head import default_head_for, load_head
 from ..drafters.draft_model import DraftModelDrafter, check_vocab_compatible, truncated_copy
+from ..drafters.eagle import DraftHeadDrafter
 from ..drafters.early_exit import EarlyExitDrafter
+from ..drafters.exit_adapter import default_adapter_for, load_exit_adapter
 from ..drafters.prompt_lookup import PromptLookupDrafter
 from ..errors import SpeculantError, check_range
 from ..models.loading import LoadedModel, load_model
@@ -14,8 +17,9 @@ from ..trees.builders import (ChainBuilder, ConstantBranchingBuilder, IIDTreeBui
                               TreeBuilder)
 from .generator import SpeculativeGenerator
 
-METHODS = ("ar", "early-exit", "draft-model", "prompt-lookup", "rsd-c", "rsd-s", "specinfer")
+METHODS = ("ar", "early-exit", "draft-model", "prompt-lookup", "eagle", "rsd-c", "rsd-s", "specinfer")
 TREE_METHODS = ("rsd-c", "rsd-s", "specinfer")
+HEAD_METHODS = ("eagle",) + TREE_METHODS          # methods that can draft with a draft head
 
 
 @dataclass
@@ -27,6 +31,8 @@ class MethodSpec:
     ``exit_adapter``: a trained exit head (name or directory); with ``method="early-exit"`` and
     ``None``, a shipped ``default`` adapter for the model is used when its exit layer fits
     ``exit_layer`` (or ``exit_layer`` is ``None``); ``"none"`` turns that off.
+    ``draft_head``: a trained feature-level draft head (name or directory) that drafts for ``eagle``
+    (default: the model's shipped ``default`` head) and, when given, for the tree methods.
     """
 
     method: str = "ar"
@@ -39,10 +45,12 @@ class MethodSpec:
     beam_width: int = 4
     draft_length: int = 4
     exit_adapter: str | None = None
+    draft_head: str | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise SpeculantError(f"method={self.method!r} is unknown; allowed: {', '.join(METHODS)}")
+        self._check_drafter_flags()
         # Checked for every method, so a bad value is never silently ignored (e.g. with method="ar").
         k = self.num_speculations
         if k != "auto":
@@ -54,6 +62,22 @@ class MethodSpec:
             self.num_speculations = k
         for name in ("beam_width", "draft_length", "max_ngram", "min_ngram"):
             check_range(name, getattr(self, name), 1)
+
+
+    def _check_drafter_flags(self) -> None:
+        """One drafter per method: reject flags that pick another one (one-line errors)."""
+        head = self.draft_head is not None or self.method == "eagle"
+        if self.draft_head is not None and self.method not in HEAD_METHODS:
+            raise SpeculantError(f"--draft-head={self.draft_head!r} does not apply to method {self.method!r}; "
+                                 f"allowed with: {', '.join(HEAD_METHODS)}")
+        if not head:
+            return
+        what = "--draft-head" if self.draft_head is not None else "method 'eagle'"
+        for flag, value in (("--draft-model", self.draft_model), ("--exit-layer", self.exit_layer),
+                            ("--exit-adapter", self.exit_adapter)):
+            if value is not None:
+                raise SpeculantError(f"{flag}={value!r} conflicts with {what} (the draft head drafts); "
+                                     f"allowed: one drafter, drop {flag}")
 
 
 def _builder(spec: MethodSpec) -> TreeBuilder | None:
@@ -78,6 +102,12 @@ def _drafter(spec: MethodSpec, model: LoadedModel) -> Drafter | None:
         return None
     if spec.method == "prompt-lookup":
         return PromptLookupDrafter(spec.max_ngram, spec.min_ngram)
+    if spec.method == "eagle" or spec.draft_head is not None:
+        name = spec.draft_head or default_head_for(model.name)
+        if name is None:
+            raise SpeculantError(f"no draft head ships for model {model.name!r}; allowed: --draft-head DIR "
+                                 "(train one with `speculant train --recipe draft-head`)")
+        return DraftHeadDrafter(load_head(name, model))
     use_model = spec.method == "draft-model" or (spec.method in TREE_METHODS and spec.draft_model)
     if use_model:
         name = spec.draft_model
@@ -94,10 +124,8 @@ def _drafter(spec: MethodSpec, model: LoadedModel) -> Drafter | None:
         return DraftModelDrafter(draft.decoder)
     exit_layer, head, adapter = spec.exit_layer, None, spec.exit_adapter
     if adapter is None:              # early-exit drafting (chain or tree): a shipped default adapter, if it fits
-        from ..training.adapter import default_adapter_for
         adapter = default_adapter_for(model.name, exit_layer)
     if adapter and adapter != "none":
-        from ..training.adapter import load_exit_adapter
         head, exit_layer = load_exit_adapter(adapter, model, exit_layer)
     if exit_layer is None:
         exit_layer = min(DEFAULT_EXIT_LAYER, target.num_layers // 2)
