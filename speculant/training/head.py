@@ -51,14 +51,27 @@ def default_cache_dir() -> Path:
 
 def load_split(model, corpora: list[str], split: str, topk: int, cache_dir, max_tokens: int | None,
                progress: bool) -> dict:
-    """Cached target features of one split over several corpora, merged (``seq`` made unique per corpus)."""
+    """Cached target features of one split over several corpora, merged (``seq`` made unique per corpus);
+    ``max_tokens`` is a budget over all of them, spent in the order given.
+
+    Raises:
+        SpeculantError: no corpus has records of ``split``.
+    """
+    from .data import read_corpus
     from .features import cached_features, merge_features
     parts, offset = [], 0
     for c in corpora:
-        f = cached_features(model, c, split, [model.decoder.num_layers], topk, cache_dir, max_tokens, progress)
+        used = sum(p["tokens"] for p in parts)
+        if not read_corpus(c, split) or (max_tokens is not None and used >= max_tokens):
+            continue
+        left = None if max_tokens is None else max_tokens - used
+        f = cached_features(model, c, split, [model.decoder.num_layers], topk, cache_dir, left, progress)
         f = dict(f, seq=f["seq"] + offset)
         offset = int(f["seq"].max()) + 1
         parts.append(f)
+    if not parts:
+        raise SpeculantError(f"no {split!r} records in {', '.join(map(str, corpora))}; allowed: make-data corpora "
+                             "(held-out records come from prompts, not --text-file)")
     return merge_features(parts)
 
 
