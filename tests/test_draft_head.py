@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from helpers import tiny_model
-from stats_helpers import chi_square
+from stats_helpers import chi_square, exact_law
 
 from speculant import GenerationConfig, SamplingConfig, build_generator
 from speculant.drafters.draft_head import DraftHead, load_head, new_head, save_head
@@ -107,19 +107,9 @@ def test_drafts_equal_the_head_run_over_the_whole_sequence(model):
 def test_sampled_tokens_follow_the_target_law(spec, tmp_path):
     """T=1.3, top-k 3: the joint law of 3 tokens through the engine (prefill + one drafted round) equals
     the target's, for the chain and a tree drafted by the head (as tests/test_sampling_engine.py)."""
-    import itertools
-
-    from speculant.sampling.processors import logits_to_probs
     m = tiny_model(seed=5, scale=1.5, vocab=4, layers=2, hidden=32, heads=2, kv_heads=1, inter=64)
     prompt, sampling = [1, 2, 3, 1, 2], dict(temperature=1.3, top_k=3)
-    cfg = SamplingConfig(**sampling)
-    law = {}
-    with torch.no_grad():
-        for seq in itertools.product(range(4), repeat=3):
-            prob = 1.0
-            for i in range(3):
-                prob *= float(logits_to_probs(m.decoder(torch.tensor([prompt + list(seq[:i])]))[0, -1], cfg)[seq[i]])
-            law[seq] = prob
+    law = exact_law(m, prompt, SamplingConfig(**sampling))
     save_head(random_head(m, seed=1), tmp_path / "h")
     gen = build_generator(m, draft_head=str(tmp_path / "h"), **spec)
     outs, drafted = [], 0

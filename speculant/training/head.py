@@ -271,13 +271,11 @@ def train_draft_head(model, corpora: list[str], out: str, *, steps: int = 1000, 
     """
     from tqdm import tqdm
 
-    from .train import _seed, lr_at, remap, select_vocab
+    from .train import _seed, check_positions, lr_at, remap, select_vocab
 
-    check_range("steps", steps, 1)
-    check_range("batch_seqs", batch_seqs, 1)
-    check_range("seq_len", seq_len, 1)
-    if positions not in ("all", "response"):
-        raise SpeculantError(f"positions={positions!r} is unknown; allowed: all, response")
+    for name, value in (("steps", steps), ("batch_seqs", batch_seqs), ("seq_len", seq_len)):
+        check_range(name, value, 1)
+    check_positions(positions)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()

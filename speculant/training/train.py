@@ -94,6 +94,12 @@ def lr_at(step: int, steps: int, warmup: float) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
 
 
+def check_positions(positions: str) -> None:
+    """Raise :class:`SpeculantError` unless ``positions`` (which positions train) is ``all`` or ``response``."""
+    if positions not in ("all", "response"):
+        raise SpeculantError(f"positions={positions!r} is unknown; allowed: all, response")
+
+
 def _seed(seed: int) -> torch.Generator:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -231,8 +237,7 @@ def train_exit_adapter(model, corpus: str, out: str, *, exit_layer: int = 6, blo
 
     check_range("steps", steps, 1)
     check_range("batch_tokens", batch_tokens, 1)
-    if positions not in ("all", "response"):
-        raise SpeculantError(f"positions={positions!r} is unknown; allowed: all, response")
+    check_positions(positions)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cache_dir = Path(cache_dir) if cache_dir else out / "cache"
