@@ -224,6 +224,6 @@ def test_smollm2_with_the_shipped_head_matches_ar():
     ar = build_generator(model, method="ar").generate(ids, cfg).token_ids
     chain = build_generator(model, method="eagle", num_speculations=4).generate(ids, cfg)
     assert chain.token_ids == ar
-    assert chain.stats.acceptance_by_position[0] > 0.4, chain.stats.acceptance_by_position
+    assert chain.stats.acceptance_by_position[0] > 0.15, chain.stats.acceptance_by_position
     tree = build_generator(model, method="rsd-s", beam_width=2, draft_length=4, draft_head="default")
     assert tree.generate(ids, cfg).token_ids == ar

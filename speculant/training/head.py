@@ -52,14 +52,14 @@ def default_cache_dir() -> Path:
 def load_split(model, corpora: list[str], split: str, topk: int, cache_dir, max_tokens: int | None,
                progress: bool) -> dict:
     """Cached target features of one split over several corpora, merged (``seq`` made unique per corpus);
-    ``max_tokens`` is a budget over all of them, spent in the order given.
+    ``max_tokens`` is a budget over all of them, spent in the order given.  ``by_corpus``: tokens used per file.
 
     Raises:
         SpeculantError: no corpus has records of ``split``.
     """
     from .data import read_corpus
     from .features import cached_features, merge_features
-    parts, offset = [], 0
+    parts, offset, by_corpus = [], 0, {}
     for c in corpora:
         used = sum(p["tokens"] for p in parts)
         if not read_corpus(c, split) or (max_tokens is not None and used >= max_tokens):
@@ -69,10 +69,11 @@ def load_split(model, corpora: list[str], split: str, topk: int, cache_dir, max_
         f = dict(f, seq=f["seq"] + offset)
         offset = int(f["seq"].max()) + 1
         parts.append(f)
+        by_corpus[Path(c).name] = int(f["tokens"])
     if not parts:
         raise SpeculantError(f"no {split!r} records in {', '.join(map(str, corpora))}; allowed: make-data corpora "
                              "(held-out records come from prompts, not --text-file)")
-    return merge_features(parts)
+    return dict(merge_features(parts), by_corpus=by_corpus)
 
 
 @torch.no_grad()
@@ -192,12 +193,31 @@ def vocab_coverage(t_idx_train: torch.Tensor, t_logp_train: torch.Tensor, t_idx_
     return out
 
 
+def plot_learning_curve(history: list[dict], path: Path) -> None:
+    """``learning_curve.png``: held-out teacher-forced first-token acceptance vs training positions seen."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    x = [h["train_positions"] for h in history]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(x, [h["eval"]["top1"] for h in history], "o-", label="greedy (top-1 agreement)")
+    ax.plot(x, [h["eval"]["accept_t1"] for h in history], "s-", label="T=1 (sum min(p, q), top-k)")
+    ax.set_xlabel("training positions seen")
+    ax.set_ylabel("first-token acceptance (held-out)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def model_card(conf: dict, m: dict, command: str) -> str:
     """README.md of a trained head: architecture, data, recipe, metrics, the learning curve."""
     curve = "\n".join(f"| {h['step']} | {h['train_positions']} | {h['eval']['top1']:.3f} | {h['eval']['accept_t1']:.3f} |"
                       for h in m["history"])
     final = m["final"]
-    sources = ", ".join(f"{k}: {v}" for k, v in m["train_sources"].items())
+    sources = ", ".join(f"{k}: {v:,}" for k, v in m["train_positions_by_corpus"].items())
     return f"""# Draft head (EAGLE): {conf['base_model']}
 
 Feature-level draft head for speculant (`speculant generate --method eagle`, or
@@ -235,7 +255,7 @@ Final training loss: {m['last_loss']:.4f} (feature {m['last_v']:.4f}, distributi
 | sum min(p, q) over target top-{m['topk']} (T=1 acceptance, lower bound) | {final['accept_t1']:.3f} |
 | target argmax inside the draft vocabulary | {final['coverage']:.3f} |
 
-Learning curve (held-out, teacher-forced):
+Learning curve (held-out, teacher-forced; `learning_curve.png`):
 
 | step | training positions seen | top-1 | T=1 acceptance |
 |---|---|---|---|
@@ -360,17 +380,11 @@ def train_draft_head(model, corpora: list[str], out: str, *, steps: int = 1000, 
     checkpoint(done)
     secs = time.perf_counter() - t0
     head.eval()
-    srcs: dict[str, int] = {}
-    for c in corpora:
-        from .data import read_corpus
-        for r in read_corpus(c, "train"):
-            key = r["source"].split("/")[0]
-            srcs[key] = srcs.get(key, 0) + len(r["prompt_ids"]) + len(r["response_ids"])
     metrics = {"recipe": "draft-head", **settings, "corpora": [str(c) for c in corpora], "topk": topk, "lr": lr,
                "v_weight": v_weight, "p_weight": p_weight, "hard_weight": hard_weight, "noise": noise,
                "batch_seqs": batch_seqs, "seq_len": seq_len, "positions": positions, "seed": seed,
                "steps_done": done, "steps_planned": steps, "train_positions": int(tr["tokens"]),
-               "train_sources": srcs, "parameters": sum(p.numel() for p in params),
+               "train_positions_by_corpus": tr["by_corpus"], "parameters": sum(p.numel() for p in params),
                "positions_seen": seen, "feature_cache_tokens_per_second": tr["tokens"] / max(tr["seconds"], 1e-9),
                "train_positions_per_second": (seen - (history[0].get("train_positions", 0))) / max(secs, 1e-9),
                "train_seconds": secs, "first_loss": history[0].get("first_loss"), "last_loss": loss.item(), "last_v": parts["v"], "last_p": parts["p"],
@@ -382,6 +396,7 @@ def train_draft_head(model, corpora: list[str], out: str, *, steps: int = 1000, 
     metrics["final"] = evaluate_head(stored.float(), f_ho, ho["ids"], ho["t_idx"], ho["t_logp"], ho["response"],
                                      ho_seqs, eval_tokens)
     save_head(head, out, card=model_card(stored.config, metrics, command), metrics=metrics)
+    plot_learning_curve(history + [{"train_positions": seen, "eval": metrics["final"]}], out / "learning_curve.png")
     return {k: v for k, v in metrics.items() if k != "history"}
 
 
