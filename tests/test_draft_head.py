@@ -207,8 +207,10 @@ def test_training_lowers_loss_raises_agreement_and_drafts_better(tmp_path):
         assert out == ar
         accepted[name] = stats.accepted_tokens / stats.drafted_tokens
     assert accepted["h"] > accepted["h0"] + 0.15, accepted
-    met2 = train_draft_head(m, [str(corpus)], str(tmp_path / "h"), steps=90, resume=True, **kw)
-    assert met2["steps_done"] == 90
+    met2 = train_draft_head(m, [str(corpus)], str(tmp_path / "h"), steps=90, resume=True, unroll=2, **kw)
+    assert met2["steps_done"] == 90 and met2["unroll"] == 2
+    with pytest.raises(SpeculantError, match="unroll=3 is out of range"):
+        train_draft_head(m, [str(corpus)], str(tmp_path / "h"), steps=95, unroll=3, **kw)
     with pytest.raises(SpeculantError, match="allowed: recipe draft-head with"):
         train_draft_head(m, [str(corpus)], str(tmp_path / "h"), steps=95, resume=True, **dict(kw, draft_vocab=40))
 

@@ -71,7 +71,7 @@ def register(subparsers, add_model_args, add_method_args) -> None:
     m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     m.set_defaults(func=cmd_make_data)
 
-    t = subparsers.add_parser("train", help="train early exits: --recipe layerskip | exit-adapter")
+    t = subparsers.add_parser("train", help="train drafters: --recipe layerskip | exit-adapter | draft-head")
     add_model_args(t)
     from .train import add_train_args
     add_train_args(t)

@@ -122,16 +122,27 @@ def window_batch(f: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, spans
 
 def head_loss(head: DraftHead, f: torch.Tensor, ids: torch.Tensor, t_map: torch.Tensor, t_logp: torch.Tensor,
               weight: torch.Tensor, spans, v_weight: float, p_weight: float, hard_weight: float,
-              noise: float = 0.0, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
-    """EAGLE's loss on a batch of windows (module docstring); returns ``(loss, {"v": .., "p": ..})``."""
+              noise: float = 0.0, generator: torch.Generator | None = None, unroll: int = 1) -> tuple[torch.Tensor, dict]:
+    """EAGLE's loss on a batch of windows (module docstring); returns ``(loss, {"v": .., "p": ..})``.
+
+    ``unroll=2`` adds a second pass in which every entry after the first reads the head's own prediction of its
+    feature instead of the target's (a two-step form of EAGLE-3's training-time test: the head learns to draft
+    from its own outputs, as at depth >= 2); the two passes' losses are averaged.
+    """
     x, tok, pos, nxt, mask = window_batch(f, ids, weight, spans)
     x = x.float()
     if noise:
         x = x + (torch.rand(x.shape, generator=generator) - 0.5) * noise
     pred = head(x, tok, pos)
-    pred, nxt = pred[mask], nxt[mask]
-    v = F.smooth_l1_loss(pred, f[nxt].float())
-    p = topk_distill_loss(head.logits(pred), t_map[nxt], t_logp[nxt], hard_weight)
+    passes = [(pred, mask)]
+    if unroll >= 2:
+        second = head(torch.cat([x[:, :1], pred[:, :-1]], 1), tok, pos)
+        passes.append((second, torch.cat([torch.zeros_like(mask[:, :1]), mask[:, 1:]], 1)))
+    v = p = 0.0
+    for out, m in passes:
+        target = nxt[m]
+        v = v + F.smooth_l1_loss(out[m], f[target].float()) / len(passes)
+        p = p + topk_distill_loss(head.logits(out[m]), t_map[target], t_logp[target], hard_weight) / len(passes)
     return v_weight * v + p_weight * p, {"v": v.item(), "p": p.item()}
 
 
@@ -243,7 +254,7 @@ Training positions: {m['train_positions']:,} ({sources}); held-out positions eva
 
 ## Recipe
 Loss `{m['v_weight']} * SmoothL1(feature) + {m['p_weight']} * (KL to target top-{m['topk']} + {m['hard_weight']} x CE on its argmax)`,
-input-feature noise {m['noise']} x RMS, AdamW lr {m['lr']} (warm-up + cosine), {m['steps_done']} steps x
+input-feature noise {m['noise']} x RMS, unrolled passes {m.get('unroll', 1)}, AdamW lr {m['lr']} (warm-up + cosine), {m['steps_done']} steps x
 {m['batch_seqs']} windows of <= {m['seq_len']} positions (positions: {m['positions']}), seed {m['seed']};
 {m['train_seconds'] / 60:.1f} min on a shared 2-core CPU ({m['train_positions_per_second']:.0f} positions/s).
 Final training loss: {m['last_loss']:.4f} (feature {m['last_v']:.4f}, distribution {m['last_p']:.4f}).
@@ -274,7 +285,7 @@ def train_draft_head(model, corpora: list[str], out: str, *, steps: int = 1000, 
                      warmup: float = 0.05, batch_seqs: int = 8, seq_len: int = 256, draft_vocab: int = 16384,
                      topk: int = 32, feature: str = "post-norm", init: str = "random", v_weight: float = 1.0,
                      p_weight: float = 1.0, hard_weight: float = 0.5, noise: float = 0.0, positions: str = "all",
-                     seed: int = 0, max_minutes: float | None = None, resume: bool = False,
+                     unroll: int = 1, seed: int = 0, max_minutes: float | None = None, resume: bool = False,
                      checkpoint_every: int = 100, eval_every: int = 100, eval_tokens: int = 4000,
                      cache_dir: str | None = None, max_train_tokens: int | None = None, progress: bool = True,
                      command: str = "") -> dict:
@@ -284,6 +295,7 @@ def train_draft_head(model, corpora: list[str], out: str, *, steps: int = 1000, 
         corpora: make-data JSONL paths (train and held-out splits).
         batch_seqs, seq_len: windows per step and entries per window [positions].
         draft_vocab: draft vocabulary size (0 = the full vocabulary).
+        unroll: 1, or 2 for the second, self-fed pass of :func:`head_loss`.
     Returns:
         metrics (held-out top-1 / T=1 acceptance before and after, the learning curve, throughput).
     Raises:
@@ -295,6 +307,7 @@ def train_draft_head(model, corpora: list[str], out: str, *, steps: int = 1000, 
 
     for name, value in (("steps", steps), ("batch_seqs", batch_seqs), ("seq_len", seq_len)):
         check_range(name, value, 1)
+    check_range("unroll", unroll, 1, 2)
     check_positions(positions)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -358,7 +371,7 @@ def train_draft_head(model, corpora: list[str], out: str, *, steps: int = 1000, 
             a = s + int(torch.randint(entries - t + 1, (1,), generator=gen))
             spans.append((s, a, t))
         loss, parts = head_loss(head, f_tr, tr["ids"], t_map, tr["t_logp"], weight, spans, v_weight, p_weight,
-                                hard_weight, noise_width, gen)
+                                hard_weight, noise_width, gen, unroll)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -381,7 +394,7 @@ def train_draft_head(model, corpora: list[str], out: str, *, steps: int = 1000, 
     secs = time.perf_counter() - t0
     head.eval()
     metrics = {"recipe": "draft-head", **settings, "corpora": [str(c) for c in corpora], "topk": topk, "lr": lr,
-               "v_weight": v_weight, "p_weight": p_weight, "hard_weight": hard_weight, "noise": noise,
+               "v_weight": v_weight, "p_weight": p_weight, "hard_weight": hard_weight, "noise": noise, "unroll": unroll,
                "batch_seqs": batch_seqs, "seq_len": seq_len, "positions": positions, "seed": seed,
                "steps_done": done, "steps_planned": steps, "train_positions": int(tr["tokens"]),
                "train_positions_by_corpus": tr["by_corpus"], "parameters": sum(p.numel() for p in params),
@@ -407,6 +420,7 @@ def train_head_from_args(model, args, common: dict) -> dict:
                             batch_seqs=args.head_batch, seq_len=args.head_seq_len, draft_vocab=args.draft_vocab,
                             topk=args.topk, feature=args.feature, init=args.init, v_weight=args.v_weight,
                             p_weight=args.p_weight, hard_weight=args.hard_weight, noise=args.feature_noise,
+                            unroll=args.unroll,
                             positions=args.positions, eval_every=args.eval_every, eval_tokens=args.eval_tokens,
                             cache_dir=args.cache_dir, max_train_tokens=args.max_train_tokens,
                             command="speculant " + " ".join(sys.argv[1:]), **common)

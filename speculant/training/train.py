@@ -72,6 +72,8 @@ def add_train_args(p) -> None:
     h.add_argument("--p-weight", type=float, default=1.0, help="weight of the distribution loss (KL + hard CE)")
     h.add_argument("--feature-noise", type=float, default=0.0,
                    help="uniform input-feature noise, width in units of the features' RMS (EAGLE's augmentation)")
+    h.add_argument("--unroll", type=int, default=1,
+                   help="2 = also train on the head's own predicted features (two-step training-time test)")
     ls = p.add_argument_group("layerskip")
     ls.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (0 = full fine-tune)")
     ls.add_argument("--lora-alpha", type=float, default=16.0)
