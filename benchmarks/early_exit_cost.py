@@ -21,7 +21,8 @@ import torch
 
 from speculant.bench.costs import expected_speedup, measure_step_costs, required_acceptance
 from speculant.models.loading import load_model
-from speculant.training.adapter import ExitHead, new_adapter
+from speculant.drafters.exit_adapter import ExitHead
+from speculant.training.adapter import new_adapter
 
 
 def main() -> None:

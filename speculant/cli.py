@@ -28,6 +28,9 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
                         "when the draft's confidence is low)")
     g.add_argument("--draft-model", default=None, help="draft model name, HF directory, or truncated:E")
     g.add_argument("--exit-adapter", default=None, help="trained exit adapter: a name ('default') or a directory")
+    g.add_argument("--draft-head", default=None,
+                   help="trained draft head (EAGLE): a name ('default') or a directory; drafts for eagle "
+                        "(default: the shipped 'default') and, when given, for rsd-c/rsd-s/specinfer")
     g.add_argument("--max-ngram", type=int, default=None, help="prompt lookup: longest n-gram (tokens, default 3)")
     g.add_argument("--min-ngram", type=int, default=None, help="prompt lookup: shortest n-gram (tokens, default 1)")
     g.add_argument("--branching", default=None,
@@ -85,7 +88,8 @@ def method_spec_from_args(args, model):
             raise SpeculantError(f"--exit-layer={exit_layer!r} is invalid; allowed: an integer or 'auto'") from None
     return MethodSpec(method=args.method, exit_layer=exit_layer, num_speculations=k, draft_model=args.draft_model,
                       max_ngram=args.max_ngram, min_ngram=args.min_ngram, branching=args.branching,
-                      beam_width=args.beam_width, draft_length=args.draft_length, exit_adapter=args.exit_adapter)
+                      beam_width=args.beam_width, draft_length=args.draft_length, exit_adapter=args.exit_adapter,
+                      draft_head=args.draft_head)
 
 
 def cmd_generate(args) -> int:

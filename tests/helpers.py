@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -46,3 +48,15 @@ def one_line_error(err: str) -> bool:
     lines = err.strip().splitlines()
     return bool(lines) and lines[-1].startswith("speculant: error: ") and \
         sum(line.startswith("speculant: error:") for line in lines) == 1 and "Traceback" not in err
+
+
+def pattern_corpus(path, n_train=24, n_heldout=4, length=40, vocab=64):
+    """Sequences that count up by a per-sequence stride mod vocab: learnable, and different from random."""
+    g = torch.Generator().manual_seed(3)
+    with open(path, "w") as f:
+        for i in range(n_train + n_heldout):
+            start, stride = int(torch.randint(vocab, (1,), generator=g)), 1 + i % 3
+            ids = [(start + stride * j) % vocab for j in range(length)]
+            f.write(json.dumps({"id": str(i), "source": "t", "split": "train" if i < n_train else "heldout",
+                                "prompt": "", "prompt_ids": ids[:5], "response_ids": ids[5:], "text": ""}) + "\n")
+    return path

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
+
+import torch
 
 Z_1E4 = 3.719   # one-sided standard normal quantile for a false-alarm rate of 1e-4
 
@@ -36,3 +39,19 @@ def chi_square(samples: list[tuple], law: dict[tuple, float], min_expected: floa
         stat += (pooled_obs - pooled_exp) ** 2 / max(pooled_exp, 1e-12)
         cells += 1
     return stat, chi2_quantile(max(cells - 1, 1))
+
+
+def exact_law(model, prompt: list[int], sampling, length: int = 3) -> dict[tuple, float]:
+    """Probability of every ``length``-token continuation of ``prompt`` under the target's processed
+    distribution ``sampling`` (a SamplingConfig), from one target forward per prefix."""
+    from speculant.sampling.processors import logits_to_probs
+    vocab = model.config.vocab_size
+    out = {}
+    with torch.no_grad():
+        for seq in itertools.product(range(vocab), repeat=length):
+            prob = 1.0
+            for i in range(length):
+                logits = model.decoder(torch.tensor([prompt + list(seq[:i])]))[0, -1]
+                prob *= float(logits_to_probs(logits, sampling)[seq[i]])
+            out[seq] = prob
+    return out

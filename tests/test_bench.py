@@ -193,7 +193,8 @@ def test_cost_ratio_with_exit_adapter_counts_adapter_bytes():
     import torch
 
     from speculant.bench.mbsu import exit_head_bytes
-    from speculant.training.adapter import ExitHead, new_adapter
+    from speculant.drafters.exit_adapter import ExitHead
+    from speculant.training.adapter import new_adapter
     model = tiny_model()
     dec = model.decoder
     ad = new_adapter(model, 1, num_blocks=1, vocab_ids=torch.arange(8))

@@ -10,16 +10,14 @@ law is computed by running the target on every prefix.  Logits processing
 (temperature 1.3, top-k 3 of 4) is applied to draft and target alike.
 """
 
-import itertools
 
 import pytest
 import torch
 from helpers import tiny_model
-from stats_helpers import chi_square
+from stats_helpers import chi_square, exact_law
 
 from speculant import GenerationConfig, SamplingConfig, build_generator
 from speculant.engine.stats import GenerationStats
-from speculant.sampling.processors import logits_to_probs
 from speculant.verification import rules
 
 RUNS = 5_000
@@ -34,16 +32,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def law(model):
-    cfg = SamplingConfig(**SAMPLING)
-    out = {}
-    with torch.no_grad():
-        for seq in itertools.product(range(4), repeat=3):
-            prob = 1.0
-            for i in range(3):
-                logits = model.decoder(torch.tensor([PROMPT + list(seq[:i])]))[0, -1]
-                prob *= float(logits_to_probs(logits, cfg)[seq[i]])
-            out[seq] = prob
-    return out
+    return exact_law(model, PROMPT, SamplingConfig(**SAMPLING))
 
 
 def sample(model, spec, runs=RUNS):

@@ -8,9 +8,11 @@ import math
 import pytest
 import torch
 
+from helpers import pattern_corpus as _pattern_corpus
 from helpers import tiny_model
 from speculant import GenerationConfig, build_generator
 from speculant.errors import SpeculantError
+from speculant.drafters import exit_adapter as exit_adapter_mod
 from speculant.training import adapter as adapter_mod
 from speculant.training.curricula import enabled_exits
 from speculant.training.data import read_corpus, split_prompts, Prompt
@@ -138,18 +140,6 @@ def test_split_is_seeded_and_keeps_sources_apart():
         split_prompts(ps, 1.0, 0)
 
 
-def _pattern_corpus(path, n_train=24, n_heldout=4, length=40, vocab=64):
-    """Sequences that count up by a per-sequence stride mod vocab: learnable, and different from random."""
-    g = torch.Generator().manual_seed(3)
-    with open(path, "w") as f:
-        for i in range(n_train + n_heldout):
-            start, stride = int(torch.randint(vocab, (1,), generator=g)), 1 + i % 3
-            ids = [(start + stride * j) % vocab for j in range(length)]
-            f.write(json.dumps({"id": str(i), "source": "t", "split": "train" if i < n_train else "heldout",
-                                "prompt": "", "prompt_ids": ids[:5], "response_ids": ids[5:], "text": ""}) + "\n")
-    return path
-
-
 # ----------------------------------------------------------------------------- training
 def test_layerskip_steps_lower_heldout_loss_full_and_lora(tmp_path):
     corpus = _pattern_corpus(tmp_path / "c.jsonl")
@@ -205,7 +195,7 @@ def _saved_adapter(m, path, exit_layer=2, vocab=None):
 def test_adapter_drafter_is_token_identical_to_ar_under_greedy(tmp_path, vocab):
     m = tiny_model(layers=4, scale=2.0)
     _saved_adapter(m, tmp_path / "a", 2, vocab)
-    head, e = adapter_mod.load_exit_adapter(str(tmp_path / "a"), m, None)
+    head, e = exit_adapter_mod.load_exit_adapter(str(tmp_path / "a"), m, None)
     assert e == 2
     logits = head(torch.randn(3, 64))
     assert logits.shape == (3, 64) and logits.dtype == torch.float32
@@ -225,12 +215,12 @@ def test_adapter_errors_name_the_value(tmp_path):
     m = tiny_model(layers=4)
     _saved_adapter(m, tmp_path / "a", 2)
     with pytest.raises(SpeculantError, match="exit_layer=3 conflicts"):
-        adapter_mod.load_exit_adapter(str(tmp_path / "a"), m, 3)
+        exit_adapter_mod.load_exit_adapter(str(tmp_path / "a"), m, 3)
     with pytest.raises(SpeculantError, match="not found for model 'tiny'"):
-        adapter_mod.load_exit_adapter("nope", m, None)
+        exit_adapter_mod.load_exit_adapter("nope", m, None)
     other = tiny_model(layers=4, hidden=32, heads=4, kv_heads=2)
     with pytest.raises(SpeculantError, match="hidden_size=64"):
-        adapter_mod.load_exit_adapter(str(tmp_path / "a"), other, None)
+        exit_adapter_mod.load_exit_adapter(str(tmp_path / "a"), other, None)
     with pytest.raises(SpeculantError, match="num_blocks"):
         adapter_mod.new_adapter(m, 3, 2)
 
@@ -238,7 +228,7 @@ def test_adapter_errors_name_the_value(tmp_path):
 def test_adapter_round_trip_matches_in_memory(tmp_path):
     m = tiny_model(layers=4)
     ad = _saved_adapter(m, tmp_path / "a", 2, torch.arange(40))
-    loaded = adapter_mod.load_adapter(tmp_path / "a", m)
+    loaded = exit_adapter_mod.load_adapter(tmp_path / "a", m)
     h = torch.randn(5, 64)
     torch.testing.assert_close(loaded(h), ad(h), atol=0.05, rtol=0.05)   # stored in bf16
 
@@ -272,13 +262,13 @@ def test_spec_bench_reader_uses_first_turn(tmp_path):
 
 def test_shipped_default_adapter_is_found_by_name():
     from dataclasses import replace
-    assert adapter_mod.default_adapter_for("smollm2-135m") == "default"
-    conf = json.loads((adapter_mod.ARTIFACTS / "smollm2-135m" / "default" / "config.json").read_text())
+    assert exit_adapter_mod.default_adapter_for("smollm2-135m") == "default"
+    conf = json.loads((exit_adapter_mod.ARTIFACTS / "smollm2-135m" / "default" / "config.json").read_text())
     E = conf["exit_layer"]
-    assert adapter_mod.default_adapter_for("smollm2-135m", E) == "default"
-    assert adapter_mod.default_adapter_for("smollm2-135m", E + 1) is None     # explicit other layer: no adapter
-    assert adapter_mod.default_adapter_for("tiny") is None
+    assert exit_adapter_mod.default_adapter_for("smollm2-135m", E) == "default"
+    assert exit_adapter_mod.default_adapter_for("smollm2-135m", E + 1) is None     # explicit other layer: no adapter
+    assert exit_adapter_mod.default_adapter_for("tiny") is None
     m = tiny_model(layers=4)
     m = replace(m, name="smollm2-135m")                   # resolves the shipped files, then rejects the shape
     with pytest.raises(SpeculantError, match="hidden_size=576 but model 'smollm2-135m' has 64"):
-        adapter_mod.load_exit_adapter("default", m, None)
+        exit_adapter_mod.load_exit_adapter("default", m, None)

@@ -15,7 +15,8 @@ early-exit drafter at layer E of an L-layer target (and a ``truncated:E`` copy)
 ``c = (E * layer_bytes + head_bytes) / (L * layer_bytes + head_bytes)`` where
 ``head_bytes`` is the final norm plus the LM head (the embedding lookup reads one row
 per token and is ignored); with a trained exit adapter the adapter's bytes (its blocks, norm, bias
-and reduced-vocabulary head rows) replace the final norm and LM head.  Prompt lookup reads no weights (``c = 0``); AR has tau = 1,
+and reduced-vocabulary head rows) replace the final norm and LM head; a feature-level draft head
+(EAGLE) is ``exit_layer=0`` with its own bytes (fc, one layer, reduced-vocabulary head rows).  Prompt lookup reads no weights (``c = 0``); AR has tau = 1,
 MBSU = 1.
 """
 
@@ -37,7 +38,7 @@ def weight_bytes(decoder: LlamaDecoder, layers: int | None = None) -> int:
 
 def exit_head_bytes(exit_head) -> int | None:
     """Bytes of weights an exit head reads per forward [bytes]: an
-    :class:`~speculant.training.adapter.ExitHead`'s adapter (parameters + LM-head rows), else ``None``."""
+    :class:`~speculant.drafters.exit_adapter.ExitHead`'s adapter (parameters + LM-head rows), else ``None``."""
     adapter = getattr(exit_head, "adapter", None)
     if adapter is None:
         return None

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..drafters.draft_model import DraftModelDrafter
+from ..drafters.eagle import DraftHeadDrafter
 from ..drafters.early_exit import EarlyExitDrafter
 from ..engine.generator import GenerationConfig, SpeculativeGenerator
 from ..engine.methods import build_generator, default_exit_layer
@@ -63,6 +64,8 @@ class _Ours:
         self.drafter = type(d).__name__ + (" + exit adapter" if getattr(d, "exit_head", None) is not None else "")
         if isinstance(d, DraftModelDrafter):
             self.cost_ratio = draft_cost_ratio(model.decoder, draft=d.model)
+        elif isinstance(d, DraftHeadDrafter):
+            self.cost_ratio = draft_cost_ratio(model.decoder, exit_layer=0, head_bytes=d.head.weight_bytes())
         elif isinstance(d, EarlyExitDrafter):
             self.cost_ratio = draft_cost_ratio(model.decoder, exit_layer=d.exit_layer,
                                                head_bytes=exit_head_bytes(d.exit_head))

@@ -15,6 +15,7 @@ Ours (keys -> :class:`speculant.engine.methods.MethodSpec` fields):
 ``b``                  branching, ``x``-separated (``b=3x2x1`` = 3,2,1)
 ``W`` / ``L``          beam_width / draft_length (rsd-s)
 ``adapter``            exit_adapter (name or directory)
+``head``               draft_head (name or directory): ``eagle`` and the tree methods draft with it
 =====================  ==========================================================
 
 Transformers (:mod:`speculant.bench.hf_baselines`): ``hf-ar``; ``hf-early-exit[:E=..,K=..]``
@@ -37,11 +38,12 @@ LLAMACPP_METHODS = ("llamacpp", "llamacpp-lookup")
 ALL_METHODS = METHODS + HF_METHODS + LLAMACPP_METHODS
 
 _OURS_KEYS = {"E": "exit_layer", "K": "num_speculations", "draft": "draft_model", "N": "max_ngram",
-              "n": "min_ngram", "b": "branching", "W": "beam_width", "L": "draft_length", "adapter": "exit_adapter"}
+              "n": "min_ngram", "b": "branching", "W": "beam_width", "L": "draft_length", "adapter": "exit_adapter",
+              "head": "draft_head"}
 _ALLOWED = {
     "ar": (), "early-exit": ("E", "K", "adapter"), "draft-model": ("E", "K", "draft"),
-    "prompt-lookup": ("K", "N", "n"), "rsd-c": ("E", "b", "draft", "adapter"),
-    "specinfer": ("E", "b", "draft", "adapter"), "rsd-s": ("E", "W", "L", "draft", "adapter"),
+    "prompt-lookup": ("K", "N", "n"), "eagle": ("K", "head"), "rsd-c": ("E", "b", "draft", "adapter", "head"),
+    "specinfer": ("E", "b", "draft", "adapter", "head"), "rsd-s": ("E", "W", "L", "draft", "adapter", "head"),
     "hf-ar": (), "hf-early-exit": ("E", "K"), "hf-prompt-lookup": ("K", "N"), "hf-assistant": ("E", "K"),
     "llamacpp": (), "llamacpp-lookup": ("K", "N"),
 }
@@ -102,7 +104,8 @@ def to_spec(name: str, params: dict, exit_adapter: str | None = None) -> MethodS
             raise SpeculantError("draft-model needs E=<layers of the truncated copy> or draft=NAME|DIR|truncated:E")
     if "branching" in kw:
         kw["branching"] = ",".join(str(kw["branching"]).split("x"))
-    uses_exit = name == "early-exit" or (name in TREE_METHODS and not kw.get("draft_model"))
+    uses_exit = name == "early-exit" or (name in TREE_METHODS and not kw.get("draft_model")
+                                         and not kw.get("draft_head"))
     if uses_exit and exit_adapter and "exit_adapter" not in kw:
         kw["exit_adapter"] = exit_adapter
     return MethodSpec(method=name, **kw)

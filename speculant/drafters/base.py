@@ -152,6 +152,16 @@ def last_position_logits(decoder: LlamaDecoder, hidden: torch.Tensor) -> torch.T
     return decoder.lm_head(decoder.final_norm(hidden[0, -1:]))
 
 
+def full_vocab_logits(logits: torch.Tensor, vocab_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """Logits ``[..., V']`` over a reduced draft vocabulary ``vocab_ids`` -> ``[..., V]`` with ``-inf`` outside
+    it (identity when ``vocab_ids`` is ``None``)."""
+    if vocab_ids is None:
+        return logits
+    full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    full[..., vocab_ids] = logits
+    return full
+
+
 def draft_distribution(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     """Draft probabilities ``[F, V]``: processed like the target's, or the plain softmax under greedy decoding."""
     return torch.softmax(logits.float(), -1) if sampling.greedy else logits_to_probs(logits, sampling)

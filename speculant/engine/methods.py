@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..drafters.base import Drafter
+from ..drafters.draft_head import default_head_for, load_head
 from ..drafters.draft_model import DraftModelDrafter, check_vocab_compatible, truncated_copy
+from ..drafters.eagle import DraftHeadDrafter
 from ..drafters.early_exit import EarlyExitDrafter
+from ..drafters.exit_adapter import default_adapter_exit_layer, default_adapter_for, load_exit_adapter
 from ..drafters.prompt_lookup import PromptLookupDrafter
 from ..errors import SpeculantError, check_range
 from ..models.loading import LoadedModel, load_model
@@ -14,8 +17,9 @@ from ..trees.builders import (ChainBuilder, ConstantBranchingBuilder, IIDTreeBui
                               TreeBuilder)
 from .generator import SpeculativeGenerator
 
-METHODS = ("ar", "early-exit", "draft-model", "prompt-lookup", "rsd-c", "rsd-s", "specinfer")
+METHODS = ("ar", "early-exit", "draft-model", "prompt-lookup", "eagle", "rsd-c", "rsd-s", "specinfer")
 TREE_METHODS = ("rsd-c", "rsd-s", "specinfer")
+HEAD_METHODS = ("eagle",) + TREE_METHODS          # methods that can draft with a draft head
 
 
 _USES = {
@@ -23,18 +27,19 @@ _USES = {
     "early-exit": ("exit_layer", "exit_adapter", "num_speculations"),
     "draft-model": ("draft_model", "num_speculations"),
     "prompt-lookup": ("num_speculations", "max_ngram", "min_ngram"),
-    "rsd-c": ("exit_layer", "exit_adapter", "draft_model", "branching"),
-    "specinfer": ("exit_layer", "exit_adapter", "draft_model", "branching"),
-    "rsd-s": ("exit_layer", "exit_adapter", "draft_model", "beam_width", "draft_length"),
+    "eagle": ("draft_head", "num_speculations"),
+    "rsd-c": ("exit_layer", "exit_adapter", "draft_model", "draft_head", "branching"),
+    "specinfer": ("exit_layer", "exit_adapter", "draft_model", "draft_head", "branching"),
+    "rsd-s": ("exit_layer", "exit_adapter", "draft_model", "draft_head", "beam_width", "draft_length"),
 }
 """The :class:`MethodSpec` parameters each method reads."""
 _DEFAULTS = {"num_speculations": 4, "max_ngram": 3, "min_ngram": 1, "branching": "2,2,2", "beam_width": 4,
              "draft_length": 4}
 
 
-def drafts_with_exit_layers(method: str, draft_model: str | None = None) -> bool:
-    """True when ``method`` drafts with the target's first layers (early exit), not a separate model."""
-    return method == "early-exit" or (method in TREE_METHODS and not draft_model)
+def drafts_with_exit_layers(method: str, draft_model: str | None = None, draft_head: str | None = None) -> bool:
+    """True when ``method`` drafts with the target's first layers (early exit), not a separate model or head."""
+    return method == "early-exit" or (method in TREE_METHODS and not draft_model and not draft_head)
 
 
 @dataclass
@@ -46,6 +51,9 @@ class MethodSpec:
     ``exit_adapter``: a trained exit head (name or directory); with ``method="early-exit"`` and
     ``None``, a shipped ``default`` adapter for the model is used when its exit layer fits
     ``exit_layer`` (or ``exit_layer`` is ``None``); ``"none"`` turns that off.
+
+    ``draft_head``: a trained feature-level draft head (name or directory) that drafts for ``eagle``
+    (default: the model's shipped ``default`` head) and, when given, for the tree methods.
 
     ``None`` means "not given": a parameter the method reads then takes its default
     (num_speculations 4, max_ngram 3, min_ngram 1, branching "2,2,2", beam_width 4, draft_length 4;
@@ -69,18 +77,23 @@ class MethodSpec:
     beam_width: int | None = None
     draft_length: int | None = None
     exit_adapter: str | None = None
+    draft_head: str | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise SpeculantError(f"method={self.method!r} is unknown; allowed: {', '.join(METHODS)}")
-        if self.draft_model:
+        if self.draft_model and self.draft_head:
+            raise SpeculantError(f"draft_head={self.draft_head!r} conflicts with draft_model={self.draft_model!r}; "
+                                 "give one drafter")
+        if self.draft_model or self.draft_head:
+            drafter = f"draft_model={self.draft_model!r}" if self.draft_model else f"draft_head={self.draft_head!r}"
             for name in ("exit_layer", "exit_adapter"):
                 value = getattr(self, name)
                 if value is not None and value != "none":
-                    raise SpeculantError(f"{name}={value!r} conflicts with draft_model={self.draft_model!r}: a draft "
-                                         "model drafts instead of the early-exit layers; give one of them")
+                    raise SpeculantError(f"{name}={value!r} conflicts with {drafter}: it drafts instead of the "
+                                         "early-exit layers; give one of them")
         uses = _USES[self.method]
-        for name in ("exit_layer", "exit_adapter", "draft_model", *_DEFAULTS):
+        for name in ("exit_layer", "exit_adapter", "draft_model", "draft_head", *_DEFAULTS):
             value = getattr(self, name)
             if value is None or name in uses or (name == "exit_adapter" and value == "none"):
                 continue
@@ -124,7 +137,6 @@ DEFAULT_EXIT_LAYER = 8   # used when no exit layer is given (capped at half the 
 def default_exit_layer(model: LoadedModel) -> int:
     """Exit layer E when none is given: that of the model's shipped ``default`` exit adapter, else
     ``min(DEFAULT_EXIT_LAYER, L // 2)``.  ``early-exit`` and ``hf-early-exit`` both use it."""
-    from ..training.adapter import default_adapter_exit_layer
     e = default_adapter_exit_layer(model.name)
     return e if e is not None else min(DEFAULT_EXIT_LAYER, model.decoder.num_layers // 2)
 
@@ -135,6 +147,12 @@ def _drafter(spec: MethodSpec, model: LoadedModel) -> Drafter | None:
         return None
     if spec.method == "prompt-lookup":
         return PromptLookupDrafter(spec.max_ngram, spec.min_ngram)
+    if spec.method == "eagle" or spec.draft_head is not None:
+        name = spec.draft_head or default_head_for(model.name)
+        if name is None:
+            raise SpeculantError(f"no draft head ships for model {model.name!r}; allowed: --draft-head DIR "
+                                 "(train one with `speculant train --recipe draft-head`)")
+        return DraftHeadDrafter(load_head(name, model))
     if not drafts_with_exit_layers(spec.method, spec.draft_model):
         name = spec.draft_model
         if not name:
@@ -150,10 +168,8 @@ def _drafter(spec: MethodSpec, model: LoadedModel) -> Drafter | None:
         return DraftModelDrafter(draft.decoder)
     exit_layer, head, adapter = spec.exit_layer, None, spec.exit_adapter
     if adapter is None:              # early-exit drafting (chain or tree): a shipped default adapter, if it fits
-        from ..training.adapter import default_adapter_for
         adapter = default_adapter_for(model.name, exit_layer)
     if adapter and adapter != "none":
-        from ..training.adapter import load_exit_adapter
         head, exit_layer = load_exit_adapter(adapter, model, exit_layer)
     if exit_layer is None:
         exit_layer = default_exit_layer(model)

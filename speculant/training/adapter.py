@@ -1,23 +1,5 @@
-"""Exit adapters: a small trainable head at early exit E of a frozen model (lossless self-speculation).
-
-The base model stays frozen, so verification (and therefore the output) is
-unchanged; only the draft distribution ``q`` at exit ``E`` is learned.  The
-adapter maps the hidden state leaving layer ``E-1`` to draft logits::
-
-    h -> h + MLP_j(RMSNorm_j(h))   for j = 1..num_blocks   (SwiGLU blocks, initialised from
-                                                            the MLPs of layers E, E+1, ...)
-      -> RMSNorm (initialised from the final norm)
-      -> W_sub h + b                (W_sub = rows ``vocab_ids`` of the frozen tied LM head; b trained)
-
-With a reduced vocabulary ``vocab_ids`` (``V' << V`` tokens covering most of the
-teacher's mass) the draft head reads ``V'/V`` of the LM head's bytes; logits outside
-it are ``-inf``.  Speculative decoding stays exact: the acceptance rules only need
-``q`` to be a distribution (Leviathan et al. 2023, Sec. 2.3).
-
-On disk an adapter is a directory with ``adapter.safetensors`` (trained tensors,
-plus ``vocab_ids``), ``config.json`` and a ``README.md`` model card.  Named adapters
-live under ``speculant/artifacts/exit_adapters/<model name>/<name>/``.
-"""
+"""Creating and saving exit adapters for training (:mod:`speculant.drafters.exit_adapter` holds the
+forward and the loading that decoding needs)."""
 
 from __future__ import annotations
 
@@ -25,89 +7,10 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
+from ..drafters.exit_adapter import FORMAT, ExitAdapter
 from ..errors import SpeculantError
-from ..models.linear import DecodeLinear, small_batch_linear
-from ..models.llama import RMSNorm
 from ..runtime.formats import lm_head_rows_weight
-
-FORMAT = "speculant-exit-adapter"
-ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts" / "exit_adapters"
-
-
-class ResidualMLP(nn.Module):
-    """``h + down(silu(gate(n(h))) * up(n(h)))`` with ``n`` an RMSNorm: a decoder layer minus attention."""
-
-    def __init__(self, hidden: int, intermediate: int, eps: float):
-        super().__init__()
-        self.inter = intermediate
-        self.norm = RMSNorm(hidden, eps)
-        self.gate_up_proj = DecodeLinear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = DecodeLinear(intermediate, hidden, bias=False)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(self.norm(h)).split(self.inter, dim=-1)
-        return h + self.down_proj(F.silu(gate) * up)
-
-
-class ExitAdapter(nn.Module):
-    """Trainable exit head at exit layer E.
-
-    Args:
-        config: dict with ``hidden_size``, ``intermediate_size``, ``num_blocks``, ``rms_norm_eps``,
-            ``exit_layer``, ``vocab_size`` (full V).
-        head_weight: frozen LM-head rows ``[V', D]`` (``V' = len(vocab_ids)``, or V).
-        vocab_ids: int64 ``[V']`` token ids of the reduced vocabulary, or ``None`` (full vocabulary).
-
-    ``forward(h [..., D]) -> logits [..., V']`` (fp32) over the adapter's own vocabulary.
-    """
-
-    def __init__(self, config: dict, head_weight: torch.Tensor, vocab_ids: torch.Tensor | None):
-        super().__init__()
-        self.config = dict(config)
-        d, eps = config["hidden_size"], config["rms_norm_eps"]
-        self.blocks = nn.ModuleList(ResidualMLP(d, config["intermediate_size"], eps)
-                                    for _ in range(config["num_blocks"]))
-        self.norm = RMSNorm(d, eps)
-        self.register_buffer("head_weight", head_weight.detach().clone(), persistent=False)
-        self.head_bias = nn.Parameter(torch.zeros(head_weight.shape[0], dtype=head_weight.dtype))
-        self.register_buffer("vocab_ids", None if vocab_ids is None else vocab_ids.long().clone(), persistent=False)
-
-    @property
-    def exit_layer(self) -> int:
-        return int(self.config["exit_layer"])
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            h = b(h)
-        return small_batch_linear(self.norm(h), self.head_weight, self.head_bias).float()
-
-    def trained_state(self) -> dict[str, torch.Tensor]:
-        """The tensors stored on disk (trainable ones + ``vocab_ids``)."""
-        sd = {k: v for k, v in self.state_dict().items()}
-        if self.vocab_ids is not None:
-            sd["vocab_ids"] = self.vocab_ids.to(torch.int32)
-        return sd
-
-
-class ExitHead:
-    """Callable for :class:`~speculant.drafters.early_exit.EarlyExitDrafter`: hidden ``[..., D]`` leaving
-    layer E-1 -> fp32 logits ``[..., V]`` over the full vocabulary (``-inf`` outside a reduced one)."""
-
-    def __init__(self, adapter: ExitAdapter, vocab_size: int):
-        self.adapter = adapter.eval().requires_grad_(False)
-        self.vocab_size = vocab_size
-
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.adapter(h)
-        ids = self.adapter.vocab_ids
-        if ids is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
-        full[..., ids] = logits
-        return full
 
 
 def new_adapter(model, exit_layer: int, num_blocks: int = 1, vocab_ids: torch.Tensor | None = None) -> ExitAdapter:
@@ -154,85 +57,3 @@ def save_adapter(adapter: ExitAdapter, out_dir: str | Path, card: str | None = N
     if card is not None:
         (out / "README.md").write_text(card)
     return out
-
-
-def available_adapters(model_name: str) -> list[str]:
-    """Names of the adapters shipped for ``model_name``."""
-    d = ARTIFACTS / model_name
-    return sorted(p.name for p in d.iterdir() if (p / "config.json").is_file()) if d.is_dir() else []
-
-
-def resolve_adapter_dir(name_or_path: str, model_name: str) -> Path:
-    """A directory holding an adapter: ``name_or_path`` itself, or the shipped adapter of that name.
-
-    Raises:
-        SpeculantError: neither exists (the message lists the shipped names).
-    """
-    p = Path(name_or_path)
-    if (p / "config.json").is_file():
-        return p
-    q = ARTIFACTS / model_name / name_or_path
-    if (q / "config.json").is_file():
-        return q
-    names = available_adapters(model_name)
-    raise SpeculantError(f"exit adapter {name_or_path!r} not found for model {model_name!r}; allowed: "
-                         f"{', '.join(names) if names else '(no shipped adapters)'} or a directory with config.json")
-
-
-def load_adapter(path: str | Path, model) -> ExitAdapter:
-    """Load an adapter directory for ``model`` (tensors cast to the model's dtype).
-
-    Raises:
-        SpeculantError: wrong format or a model whose shape differs from the one it was trained on.
-    """
-    from safetensors.torch import load_file
-    path = Path(path)
-    conf = json.loads((path / "config.json").read_text())
-    if conf.get("format") != FORMAT:
-        raise SpeculantError(f"{str(path)!r} is not an exit adapter (format={conf.get('format')!r}; allowed: {FORMAT})")
-    cfg = model.decoder.config
-    for key, have in (("hidden_size", cfg.hidden_size), ("vocab_size", cfg.vocab_size),
-                      ("num_layers", model.decoder.num_layers)):
-        if conf[key] != have:
-            raise SpeculantError(f"exit adapter {str(path)!r} has {key}={conf[key]} but model {model.name!r} has "
-                                 f"{have}; allowed: an adapter trained for this model")
-    sd = load_file(str(path / "adapter.safetensors"))
-    vocab_ids = sd.pop("vocab_ids", None)
-    head = lm_head_rows_weight(model.decoder, None if vocab_ids is None else vocab_ids.long())
-    ad = ExitAdapter(conf, head, vocab_ids)
-    ad.load_state_dict({k: v for k, v in sd.items()}, strict=True)
-    return ad.to(model.decoder.dtype).eval().requires_grad_(False)
-
-
-def load_exit_adapter(name_or_path: str, model, exit_layer: int | None = None):
-    """Load an exit adapter by name (``default``) or directory for ``model``.
-
-    Args:
-        name_or_path: a shipped name (see :func:`available_adapters`) or an adapter directory.
-        model: the :class:`~speculant.models.loading.LoadedModel` it drafts for.
-        exit_layer: ``None`` takes the adapter's stored exit layer; otherwise it must equal it.
-    Returns:
-        ``(exit_head, exit_layer)``: ``exit_head`` maps hidden ``[..., D]`` leaving layer E-1 to fp32
-        logits ``[..., V]`` (``-inf`` outside a reduced vocabulary).
-    Raises:
-        SpeculantError: unknown name, incompatible model, or a conflicting ``exit_layer``.
-    """
-    ad = load_adapter(resolve_adapter_dir(name_or_path, model.name), model)
-    if exit_layer is not None and int(exit_layer) != ad.exit_layer:
-        raise SpeculantError(f"exit_layer={exit_layer} conflicts with exit adapter {name_or_path!r}, trained for "
-                             f"exit layer {ad.exit_layer}; allowed: {ad.exit_layer} (or leave --exit-layer unset)")
-    return ExitHead(ad, model.decoder.config.vocab_size), ad.exit_layer
-
-
-def default_adapter_exit_layer(model_name: str) -> int | None:
-    """Exit layer of the ``default`` adapter shipped for ``model_name`` (``None`` when none ships)."""
-    if "default" not in available_adapters(model_name):
-        return None
-    return int(json.loads((ARTIFACTS / model_name / "default" / "config.json").read_text())["exit_layer"])
-
-
-def default_adapter_for(model_name: str, exit_layer: int | None = None) -> str | None:
-    """``'default'`` when an adapter named default ships for ``model_name`` and was trained for
-    ``exit_layer`` (any layer when ``None``), else ``None``."""
-    e = default_adapter_exit_layer(model_name)
-    return "default" if e is not None and (exit_layer is None or int(exit_layer) == e) else None

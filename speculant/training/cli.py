@@ -29,7 +29,7 @@ def cmd_make_data(args) -> int:
     summary = data.make_data(model, prompts, args.out, heldout_fraction=args.heldout_fraction, seed=args.seed,
                              temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                              max_minutes=args.max_minutes, resume=args.resume, text_files=args.text_file or (),
-                             chunk_tokens=args.chunk_tokens)
+                             chunk_tokens=args.chunk_tokens, batch_size=args.batch_size)
     print(json.dumps(summary))
     return 0
 
@@ -66,10 +66,12 @@ def register(subparsers, add_model_args, add_method_args) -> None:
     m.add_argument("--max-minutes", type=float, default=None, help="stop starting new prompts after this time")
     m.add_argument("--resume", action="store_true", help="append to --out, skipping prompts already there")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--batch-size", type=int, default=1,
+                   help="prompts sampled per forward (1 = our decoding engine, one prompt at a time)")
     m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     m.set_defaults(func=cmd_make_data)
 
-    t = subparsers.add_parser("train", help="train early exits: --recipe layerskip | exit-adapter")
+    t = subparsers.add_parser("train", help="train drafters: --recipe layerskip | exit-adapter | draft-head")
     add_model_args(t)
     from .train import add_train_args
     add_train_args(t)

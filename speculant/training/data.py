@@ -206,7 +206,7 @@ def text_records(path: str | Path, tokenizer, chunk_tokens: int, split: str = "t
 def make_data(model, prompts: list[Prompt], out_path: str | Path, *, heldout_fraction: float = 0.1, seed: int = 0,
               temperature: float = 0.7, top_p: float = 0.95, max_new_tokens: int = 192,
               max_minutes: float | None = None, resume: bool = False, text_files: Iterable[str] = (),
-              chunk_tokens: int = 256, progress: bool = True) -> dict:
+              chunk_tokens: int = 256, progress: bool = True, batch_size: int = 1) -> dict:
     """Sample one response per prompt from ``model`` with our engine and append records to ``out_path``.
 
     Args:
@@ -217,6 +217,9 @@ def make_data(model, prompts: list[Prompt], out_path: str | Path, *, heldout_fra
         max_minutes: stop starting new prompts after this wall time [minutes].
         resume: keep existing records and skip their ids (else the file is overwritten).
         text_files: raw text added as teacher-forced train sequences of ``chunk_tokens`` tokens.
+        batch_size: prompts sampled per forward (:mod:`speculant.training.batched`; 1 = our engine,
+            one prompt at a time, seed of prompt i ``seed + i``; B > 1 seeds each batch's generator
+            with ``seed`` + the index of its first prompt).
     Returns:
         summary dict: records/tokens written per split, seconds, generated tokens/s.
     Raises:
@@ -224,9 +227,7 @@ def make_data(model, prompts: list[Prompt], out_path: str | Path, *, heldout_fra
     """
     from tqdm import tqdm
 
-    from ..engine.generator import GenerationConfig
     from ..engine.methods import build_generator
-    from ..sampling.processors import SamplingConfig
 
     if not prompts and not text_files:
         raise SpeculantError("no prompts given; allowed: --spec-bench PATH, --humaneval, --builtin, --prompts-file PATH")
@@ -235,6 +236,8 @@ def make_data(model, prompts: list[Prompt], out_path: str | Path, *, heldout_fra
         raise SpeculantError("prompt ids are not unique; allowed: each source at most once")
     if max_new_tokens < 1:
         raise SpeculantError(f"max_new_tokens={max_new_tokens} is out of range; allowed: >= 1")
+    if batch_size < 1:
+        raise SpeculantError(f"batch_size={batch_size} is out of range; allowed: >= 1")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = set()
@@ -256,27 +259,49 @@ def make_data(model, prompts: list[Prompt], out_path: str | Path, *, heldout_fra
             f.write(json.dumps(rec) + "\n")
             n_rec["train"] += 1
             n_tok["train"] += len(rec["response_ids"])
-        bar = tqdm(todo, desc="make-data", unit="prompt", disable=not progress)
-        for i, p in enumerate(bar):
+        bar = tqdm(total=len(todo), desc="make-data", unit="prompt", disable=not progress)
+        for a in range(0, len(todo), batch_size):
             if max_minutes is not None and time.perf_counter() - t0 > max_minutes * 60:
                 break
-            cfg = GenerationConfig(max_new_tokens=max_new_tokens,
-                                   sampling=SamplingConfig(temperature=temperature, top_p=top_p,
-                                                           seed=seed + ids.index(p.id)))
-            prompt_ids = gen.encode(p.text)
-            if len(prompt_ids) + max_new_tokens >= model.config.max_position_embeddings:
-                continue
-            res = gen.generate(prompt_ids, cfg)
-            rec = {"id": p.id, "source": p.source, "split": split[p.id], "prompt": p.text,
-                   "prompt_ids": prompt_ids, "response_ids": res.token_ids, "text": res.text}
-            f.write(json.dumps(rec) + "\n")
+            group = [(p, gen.encode(p.text)) for p in todo[a:a + batch_size]]
+            group = [(p, ids) for p, ids in group if len(ids) + max_new_tokens < model.config.max_position_embeddings]
+            for p, prompt_ids, response in _responses(gen, model, group, batch_size, temperature, top_p, seed,
+                                                      ids, max_new_tokens):
+                rec = {"id": p.id, "source": p.source, "split": split[p.id], "prompt": p.text,
+                       "prompt_ids": prompt_ids, "response_ids": response,
+                       "text": model.tokenizer.decode(response, skip_special_tokens=True)}
+                f.write(json.dumps(rec) + "\n")
+                s = split[p.id]
+                n_rec[s] += 1
+                n_tok[s] += len(prompt_ids) + len(response)
+                gen_tokens += len(response)
             f.flush()
-            s = split[p.id]
-            n_rec[s] += 1
-            n_tok[s] += len(prompt_ids) + len(res.token_ids)
-            gen_tokens += len(res.token_ids)
+            bar.update(min(batch_size, len(todo) - a))
             bar.set_postfix(gen_tok_s=f"{gen_tokens / (time.perf_counter() - t0):.1f}")
+        bar.close()
     secs = time.perf_counter() - t0
     return {"path": str(out_path), "records": n_rec, "tokens": n_tok, "generated_tokens": gen_tokens,
             "seconds": round(secs, 1), "generated_tokens_per_second": round(gen_tokens / max(secs, 1e-9), 2),
             "skipped_existing": len(done)}
+
+
+def _responses(gen, model, group, batch_size, temperature, top_p, seed, ids, max_new_tokens):
+    """``(prompt, prompt ids, response ids)`` for each ``(prompt, ids)`` of ``group``: our engine one at a
+    time (``batch_size == 1``), else one batched sampling call."""
+    from ..engine.generator import GenerationConfig
+    from ..sampling.processors import SamplingConfig
+    from .batched import sample_batch
+    if not group:
+        return []
+    if batch_size == 1:
+        out = []
+        for p, prompt_ids in group:
+            cfg = GenerationConfig(max_new_tokens=max_new_tokens,
+                                   sampling=SamplingConfig(temperature=temperature, top_p=top_p,
+                                                           seed=seed + ids.index(p.id)))
+            out.append((p, prompt_ids, gen.generate(prompt_ids, cfg).token_ids))
+        return out
+    sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed + ids.index(group[0][0].id))
+    responses = sample_batch(model.decoder, [i for _, i in group], max_new_tokens, sampling,
+                             set(model.eos_token_ids), sampling.generator())
+    return [(p, i, r) for (p, i), r in zip(group, responses)]

@@ -154,7 +154,7 @@ def exit_eval_from_args(args) -> dict:
         SpeculantError: bad corpus/split/adapter.
     """
     from ..models.loading import load_model
-    from .adapter import load_exit_adapter
+    from ..drafters.exit_adapter import load_exit_adapter
     from .data import read_corpus
     model = load_model(args.model, args.dtype)
     recs = read_corpus(args.corpus, args.split)

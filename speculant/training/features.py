@@ -1,4 +1,4 @@
-"""Cache of frozen computations for exit-adapter training.
+"""Cache of frozen computations for exit-adapter and draft-head training.
 
 The base model is frozen, so everything an adapter at exit E needs is computed
 once per corpus: the hidden states leaving layer E-1 (bf16) and the frozen
@@ -27,90 +27,148 @@ def sequence_ids(rec: dict, max_len: int) -> tuple[list[int], int]:
     return ids, max(len(rec["prompt_ids"]) - 1, 0)
 
 
+def _batches(records: list[dict], max_len: int, batch_tokens: int):
+    """Consecutive groups of ``(record index, ids, first response index)`` whose padded size
+    (rows x longest) stays within ``batch_tokens`` (a single longer sequence forms its own group)."""
+    group, longest = [], 0
+    for i, rec in enumerate(records):
+        ids, first = sequence_ids(rec, max_len)
+        if len(ids) < 2:
+            continue
+        if group and (len(group) + 1) * max(longest, len(ids)) > batch_tokens:
+            yield group
+            group, longest = [], 0
+        group.append((i, ids, first))
+        longest = max(longest, len(ids))
+    if group:
+        yield group
+
+
 @torch.inference_mode()
 def compute_features(model, records: list[dict], exit_layers: list[int], topk: int = 32,
-                     max_tokens: int | None = None, progress: bool = True) -> dict:
-    """Run the frozen model once over ``records``.
+                     max_tokens: int | None = None, progress: bool = True, batch_tokens: int = 2048) -> dict:
+    """Run the frozen model once over ``records``, batched (right-padded rows of up to ``batch_tokens`` tokens).
 
-    Returns a dict of tensors over ``N`` positions:
+    Args:
+        exit_layers: layers E whose incoming hidden states are kept; ``E = L`` (the number of layers)
+            keeps the hidden state leaving the last layer, before the final norm.
+    Returns a dict of tensors over ``N`` positions (each sequence's positions contiguous):
         ``hidden/<E>``: bf16 ``[N, D]`` leaving layer E-1, for each E in ``exit_layers``;
         ``t_idx``: int32 ``[N, k]`` teacher top-k token ids (column 0 = argmax);
         ``t_logp``: fp16 ``[N, k]`` their log-probabilities [nats];
+        ``ids``: int32 ``[N]`` the token at each position;
         ``seq``: int32 ``[N]`` record index; ``response``: bool ``[N]`` (next token is a response token);
         plus ``tokens`` (int) and ``seconds`` (float).
     Raises:
-        SpeculantError: an exit layer outside ``[1, L-1]``.
+        SpeculantError: an exit layer outside ``[1, L]``; no usable sequence.
     """
     from tqdm import tqdm
     dec = model.decoder
     L = dec.num_layers
     exits = sorted(set(exit_layers))
     for e in exits:
-        if not 1 <= e < L:
-            raise SpeculantError(f"exit_layer={e} is out of range; allowed: 1..{L - 1}")
+        if not 1 <= e <= L:
+            raise SpeculantError(f"exit_layer={e} is out of range; allowed: 1..{L}")
     hid = {e: [] for e in exits}
-    t_idx, t_logp, seq, resp = [], [], [], []
+    t_idx, t_logp, seq, resp, tok = [], [], [], [], []
     n = 0
     t0 = time.perf_counter()
-    bar = tqdm(records, desc="cache features", unit="seq", disable=not progress)
-    for i, rec in enumerate(bar):
-        ids, first_resp = sequence_ids(rec, dec.config.max_position_embeddings)
-        if len(ids) < 2:
-            continue
-        x = torch.tensor([ids])
-        pos = torch.arange(len(ids))
-        h = dec.embed(x)
-        start = 0
+    bar = tqdm(total=len(records), desc="cache features", unit="seq", disable=not progress)
+    for group in _batches(records, dec.config.max_position_embeddings, batch_tokens):
+        width = max(len(ids) for _, ids, _ in group)
+        x = torch.zeros(len(group), width, dtype=torch.long)
+        for row, (_, ids, _) in enumerate(group):
+            x[row, :len(ids)] = torch.tensor(ids)
+        pos = torch.arange(width)
+        h = dec.embed(x)                 # causal attention: right padding never reaches a real position
+        start, at = 0, {}
         for e in exits:
             h = dec.run_layers(h, start, e, pos)
-            hid[e].append(h[0].to(torch.bfloat16))
+            at[e] = h
             start = e
         h = dec.run_layers(h, start, L, pos)
-        logp = F.log_softmax(dec.lm_head(dec.final_norm(h))[0], dim=-1)
+        logp = F.log_softmax(dec.lm_head(dec.final_norm(h)), dim=-1)
         v, j = logp.topk(topk, dim=-1)
-        t_idx.append(j.to(torch.int32))
-        t_logp.append(v.to(torch.float16))
-        seq.append(torch.full((len(ids),), i, dtype=torch.int32))
-        r = torch.zeros(len(ids), dtype=torch.bool)
-        r[first_resp:] = True
-        resp.append(r)
-        n += len(ids)
+        for row, (i, ids, first_resp) in enumerate(group):
+            t = len(ids)
+            for e in exits:
+                hid[e].append(at[e][row, :t].to(torch.bfloat16))
+            t_idx.append(j[row, :t].to(torch.int32))
+            t_logp.append(v[row, :t].to(torch.float16))
+            tok.append(torch.tensor(ids, dtype=torch.int32))
+            seq.append(torch.full((t,), i, dtype=torch.int32))
+            r = torch.zeros(t, dtype=torch.bool)
+            r[first_resp:] = True
+            resp.append(r)
+            n += t
+        bar.update(len(group))
         bar.set_postfix(tok_s=f"{n / (time.perf_counter() - t0):.0f}")
         if max_tokens is not None and n >= max_tokens:
             break
+    bar.close()
     if n == 0:
         raise SpeculantError("no usable sequences in the corpus (need >= 2 tokens each)")
     out = {f"hidden/{e}": torch.cat(hid[e]) for e in exits}
-    out.update(t_idx=torch.cat(t_idx), t_logp=torch.cat(t_logp), seq=torch.cat(seq), response=torch.cat(resp),
-               tokens=n, seconds=time.perf_counter() - t0)
+    out.update(t_idx=torch.cat(t_idx), t_logp=torch.cat(t_logp), ids=torch.cat(tok), seq=torch.cat(seq),
+               response=torch.cat(resp), tokens=n, seconds=time.perf_counter() - t0)
     return out
 
 
-def cache_key(model_name: str, corpus: Path, split: str, exit_layers: list[int], topk: int,
-              max_tokens: int | None) -> str:
+def cache_key(model_name: str, corpus: Path, split: str, exit_layers: list[int], topk: int) -> str:
+    """Name of a corpus split's feature cache: changes with the model, the corpus file (path, size,
+    mtime), the split, the cached layers and k."""
     h = hashlib.sha1()
     st = corpus.stat()
-    h.update(json.dumps([model_name, str(corpus.resolve()), st.st_size, int(st.st_mtime), split,
-                         sorted(set(exit_layers)), topk, max_tokens]).encode())
+    h.update(json.dumps([2, model_name, str(corpus.resolve()), st.st_size, int(st.st_mtime), split,
+                         sorted(set(exit_layers)), topk, None]).encode())
     return h.hexdigest()[:16]
+
+
+SHARD_RECORDS = 64
+"""Records per feature shard: an interrupted extraction loses at most one shard of work."""
+
+
+def merge_features(parts: list[dict]) -> dict:
+    """Concatenate :func:`compute_features` outputs (``seq`` indices already global)."""
+    out = {k: torch.cat([p[k] for p in parts]) for k, v in parts[0].items() if isinstance(v, torch.Tensor)}
+    out["tokens"] = sum(p["tokens"] for p in parts)
+    out["seconds"] = sum(p["seconds"] for p in parts)
+    return out
 
 
 def cached_features(model, corpus: str | Path, split: str, exit_layers: list[int], topk: int, cache_dir: str | Path,
                     max_tokens: int | None = None, progress: bool = True) -> dict:
     """:func:`compute_features` on one split of a corpus, memoised under ``cache_dir`` (keyed by model,
-    corpus file size/mtime, split, exits, k)."""
+    corpus file size/mtime, split, exits, k) in shards of :data:`SHARD_RECORDS` records, each written
+    atomically, so a rerun after an interruption resumes from the last finished shard.  ``max_tokens``
+    stops after the first shards holding at least that many tokens (shards are never cut, so a
+    smaller budget reuses the shards of a larger one)."""
     from .data import read_corpus
     corpus = Path(corpus)
     recs = read_corpus(corpus, split)
     if not recs:
         raise SpeculantError(f"corpus {str(corpus)!r} has no {split!r} records")
-    key = cache_key(model.name, corpus, split, exit_layers, topk, max_tokens)
-    path = Path(cache_dir) / f"features-{split}-{key}.pt"
-    if path.is_file():
-        return torch.load(path)
-    feats = compute_features(model, recs, exit_layers, topk, max_tokens, progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(feats, tmp)
-    tmp.rename(path)
-    return feats
+    key = cache_key(model.name, corpus, split, exit_layers, topk)
+    folder = Path(cache_dir) / f"features-{split}-{key}"
+    folder.mkdir(parents=True, exist_ok=True)
+    parts, n = [], 0
+    for k, a in enumerate(range(0, len(recs), SHARD_RECORDS)):
+        if max_tokens is not None and n >= max_tokens:
+            break
+        path = folder / f"shard-{k:05d}.pt"
+        if path.is_file():
+            part = torch.load(path)
+        else:
+            try:
+                part = compute_features(model, recs[a:a + SHARD_RECORDS], exit_layers, topk, None, progress)
+            except SpeculantError:           # a shard without a usable sequence
+                continue
+            part["seq"] = part["seq"] + a
+            tmp = path.with_suffix(".tmp")
+            torch.save(part, tmp)
+            tmp.rename(path)
+        parts.append(part)
+        n += part["tokens"]
+    if not parts:
+        raise SpeculantError(f"corpus {str(corpus)!r} has no usable {split!r} sequences (need >= 2 tokens each)")
+    return merge_features(parts)

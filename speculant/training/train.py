@@ -1,7 +1,7 @@
-"""``speculant train``: the two early-exit training recipes.
+"""``speculant train``: the early-exit training recipes, and the draft-head recipe (:mod:`.head`).
 
 * ``--recipe exit-adapter`` (lossless, ours): the base model is frozen; an
-  :class:`~speculant.training.adapter.ExitAdapter` at exit E is trained by KL to
+  :class:`~speculant.drafters.exit_adapter.ExitAdapter` at exit E is trained by KL to
   the frozen model's own final distribution (top-k, cached once by
   :mod:`~speculant.training.features`), optionally over a reduced draft vocabulary.
 * ``--recipe layerskip`` (Elhoushi et al. 2024, arXiv 2404.16710, Sec. 4): layer
@@ -9,8 +9,10 @@
   under a rotational or gradual curriculum (:mod:`.curricula`); full fine-tune or
   LoRA (``peft``) on ``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``.
   Changes the model (and so its output); reports held-out perplexity before/after.
+* ``--recipe draft-head`` (lossless): a feature-level draft head (EAGLE) on the frozen
+  target's cached features; see :mod:`speculant.training.head`.
 
-Both recipes: seeds, tqdm with training tokens/s, a checkpoint in ``--out`` every
+All recipes: seeds, tqdm with training tokens/s, a checkpoint in ``--out`` every
 ``--checkpoint-every`` steps and at the end, ``--resume``, and ``--max-minutes``.
 """
 
@@ -29,14 +31,15 @@ from .curricula import CURRICULA, enabled_exits
 from .losses import early_exit_loss, exit_scales, topk_distill_loss
 from .schedules import TIME_CURRICULA, layer_dropout_rates, sample_keep_mask
 
-RECIPES = ("layerskip", "exit-adapter")
+RECIPES = ("layerskip", "exit-adapter", "draft-head")
 LORA_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 
 
 def add_train_args(p) -> None:
     """Flags of ``speculant train``."""
     p.add_argument("--recipe", required=True, help=f"one of: {', '.join(RECIPES)}")
-    p.add_argument("--corpus", required=True, help="JSONL from `speculant make-data` (train + heldout splits)")
+    p.add_argument("--corpus", required=True, help="JSONL from `speculant make-data` (train + heldout splits); "
+                   "draft-head takes several, comma-separated")
     p.add_argument("--out", required=True, help="output directory (checkpoint, metrics, trained weights)")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3 adapter, 1e-4 layerskip)")
@@ -48,7 +51,7 @@ def add_train_args(p) -> None:
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--eval-tokens", type=int, default=4000, help="held-out positions used for evaluation")
     p.add_argument("--no-progress", action="store_true")
-    a = p.add_argument_group("exit-adapter")
+    a = p.add_argument_group("exit-adapter and draft-head")
     a.add_argument("--exit-layer", type=int, default=6, help="exit layer E (hidden leaving layer E-1)")
     a.add_argument("--blocks", type=int, default=2, help="residual SwiGLU blocks (init from layers E, E+1, ...)")
     a.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary size (0 = full)")
@@ -56,9 +59,21 @@ def add_train_args(p) -> None:
     a.add_argument("--batch-tokens", type=int, default=512)
     a.add_argument("--hard-weight", type=float, default=0.5, help="extra CE weight on the teacher's argmax")
     a.add_argument("--positions", default="all", help="train on 'all' positions or 'response' positions only")
-    a.add_argument("--cache-dir", default=None, help="feature cache (default: --out/cache)")
+    a.add_argument("--cache-dir", default=None,
+                   help="feature cache (default: --out/cache; draft-head: $SPECULANT_CACHE/features)")
     a.add_argument("--max-train-tokens", type=int, default=None)
     a.add_argument("--cache-exits", default="", help="extra exit layers to cache in the same pass, e.g. 6,8,10")
+    h = p.add_argument_group("draft-head")
+    h.add_argument("--feature", default="post-norm", help="target feature the head reads: post-norm or pre-norm")
+    h.add_argument("--init", default="random", help="head init: random (as EAGLE) or last-layer (copy of the target's)")
+    h.add_argument("--head-batch", type=int, default=8, help="windows (of one sequence each) per step")
+    h.add_argument("--head-seq-len", type=int, default=256, help="positions per window")
+    h.add_argument("--v-weight", type=float, default=1.0, help="weight of the feature regression (SmoothL1)")
+    h.add_argument("--p-weight", type=float, default=1.0, help="weight of the distribution loss (KL + hard CE)")
+    h.add_argument("--feature-noise", type=float, default=0.0,
+                   help="uniform input-feature noise, width in units of the features' RMS (EAGLE's augmentation)")
+    h.add_argument("--unroll", type=int, default=1,
+                   help="2 = also train on the head's own predicted features (two-step training-time test)")
     ls = p.add_argument_group("layerskip")
     ls.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (0 = full fine-tune)")
     ls.add_argument("--lora-alpha", type=float, default=16.0)
@@ -79,6 +94,12 @@ def lr_at(step: int, steps: int, warmup: float) -> float:
         return (step + 1) / w
     t = (step - w) / max(1, steps - w)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+def check_positions(positions: str) -> None:
+    """Raise :class:`SpeculantError` unless ``positions`` (which positions train) is ``all`` or ``response``."""
+    if positions not in ("all", "response"):
+        raise SpeculantError(f"positions={positions!r} is unknown; allowed: all, response")
 
 
 def _seed(seed: int) -> torch.Generator:
@@ -218,8 +239,7 @@ def train_exit_adapter(model, corpus: str, out: str, *, exit_layer: int = 6, blo
 
     check_range("steps", steps, 1)
     check_range("batch_tokens", batch_tokens, 1)
-    if positions not in ("all", "response"):
-        raise SpeculantError(f"positions={positions!r} is unknown; allowed: all, response")
+    check_positions(positions)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cache_dir = Path(cache_dir) if cache_dir else out / "cache"
@@ -299,7 +319,7 @@ def train_exit_adapter(model, corpus: str, out: str, *, exit_layer: int = 6, blo
                "train_seconds": time.perf_counter() - t0,
                "baseline_shared_head_top1": baseline, "init": init_eval, "history": history}
     save_adapter(adapter, out, metrics=None)
-    from .adapter import load_adapter   # evaluate what was written (bf16 round trip)
+    from ..drafters.exit_adapter import load_adapter   # evaluate what was written (bf16 round trip)
     stored = load_adapter(out, model)
     metrics["final"] = evaluate_adapter(stored, eh, ei, el, V)
     save_adapter(adapter, out, card=model_card(stored.config | {"stored_dtype": "bfloat16"}, metrics, command),
@@ -532,6 +552,9 @@ def train_from_args(args) -> dict:
     model = load_model(args.model, args.dtype)
     common = dict(steps=args.steps, warmup=args.warmup, seed=args.seed, max_minutes=args.max_minutes,
                   resume=args.resume, checkpoint_every=args.checkpoint_every, progress=not args.no_progress)
+    if args.recipe == "draft-head":
+        from .head import train_head_from_args
+        return train_head_from_args(model, args, common)
     if args.recipe == "exit-adapter":
         return train_exit_adapter(model, args.corpus, args.out, exit_layer=args.exit_layer, blocks=args.blocks,
                                   draft_vocab=args.draft_vocab, topk=args.topk, lr=args.lr or 1e-3,

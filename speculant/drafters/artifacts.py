@@ -1,0 +1,60 @@
+"""Trained drafting artefacts on disk: shipped ones by name, or any directory.
+
+A trained artefact (an exit adapter, a draft head) is a directory with ``config.json``
+(carrying a ``format`` string), a ``.safetensors`` file and a ``README.md`` model card.
+Shipped artefacts live under ``speculant/artifacts/<kind>/<model name>/<name>/``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import SpeculantError
+
+ARTIFACTS_ROOT = Path(__file__).resolve().parent.parent / "artifacts"
+
+
+def shipped_names(kind: str, model_name: str) -> list[str]:
+    """Names of the artefacts of ``kind`` (``exit_adapters``, ``draft_heads``) shipped for ``model_name``."""
+    d = ARTIFACTS_ROOT / kind / model_name
+    return sorted(p.name for p in d.iterdir() if (p / "config.json").is_file()) if d.is_dir() else []
+
+
+def resolve_dir(kind: str, what: str, name_or_path: str, model_name: str) -> Path:
+    """``name_or_path`` itself when it is an artefact directory, else the shipped artefact of that name.
+
+    Args:
+        what: how errors call it (``exit adapter``, ``draft head``).
+    Raises:
+        SpeculantError: neither exists (the message lists the shipped names).
+    """
+    p = Path(name_or_path)
+    if (p / "config.json").is_file():
+        return p
+    q = ARTIFACTS_ROOT / kind / model_name / name_or_path
+    if (q / "config.json").is_file():
+        return q
+    names = shipped_names(kind, model_name)
+    raise SpeculantError(f"{what} {name_or_path!r} not found for model {model_name!r}; allowed: "
+                         f"{', '.join(names) if names else f'(no shipped {what}s)'} or a directory with config.json")
+
+
+def read_config(path: Path, fmt: str, what: str) -> dict:
+    """``config.json`` of an artefact directory, checked to be of format ``fmt``.
+
+    Raises:
+        SpeculantError: another format.
+    """
+    conf = json.loads((path / "config.json").read_text())
+    if conf.get("format") != fmt:
+        raise SpeculantError(f"{str(path)!r} is not a {what} (format={conf.get('format')!r}; allowed: {fmt})")
+    return conf
+
+
+def check_compatible(conf: dict, model, keys: dict, path: Path, what: str) -> None:
+    """Raise :class:`SpeculantError` unless ``conf[key] == value`` for every ``key, value`` of ``keys``."""
+    for key, have in keys.items():
+        if conf[key] != have:
+            raise SpeculantError(f"{what} {str(path)!r} has {key}={conf[key]} but model {model.name!r} has "
+                                 f"{have}; allowed: a {what} trained for this model")

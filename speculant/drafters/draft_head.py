@@ -1,0 +1,253 @@
+"""Feature-level draft head (EAGLE family): the module, its on-disk format and its loading.
+
+Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty", Sec. 3
+(and EAGLE-2 for the trees grown from it): the draft runs at the *feature* level.  An entry at
+position ``i`` reads the target's feature ``f_i`` (its last hidden state at position ``i``, the
+one that predicted token ``x_{i+1}``) and the embedding of ``x_{i+1}``, and predicts ``f_{i+1}``::
+
+    x = fc([embed(x_{i+1}); f_i])                     fc: Linear(2D -> D) with bias
+    f^_{i+1} = DecoderLayer(x)                        one Llama layer, its input RMSNorm dropped (as EAGLE)
+    draft logits for x_{i+2} = W_sub f^_{i+1}        W_sub: rows ``vocab_ids`` of the target's frozen LM head
+
+``feature="post-norm"`` (EAGLE-1/2's choice: the base model's output *after* the final RMSNorm, fed
+straight to the LM head) or ``"pre-norm"`` (the residual stream leaving the last layer; the head then
+applies a copy of the target's final norm before the LM head).  The reduced draft vocabulary
+``vocab_ids`` (``V'`` tokens ranked by frequency; FR-Spec, Zhao et al. 2025) makes the draft's LM head
+read ``V'/V`` of the full head's bytes; logits outside it are ``-inf``, which keeps speculative decoding
+exact (the acceptance rules only need ``q`` to be a distribution).  The embedding and the LM-head rows
+are the target's (frozen, never stored): an artefact holds ``fc``, the layer, and ``vocab_ids``.
+
+On disk: ``head.safetensors`` + ``config.json`` (format :data:`FORMAT`) + ``README.md`` model card;
+shipped heads live under ``speculant/artifacts/draft_heads/<model name>/<name>/``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import SpeculantError
+from ..models.config import ModelConfig
+from ..models.kv_cache import KVCache
+from ..models.linear import DecodeLinear
+from ..models.llama import DecoderLayer, RMSNorm, attend, attention_inputs, causal_mask, layer_output
+from ..models.rope import rope_tables
+from ..runtime.formats import PackedLinear, select_rows
+from .artifacts import check_compatible, read_config, resolve_dir, shipped_names
+
+FORMAT = "speculant-draft-head"
+KIND = "draft_heads"
+FEATURES = ("post-norm", "pre-norm")
+WEIGHTS_FILE = "head.safetensors"
+
+
+def head_config(target_config: ModelConfig, base_model: str, vocab_ids: torch.Tensor | None,
+                feature: str = "post-norm") -> dict:
+    """The ``config.json`` dict of a head for a target of shape ``target_config``.
+
+    Raises:
+        SpeculantError: ``feature`` not in :data:`FEATURES`.
+    """
+    if feature not in FEATURES:
+        raise SpeculantError(f"feature={feature!r} is unknown; allowed: {', '.join(FEATURES)}")
+    c = target_config
+    return {"format": FORMAT, "version": 1, "architecture": "eagle", "base_model": base_model, "feature": feature,
+            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+            "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
+            "draft_vocab_size": c.vocab_size if vocab_ids is None else int(len(vocab_ids))}
+
+
+def _layer_config(conf: dict) -> ModelConfig:
+    return ModelConfig(vocab_size=conf["vocab_size"], hidden_size=conf["hidden_size"],
+                       intermediate_size=conf["intermediate_size"], num_hidden_layers=1,
+                       num_attention_heads=conf["num_attention_heads"], num_key_value_heads=conf["num_key_value_heads"],
+                       max_position_embeddings=conf["max_position_embeddings"], rms_norm_eps=conf["rms_norm_eps"],
+                       rope_theta=conf["rope_theta"], head_dim=conf["head_dim"])
+
+
+class DraftHead(nn.Module):
+    """The EAGLE draft head (module docstring).
+
+    Args:
+        config: from :func:`head_config`.
+        embed_weight: the target's token embedding ``[V, D]`` (frozen, shared, not stored).
+        lm_head_rows: the target's LM-head rows of the draft vocabulary, a projection ``[..., D] -> [..., V']``
+            in the target's weight format (frozen, not stored; see :func:`~speculant.runtime.formats.select_rows`).
+        vocab_ids: int64 ``[V']`` token ids of the draft vocabulary, or ``None`` (full vocabulary).
+        final_norm_weight: the target's final RMSNorm weight ``[D]``; used (frozen) when
+            ``config["feature"] == "pre-norm"``.
+    """
+
+    def __init__(self, config: dict, embed_weight: torch.Tensor, lm_head_rows: nn.Module,
+                 vocab_ids: torch.Tensor | None, final_norm_weight: torch.Tensor | None = None):
+        super().__init__()
+        self.config = dict(config)
+        cfg = _layer_config(config)
+        d = cfg.hidden_size
+        self.fc = DecodeLinear(2 * d, d, bias=True)
+        self.layer = DecoderLayer(cfg)
+        self.layer.input_layernorm = nn.Identity()          # EAGLE: the first layer's input norm is dropped
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        # not a registered submodule: not stored, and .to(dtype) must not touch a packed format's scales
+        self._lm_head_rows = (lm_head_rows,)
+        self.register_buffer("vocab_ids", None if vocab_ids is None else vocab_ids.long().clone(), persistent=False)
+        self.out_norm = None
+        if config["feature"] == "pre-norm":
+            self.out_norm = RMSNorm(d, cfg.rms_norm_eps).requires_grad_(False)
+            if final_norm_weight is not None:
+                with torch.no_grad():
+                    self.out_norm.weight.copy_(final_norm_weight)
+
+    @property
+    def feature(self) -> str:
+        return self.config["feature"]
+
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, cache: KVCache | None = None,
+                cache_position: int = 0) -> torch.Tensor:
+        """Predicted next features.
+
+        Args:
+            features: ``[B, T, D]`` features ``f_i`` (target's, or the head's own predictions).
+            tokens: ``[B, T]`` ids ``x_{i+1}`` (the token each feature predicted).
+            positions: RoPE positions ``[T]`` or ``[B, T]`` (``i``).
+            attention_mask: bool ``[T, S]`` (True = may attend; ``S = cache_position + T``) or ``None``: causal.
+            cache: the head's KV cache (:meth:`new_cache`); entries go to slots ``cache_position ..``.
+        Returns:
+            ``[B, T, D]`` predicted features ``f^_{i+1}``.
+        """
+        x = self.fc(torch.cat([F.embedding(tokens, self.embed_weight).to(features.dtype), features], dim=-1))
+        t = x.shape[1]
+        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(-2)
+        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(-2)
+        is_causal, mask = False, attention_mask
+        if mask is None and t > 1:
+            if cache is None or cache_position == 0:
+                is_causal = True
+            else:
+                mask = causal_mask(t, cache_position, x.device)
+        q, k, v = attention_inputs(self.layer, x, cos, sin)
+        return layer_output(self.layer, x, attend(q, k, v, mask, is_causal, cache, 0, cache_position))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Predicted features ``[..., D]`` -> fp32 logits ``[..., V']`` over the draft vocabulary."""
+        if self.out_norm is not None:
+            hidden = self.out_norm(hidden)
+        return self._lm_head_rows[0](hidden).float()
+
+    def new_cache(self, max_length: int) -> KVCache:
+        """A KV cache of ``max_length`` slots for the head's one layer."""
+        c = self.config
+        return KVCache(1, c["num_key_value_heads"], c["head_dim"], max_length, 1, self.fc.weight.dtype,
+                       self.fc.weight.device)
+
+    def trained_state(self) -> dict[str, torch.Tensor]:
+        """The tensors an artefact stores: the trained ones, plus ``vocab_ids`` (int32)."""
+        sd = {k: v for k, v in self.state_dict().items() if not k.startswith("out_norm.")}
+        if self.vocab_ids is not None:
+            sd["vocab_ids"] = self.vocab_ids.to(torch.int32)
+        return sd
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one head forward reads (fc, layer, LM-head rows; the embedding row is ignored)."""
+        own = sum(p.numel() * p.element_size() for p in self.parameters())
+        rows = self._lm_head_rows[0]
+        return own + (rows.nbytes if isinstance(rows, PackedLinear) else rows.weight.numel() * rows.weight.element_size())
+
+
+def _lm_head_rows(decoder, vocab_ids: torch.Tensor | None) -> nn.Module:
+    """The target's LM head restricted to the draft vocabulary, in the head's own weight format."""
+    head = decoder.lm_head_proj
+    return head if vocab_ids is None else select_rows(head, vocab_ids.long())
+
+
+def new_head(model, vocab_ids: torch.Tensor | None = None, feature: str = "post-norm",
+             init: str = "last-layer") -> DraftHead:
+    """A fresh head for ``model`` (fp32).
+
+    Args:
+        init: ``last-layer`` copies the target's last decoder layer into the head's layer and sets
+            ``fc`` to pass the feature through (identity on the feature half, small random on the
+            embedding half); ``random`` is a plain random initialisation (as EAGLE).
+    Raises:
+        SpeculantError: unknown ``feature`` or ``init``.
+    """
+    if init not in ("last-layer", "random"):
+        raise SpeculantError(f"init={init!r} is unknown; allowed: last-layer, random")
+    dec = model.decoder
+    conf = head_config(dec.config, model.name, vocab_ids, feature)
+    head = DraftHead(conf, dec.embed_tokens.weight.detach().float(), _lm_head_rows(dec, vocab_ids),
+                     vocab_ids, dec.norm.weight.detach().float()).float()
+    d = conf["hidden_size"]
+    with torch.no_grad():
+        if init == "last-layer":
+            last = dec.layers[-1]
+            own = {k: v for k, v in last.state_dict().items() if not k.startswith("input_layernorm.")}
+            head.layer.load_state_dict(own, strict=True)
+            head.fc.weight.zero_()
+            head.fc.weight[:, :d].normal_(0, 0.02)
+            head.fc.weight[:, d:].copy_(torch.eye(d))
+        head.fc.bias.zero_()
+    return head
+
+
+def save_head(head: DraftHead, out_dir: str | Path, card: str | None = None, metrics: dict | None = None,
+              dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write ``head.safetensors`` (float tensors in ``dtype``), ``config.json`` and (given) ``README.md``,
+    ``metrics.json``; returns the directory."""
+    from safetensors.torch import save_file
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in head.trained_state().items()}
+    save_file(sd, str(out / WEIGHTS_FILE), metadata={"format": FORMAT})
+    (out / "config.json").write_text(json.dumps(dict(head.config, stored_dtype=str(dtype).replace("torch.", "")),
+                                                indent=2))
+    if metrics is not None:
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    if card is not None:
+        (out / "README.md").write_text(card)
+    return out
+
+
+def available_heads(model_name: str) -> list[str]:
+    """Names of the draft heads shipped for ``model_name``."""
+    return shipped_names(KIND, model_name)
+
+
+def load_head(name_or_path: str | Path, model) -> DraftHead:
+    """Load a draft head (a shipped name such as ``default``, or a directory) for ``model``, in the model's dtype.
+
+    Raises:
+        SpeculantError: unknown name, another format, or a head trained for a differently shaped model.
+    """
+    from safetensors.torch import load_file
+    path = resolve_dir(KIND, "draft head", str(name_or_path), model.name)
+    conf = read_config(path, FORMAT, "draft head")
+    dec = model.decoder
+    c = dec.config
+    check_compatible(conf, model, {"hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
+                                   "num_attention_heads": c.num_attention_heads,
+                                   "num_key_value_heads": c.num_key_value_heads}, path, "draft head")
+    sd = load_file(str(path / WEIGHTS_FILE))
+    vocab_ids = sd.pop("vocab_ids", None)
+    head = DraftHead(conf, dec.embed_tokens.weight, _lm_head_rows(dec, vocab_ids), vocab_ids, dec.norm.weight)
+    missing, unexpected = head.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not k.startswith("out_norm.")]     # the target's final norm, not stored
+    if missing or unexpected:
+        raise SpeculantError(f"draft head {str(path)!r} has missing tensors {missing} / unexpected tensors "
+                             f"{unexpected}; allowed: exactly the tensors of a {conf['feature']} head")
+    return head.to(dec.dtype).eval().requires_grad_(False)
+
+
+def default_head_for(model_name: str) -> str | None:
+    """``'default'`` when a draft head named default ships for ``model_name``, else ``None``."""
+    return "default" if "default" in available_heads(model_name) else None

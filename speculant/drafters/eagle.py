@@ -1,0 +1,113 @@
+"""Drafting with a feature-level draft head (EAGLE, Li et al. 2024; trees as in EAGLE-2 / RSD).
+
+Indexing (the engine's, see :mod:`speculant.drafters.base`): committed tokens ``x_0 .. x_n``, the
+root ``x_n`` not yet in the target's cache.  Head entry ``i`` reads ``(f_i, x_{i+1})`` and predicts
+``f^_{i+1}``; its KV sits at head-cache slot ``i`` with RoPE position ``i``.  Every committed entry
+uses the *target's* features, so entries ``0 .. n-1`` are known once the target has verified up to the
+root: the root's draft distribution comes from entry ``n-1``.  A drafted node ``k`` (depth ``d``) gets
+the entry ``(f^_parent, x_k)`` at slot ``n + k``, position ``n + d - 1``, attending the committed slots
+and its tree ancestors.  After verification those tree entries are dropped (their inputs were the
+head's own predictions); the accepted path's *target* features become the next round's catch-up
+entries.  Each depth of a tree is one head forward over the whole frontier
+(:class:`~speculant.drafters.base.ModelDrafterBase`), so chains, RSD-C, RSD-S and SpecInfer trees work alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import SpeculantError
+from ..models.kv_cache import KVCache
+from .base import DecodingState, ModelDrafterBase, ModelDraftState, full_vocab_logits, last_position_logits
+from .draft_head import DraftHead
+
+
+@dataclass
+class HeadState(ModelDraftState):
+    """One generation's drafting state (``state.drafter_state``), created by :meth:`DraftHeadDrafter.prefill`.
+
+    Attributes:
+        cache: the head's KV cache; slots ``0 .. cache.length-1`` hold committed entries.
+        pending: target features ``[P, D]`` of committed positions ``cache.length .. cache.length+P-1``
+            whose entries the head has not run yet (the next root step runs them).
+        block_features: target features ``[N+1, D]`` of the last verified block (root first).
+        predicted: the head's predicted features ``[1, D]`` of each block entry drafted from so far this
+            round (root at index 0), by block entry.
+    Invariant after each commit: ``cache.length + P == `` the target cache's length.
+    """
+
+    cache: KVCache | None = None
+    pending: torch.Tensor | None = None
+    block_features: torch.Tensor | None = None
+    predicted: list[torch.Tensor] = field(default_factory=list)
+
+
+def target_features(target, hidden: torch.Tensor, feature: str) -> torch.Tensor:
+    """Target hidden ``[..., D]`` leaving its last layer -> the features the head reads (post- or pre-norm)."""
+    return target.final_norm(hidden) if feature == "post-norm" else hidden
+
+
+class DraftHeadDrafter(ModelDrafterBase):
+    """Drafts with a :class:`~speculant.drafters.draft_head.DraftHead`; verification also hands it the
+    target features the head needs next (:meth:`verification_hidden`, so a batch of sequences is verified
+    in one forward too).  Each generation's :class:`HeadState` is created by :meth:`prefill`."""
+
+    name = "eagle"
+
+    def __init__(self, head: DraftHead):
+        self.head = head
+
+    # ---------------------------------------------------------------- target forwards
+    def prefill(self, state: DecodingState) -> torch.Tensor:
+        """Target forward over the prompt; keeps the prompt's features for the head.  Returns fp32 logits
+        ``[1, V]`` of the last position."""
+        target = state.target
+        ids = torch.tensor([state.tokens], dtype=torch.long)
+        h = state.run_layers(target.embed(ids), 0, target.num_layers, torch.arange(ids.shape[1]), None, 0)
+        feats = target_features(target, h, self.head.feature)
+        state.drafter_state = HeadState(cache=self.head.new_cache(state.cache.max_length), pending=feats[0])
+        return last_position_logits(target, h)
+
+    def begin(self, state: DecodingState) -> None:
+        ds = state.drafter_state
+        if not isinstance(ds, HeadState) or ds.cache.length + len(ds.pending) != state.n:
+            raise SpeculantError("the eagle drafter needs its prefill (Drafter.prefill) before decoding a prompt")
+
+    def verification_hidden(self, state: DecodingState, tree, hidden: torch.Tensor) -> None:
+        state.drafter_state.block_features = target_features(state.target, hidden, self.head.feature)
+
+    def commit(self, state: DecodingState, path: list[int]) -> None:
+        st = state.drafter_state
+        n = len(state.tokens) - 1                        # the root's position, before the tokens grow
+        st.cache.crop(min(st.cache.length, n))          # drop this round's tree entries
+        kept = st.block_features[[0] + [i + 1 for i in path]]
+        st.pending = torch.cat([st.pending, kept]) if len(st.pending) else kept
+        st.block_features = None
+
+    # ---------------------------------------------------------------- drafting
+    def frontier_logits(self, state: DecodingState, tree, first_entry: int, depth: int) -> torch.Tensor:
+        st, head = state.drafter_state, self.head
+        n = state.n
+        if first_entry == 0:
+            # catch up: entries m .. n-1 read the target features of positions m .. n-1 (the last: the root's parent)
+            m = st.cache.length
+            feats = st.pending[None].to(head.fc.weight.dtype)
+            toks = torch.tensor([state.tokens[m + 1:n + 1]], dtype=torch.long)
+            out = head(feats, toks, torch.arange(m, n), None, st.cache, m)[0, -1:]
+            st.cache.crop(n)
+            st.pending = st.pending[:0]
+            st.predicted = [out]
+        else:
+            nodes = range(first_entry - 1, len(tree))
+            feats = torch.cat([st.predicted[tree.parents[k] + 1] for k in nodes])[None]
+            toks = torch.tensor([[tree.tokens[k] for k in nodes]], dtype=torch.long)
+            positions = torch.full((len(nodes),), n + depth - 1, dtype=torch.long)
+            mask = None
+            if not tree.is_chain:
+                anc = tree.ancestor_mask()[first_entry:, 1:]            # frontier rows x drafted nodes
+                mask = torch.cat([torch.ones(len(nodes), n, dtype=torch.bool), anc], dim=1)
+            out = head(feats, toks, positions, mask, st.cache, n + first_entry - 1)[0]
+            st.predicted.extend(out[i:i + 1] for i in range(len(nodes)))
+        return full_vocab_logits(head.logits(out), head.vocab_ids, state.target.config.vocab_size)

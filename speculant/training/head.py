@@ -1,0 +1,426 @@
+"""``speculant train --recipe draft-head``: train a feature-level draft head (EAGLE) on cached target features.
+
+Li et al. 2024 (EAGLE), Sec. 3.2-3.3: the target is frozen; over a corpus it computes, once, its last
+hidden state ``f_i`` and its next-token distribution at every position (teacher forcing,
+:mod:`speculant.training.features`, batched, cached in shards under ``$SPECULANT_CACHE/features``).
+The head then trains on windows of consecutive positions of one sequence (it attends to earlier
+entries, as when drafting): entry ``i`` reads ``(f_i + noise, x_{i+1})`` and is trained with
+
+    loss = v_weight * SmoothL1(f^_{i+1}, f_{i+1})                  (feature regression, EAGLE's L_reg)
+         + p_weight * KL(p_{i+1} || q_{i+1})  [+ hard CE on argmax]   (EAGLE's L_cls, here against the
+                                                                      target's top-k, renormalised)
+
+``q`` is the head's distribution over its draft vocabulary: the ``draft_vocab`` tokens with the
+most teacher mass in the training split (FR-Spec's frequency ranking).  The input noise (uniform,
+width ``noise`` times the features' RMS) is EAGLE's data augmentation against the drift of
+features the head feeds itself while drafting.  Held-out evaluation is teacher-forced: top-1
+agreement with the target's argmax (greedy acceptance of the first drafted token) and
+``sum_x min(p, q)`` over the teacher's top-k (a lower bound of the first token's acceptance at T=1).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..drafters.draft_head import DraftHead, load_head, new_head, save_head
+from ..errors import SpeculantError, check_range
+from .losses import topk_distill_loss
+
+
+def corpus_list(text: str) -> list[str]:
+    """``--corpus`` for this recipe: one path or several, comma-separated.
+
+    Raises:
+        SpeculantError: an empty list.
+    """
+    paths = [p.strip() for p in text.split(",") if p.strip()]
+    if not paths:
+        raise SpeculantError(f"--corpus={text!r} is empty; allowed: a make-data JSONL path (or several, comma-separated)")
+    return paths
+
+
+def default_cache_dir() -> Path:
+    """``$SPECULANT_CACHE/features`` (default ``~/.cache/speculant/features``)."""
+    from ..models.loading import cache_root
+    return cache_root() / "features"
+
+
+def load_split(model, corpora: list[str], split: str, topk: int, cache_dir, max_tokens: int | None,
+               progress: bool) -> dict:
+    """Cached target features of one split over several corpora, merged (``seq`` made unique per corpus);
+    ``max_tokens`` is a budget over all of them, spent in the order given.  ``by_corpus``: tokens used per file.
+
+    Raises:
+        SpeculantError: no corpus has records of ``split``.
+    """
+    from .data import read_corpus
+    from .features import cached_features, merge_features
+    parts, offset, by_corpus = [], 0, {}
+    for c in corpora:
+        used = sum(p["tokens"] for p in parts)
+        if not read_corpus(c, split) or (max_tokens is not None and used >= max_tokens):
+            continue
+        left = None if max_tokens is None else max_tokens - used
+        f = cached_features(model, c, split, [model.decoder.num_layers], topk, cache_dir, left, progress)
+        f = dict(f, seq=f["seq"] + offset)
+        offset = int(f["seq"].max()) + 1
+        parts.append(f)
+        by_corpus[Path(c).name] = int(f["tokens"])
+    if not parts:
+        raise SpeculantError(f"no {split!r} records in {', '.join(map(str, corpora))}; allowed: make-data corpora "
+                             "(held-out records come from prompts, not --text-file)")
+    return dict(merge_features(parts), by_corpus=by_corpus)
+
+
+@torch.no_grad()
+def head_inputs(model, feats: dict, feature: str, batch: int = 4096) -> torch.Tensor:
+    """The features the head reads, bf16 ``[N, D]``: the cached pre-norm last hidden state, or
+    the target's final norm of it (``post-norm``)."""
+    h = feats[f"hidden/{model.decoder.num_layers}"]
+    if feature == "pre-norm":
+        return h
+    norm = model.decoder.final_norm
+    return torch.cat([norm(h[s:s + batch].float()).to(torch.bfloat16) for s in range(0, len(h), batch)])
+
+
+def sequences(seq: torch.Tensor) -> torch.Tensor:
+    """``[S, 2]`` (start, length) of each run of equal ``seq`` ids (a sequence's positions are contiguous)."""
+    _, counts = torch.unique_consecutive(seq, return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    return torch.stack([starts, counts], 1)
+
+
+def window_batch(f: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, spans: list[tuple[int, int, int]]):
+    """Training tensors for windows of entries.
+
+    Args:
+        f: ``[N, D]`` head-input features; ids: ``[N]`` tokens; weight: bool ``[N]`` which next-positions count.
+        spans: ``(sequence start, first entry, entries)``: entries ``a .. a+T-1`` read ``(f_a, x_{a+1})``.
+    Returns:
+        ``inputs [B, T, D]``, ``tokens [B, T]``, ``positions [B, T]`` (entry index within its sequence),
+        ``next_idx [B, T]`` (global index ``a+1..``, the regression and teacher targets), ``mask [B, T]``.
+    """
+    width = max(t for _, _, t in spans)
+    b = len(spans)
+    inputs = f.new_zeros(b, width, f.shape[1])
+    tokens = torch.zeros(b, width, dtype=torch.long)
+    positions = torch.zeros(b, width, dtype=torch.long)
+    nxt = torch.zeros(b, width, dtype=torch.long)
+    mask = torch.zeros(b, width, dtype=torch.bool)
+    for r, (s, a, t) in enumerate(spans):
+        inputs[r, :t] = f[a:a + t]
+        tokens[r, :t] = ids[a + 1:a + t + 1].long()
+        positions[r, :t] = torch.arange(a - s, a - s + t)
+        nxt[r, :t] = torch.arange(a + 1, a + t + 1)
+        mask[r, :t] = weight[a + 1:a + t + 1]
+    return inputs, tokens, positions, nxt, mask
+
+
+def head_loss(head: DraftHead, f: torch.Tensor, ids: torch.Tensor, t_map: torch.Tensor, t_logp: torch.Tensor,
+              weight: torch.Tensor, spans, v_weight: float, p_weight: float, hard_weight: float,
+              noise: float = 0.0, generator: torch.Generator | None = None, unroll: int = 1) -> tuple[torch.Tensor, dict]:
+    """EAGLE's loss on a batch of windows (module docstring); returns ``(loss, {"v": .., "p": ..})``.
+
+    ``unroll=2`` adds a second pass in which every entry after the first reads the head's own prediction of its
+    feature instead of the target's (a two-step form of EAGLE-3's training-time test: the head learns to draft
+    from its own outputs, as at depth >= 2); the two passes' losses are averaged.
+    """
+    x, tok, pos, nxt, mask = window_batch(f, ids, weight, spans)
+    x = x.float()
+    if noise:
+        x = x + (torch.rand(x.shape, generator=generator) - 0.5) * noise
+    pred = head(x, tok, pos)
+    passes = [(pred, mask)]
+    if unroll >= 2:
+        second = head(torch.cat([x[:, :1], pred[:, :-1]], 1), tok, pos)
+        passes.append((second, torch.cat([torch.zeros_like(mask[:, :1]), mask[:, 1:]], 1)))
+    v = p = 0.0
+    for out, m in passes:
+        target = nxt[m]
+        v = v + F.smooth_l1_loss(out[m], f[target].float()) / len(passes)
+        p = p + topk_distill_loss(head.logits(out[m]), t_map[target], t_logp[target], hard_weight) / len(passes)
+    return v_weight * v + p_weight * p, {"v": v.item(), "p": p.item()}
+
+
+@torch.no_grad()
+def evaluate_head(head: DraftHead, f: torch.Tensor, ids: torch.Tensor, t_idx: torch.Tensor, t_logp: torch.Tensor,
+                  weight: torch.Tensor, seqs: torch.Tensor, max_positions: int, window: int = 512) -> dict:
+    """Teacher-forced held-out metrics of the first drafted token over up to ``max_positions`` positions.
+
+    Returns ``{"top1": agreement with the target's argmax, "accept_t1": mean sum_x min(p, q) over the
+    teacher's top-k (lower bound of the T=1 acceptance), "coverage": target argmax inside the draft
+    vocabulary, "positions": n}``.
+    """
+    was = head.training
+    head.eval()
+    V = head.config["vocab_size"]
+    agree, acc, cover, n = 0, 0.0, 0, 0
+    table = torch.full((V,), -1, dtype=torch.long)
+    if head.vocab_ids is not None:
+        table[head.vocab_ids] = torch.arange(len(head.vocab_ids))
+    else:
+        table = torch.arange(V)
+    for s, length in seqs.tolist():
+        for a in range(s, s + length - 1, window):
+            t = min(window, s + length - 1 - a)
+            x, tok, pos, nxt, mask = window_batch(f, ids, weight, [(s, a, t)])
+            nxt = nxt[mask]
+            if not len(nxt):
+                continue
+            logits = head.logits(head(x.float(), tok, pos)[mask])
+            q = torch.softmax(logits, -1)
+            top = logits.argmax(-1)
+            tok_top = top if head.vocab_ids is None else head.vocab_ids[top]
+            agree += int((tok_top == t_idx[nxt, 0].long()).sum())
+            mapped = table[t_idx[nxt].long()]
+            p = t_logp[nxt].float().exp()
+            qk = torch.where(mapped >= 0, q.gather(-1, mapped.clamp_min(0)), torch.zeros_like(p))
+            acc += float(torch.minimum(p, qk).sum())
+            cover += int((mapped[:, 0] >= 0).sum())
+            n += len(nxt)
+        if n >= max_positions:
+            break
+    head.train(was)
+    n = max(n, 1)
+    return {"top1": agree / n, "accept_t1": acc / n, "coverage": cover / n, "positions": n}
+
+
+def vocab_coverage(t_idx_train: torch.Tensor, t_logp_train: torch.Tensor, t_idx_eval: torch.Tensor,
+                   sizes: list[int], vocab_size: int) -> dict:
+    """Held-out coverage of the target's argmax by the top-``size`` draft vocabularies (FR-Spec sizing)."""
+    from .train import select_vocab
+    out = {}
+    for size in sizes:
+        if size >= vocab_size:
+            continue
+        ids = select_vocab(t_idx_train, t_logp_train, size, vocab_size)
+        inside = torch.zeros(vocab_size, dtype=torch.bool)
+        inside[ids] = True
+        out[str(size)] = float(inside[t_idx_eval[:, 0].long()].float().mean())
+    return out
+
+
+def plot_learning_curve(history: list[dict], path: Path) -> None:
+    """``learning_curve.png``: held-out teacher-forced first-token acceptance vs training positions seen."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    x = [h["train_positions"] for h in history]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(x, [h["eval"]["top1"] for h in history], "o-", label="greedy (top-1 agreement)")
+    ax.plot(x, [h["eval"]["accept_t1"] for h in history], "s-", label="T=1 (sum min(p, q), top-k)")
+    ax.set_xlabel("training positions seen")
+    ax.set_ylabel("first-token acceptance (held-out)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def model_card(conf: dict, m: dict, command: str) -> str:
+    """README.md of a trained head: architecture, data, recipe, metrics, the learning curve."""
+    curve = "\n".join(f"| {h['step']} | {h['train_positions']} | {h['eval']['top1']:.3f} | {h['eval']['accept_t1']:.3f} |"
+                      for h in m["history"])
+    final = m["final"]
+    sources = ", ".join(f"{k}: {v:,}" for k, v in m["train_positions_by_corpus"].items())
+    return f"""# Draft head (EAGLE): {conf['base_model']}
+
+Feature-level draft head for speculant (`speculant generate --method eagle`, or
+`--method rsd-s|rsd-c|specinfer --draft-head default`).  The base model is frozen; only this head
+is trained, so decoding with it is exact (output identical to the base model under greedy decoding,
+the base model's distribution when sampling).
+
+## Architecture (EAGLE-1/2, Li et al. 2024)
+input `fc([embed(x_(i+1)); f_i])` (Linear {2 * conf['hidden_size']} -> {conf['hidden_size']}, bias) -> one Llama decoder layer
+(input RMSNorm dropped, {conf['num_attention_heads']} query / {conf['num_key_value_heads']} KV heads, SwiGLU {conf['intermediate_size']})
+-> the target's frozen LM-head rows of a {conf['draft_vocab_size']}-token draft vocabulary (FR-Spec: ranked
+by the target's probability mass on the training split; only the token ids are stored).
+Features: `{conf['feature']}` last hidden state of the target.  Embedding and LM head are the target's
+(not stored).  Trainable parameters: {m['parameters']:,}; stored as {conf.get('stored_dtype', 'bfloat16')}
+safetensors.  Initialisation: `{m['init']}`.
+
+## Data
+`speculant make-data` corpora: the base model's own responses to prompts, and (records of `--text-file`
+inputs) teacher-forced text; the labels are always the base model's own distribution.  Prompts are split
+train / held-out (seeded, per source) before generation; held-out prompts are never trained on.
+Files: {', '.join(Path(c).name for c in m['corpora'])} (state their sources and licences here).
+Training positions: {m['train_positions']:,} ({sources}); held-out positions evaluated: {final['positions']:,}.
+
+## Recipe
+Loss `{m['v_weight']} * SmoothL1(feature) + {m['p_weight']} * (KL to target top-{m['topk']} + {m['hard_weight']} x CE on its argmax)`,
+input-feature noise {m['noise']} x RMS, unrolled passes {m.get('unroll', 1)}, AdamW lr {m['lr']} (warm-up + cosine), {m['steps_done']} steps x
+{m['batch_seqs']} windows of <= {m['seq_len']} positions (positions: {m['positions']}), seed {m['seed']};
+{m['train_seconds'] / 60:.1f} min on a shared 2-core CPU ({m['train_positions_per_second']:.0f} positions/s).
+Final training loss: {m['last_loss']:.4f} (feature {m['last_v']:.4f}, distribution {m['last_p']:.4f}).
+
+## Held-out metrics (teacher-forced, first drafted token, stored bf16 head)
+| metric | value |
+|---|---|
+| top-1 agreement with the target (greedy acceptance) | {final['top1']:.3f} |
+| sum min(p, q) over target top-{m['topk']} (T=1 acceptance, lower bound) | {final['accept_t1']:.3f} |
+| target argmax inside the draft vocabulary | {final['coverage']:.3f} |
+
+Learning curve (held-out, teacher-forced; `learning_curve.png`):
+
+| step | training positions seen | top-1 | T=1 acceptance |
+|---|---|---|---|
+{curve}
+
+Decoding results (block efficiency, speed) are in BENCHMARKS.md ("Draft head (EAGLE)").
+
+## Command
+```
+{command}
+```
+"""
+
+
+def train_draft_head(model, corpora: list[str], out: str, *, steps: int = 1000, lr: float = 1e-3,
+                     warmup: float = 0.05, batch_seqs: int = 8, seq_len: int = 256, draft_vocab: int = 16384,
+                     topk: int = 32, feature: str = "post-norm", init: str = "random", v_weight: float = 1.0,
+                     p_weight: float = 1.0, hard_weight: float = 0.5, noise: float = 0.0, positions: str = "all",
+                     unroll: int = 1, seed: int = 0, max_minutes: float | None = None, resume: bool = False,
+                     checkpoint_every: int = 100, eval_every: int = 100, eval_tokens: int = 4000,
+                     cache_dir: str | None = None, max_train_tokens: int | None = None, progress: bool = True,
+                     command: str = "") -> dict:
+    """Train a draft head (recipe ``draft-head``); writes ``out/`` (head + card + metrics + checkpoint).
+
+    Args:
+        corpora: make-data JSONL paths (train and held-out splits).
+        batch_seqs, seq_len: windows per step and entries per window [positions].
+        draft_vocab: draft vocabulary size (0 = the full vocabulary).
+        unroll: 1, or 2 for the second, self-fed pass of :func:`head_loss`.
+    Returns:
+        metrics (held-out top-1 / T=1 acceptance before and after, the learning curve, throughput).
+    Raises:
+        SpeculantError: bad settings, or ``resume`` without a compatible checkpoint.
+    """
+    from tqdm import tqdm
+
+    from .train import _seed, check_positions, lr_at, remap, select_vocab
+
+    for name, value in (("steps", steps), ("batch_seqs", batch_seqs), ("seq_len", seq_len)):
+        check_range(name, value, 1)
+    check_range("unroll", unroll, 1, 2)
+    check_positions(positions)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+    gen = _seed(seed)
+    V = model.config.vocab_size
+    tr = load_split(model, corpora, "train", topk, cache_dir, max_train_tokens, progress)
+    ho = load_split(model, corpora, "heldout", topk, cache_dir, None, progress)
+    f_tr, f_ho = head_inputs(model, tr, feature), head_inputs(model, ho, feature)
+    weight = tr["response"] if positions == "response" else torch.ones_like(tr["response"])
+    seqs = sequences(tr["seq"])
+    seqs = seqs[seqs[:, 1] >= 2]
+    ho_seqs = sequences(ho["seq"])
+    vocab_ids = None
+    if draft_vocab and draft_vocab < V:
+        vocab_ids = select_vocab(tr["t_idx"], tr["t_logp"], draft_vocab, V, model.eos_token_ids)
+    head = new_head(model, vocab_ids, feature, init)
+    t_map = remap(tr["t_idx"], vocab_ids, V)
+    noise_width = noise * float(f_tr[:20000].float().pow(2).mean().sqrt())
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    settings = {"feature": feature, "draft_vocab": draft_vocab, "init": init}
+    start, history, seen = 0, [], 0
+    ckpt = out / "checkpoint.pt"
+    if resume:
+        if not ckpt.is_file():
+            raise SpeculantError(f"--resume given but {str(ckpt)!r} does not exist; allowed: a previous --out")
+        st = torch.load(ckpt, weights_only=False)
+        if st.get("recipe") != "draft-head" or st["settings"] != settings:
+            raise SpeculantError(f"checkpoint {str(ckpt)!r} is for {st.get('recipe')} {st.get('settings')}; "
+                                 f"allowed: recipe draft-head with {settings}")
+        head.load_state_dict(st["head"], strict=False)
+        opt.load_state_dict(st["opt"])
+        gen.set_state(st["gen"])
+        start, history, seen = st["step"], st["history"], st["seen"]
+
+    def evaluate(h):
+        return evaluate_head(h, f_ho, ho["ids"], ho["t_idx"], ho["t_logp"], ho["response"], ho_seqs, eval_tokens)
+
+    if start == 0:
+        history.append({"step": 0, "train_positions": 0, "eval": evaluate(head)})
+
+    def checkpoint(step):
+        torch.save({"recipe": "draft-head", "settings": settings, "head": head.state_dict(), "opt": opt.state_dict(),
+                    "gen": gen.get_state(), "step": step, "history": history, "seen": seen}, ckpt)
+
+    lengths = (seqs[:, 1] - 1).double()
+    t0 = time.perf_counter()
+    done, parts = start, {"v": float("nan"), "p": float("nan")}
+    loss = torch.tensor(float("nan"))
+    head.train()
+    bar = tqdm(range(start, steps), desc="train draft-head", unit="step", disable=not progress)
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = lr * lr_at(step, steps, warmup)
+        pick = torch.multinomial(lengths, batch_seqs, replacement=True, generator=gen)
+        spans = []
+        for s, length in seqs[pick].tolist():
+            entries = length - 1
+            t = min(seq_len, entries)
+            a = s + int(torch.randint(entries - t + 1, (1,), generator=gen))
+            spans.append((s, a, t))
+        loss, parts = head_loss(head, f_tr, tr["ids"], t_map, tr["t_logp"], weight, spans, v_weight, p_weight,
+                                hard_weight, noise_width, gen, unroll)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        seen += sum(t for _, _, t in spans)
+        done = step + 1
+        if step == 0:
+            history[0]["first_loss"] = loss.item()
+        bar.set_postfix(loss=f"{loss.item():.3f}", pos_s=f"{(seen) / (time.perf_counter() - t0 + 1e-9):.0f}")
+        if done % eval_every == 0 or done == steps:
+            history.append({"step": done, "train_positions": seen, "loss": loss.item(), **parts,
+                            "eval": evaluate(head)})
+        if done % checkpoint_every == 0:
+            checkpoint(done)
+        if max_minutes is not None and time.perf_counter() - t0 > max_minutes * 60:
+            break
+    if history[-1]["step"] != done:
+        history.append({"step": done, "train_positions": seen, "loss": loss.item(), **parts, "eval": evaluate(head)})
+    checkpoint(done)
+    secs = time.perf_counter() - t0
+    head.eval()
+    metrics = {"recipe": "draft-head", **settings, "corpora": [str(c) for c in corpora], "topk": topk, "lr": lr,
+               "v_weight": v_weight, "p_weight": p_weight, "hard_weight": hard_weight, "noise": noise, "unroll": unroll,
+               "batch_seqs": batch_seqs, "seq_len": seq_len, "positions": positions, "seed": seed,
+               "steps_done": done, "steps_planned": steps, "train_positions": int(tr["tokens"]),
+               "train_positions_by_corpus": tr["by_corpus"], "parameters": sum(p.numel() for p in params),
+               "positions_seen": seen, "feature_cache_tokens_per_second": tr["tokens"] / max(tr["seconds"], 1e-9),
+               "train_positions_per_second": (seen - (history[0].get("train_positions", 0))) / max(secs, 1e-9),
+               "train_seconds": secs, "first_loss": history[0].get("first_loss"), "last_loss": loss.item(), "last_v": parts["v"], "last_p": parts["p"],
+               "vocab_coverage": vocab_coverage(tr["t_idx"], tr["t_logp"], ho["t_idx"],
+                                                [4096, 8192, 16384, 32768], V),
+               "history": history}
+    save_head(head, out)
+    stored = load_head(out, model)          # evaluate what was written (bf16 round trip, model dtype)
+    metrics["final"] = evaluate_head(stored.float(), f_ho, ho["ids"], ho["t_idx"], ho["t_logp"], ho["response"],
+                                     ho_seqs, eval_tokens)
+    save_head(head, out, card=model_card(stored.config, metrics, command), metrics=metrics)
+    plot_learning_curve(history + [{"train_positions": seen, "eval": metrics["final"]}], out / "learning_curve.png")
+    return {k: v for k, v in metrics.items() if k != "history"}
+
+
+def train_head_from_args(model, args, common: dict) -> dict:
+    """``speculant train --recipe draft-head`` (flags: :func:`speculant.training.train.add_train_args`)."""
+    import sys
+    return train_draft_head(model, corpus_list(args.corpus), args.out, lr=args.lr or 1e-3,
+                            batch_seqs=args.head_batch, seq_len=args.head_seq_len, draft_vocab=args.draft_vocab,
+                            topk=args.topk, feature=args.feature, init=args.init, v_weight=args.v_weight,
+                            p_weight=args.p_weight, hard_weight=args.hard_weight, noise=args.feature_noise,
+                            unroll=args.unroll,
+                            positions=args.positions, eval_every=args.eval_every, eval_tokens=args.eval_tokens,
+                            cache_dir=args.cache_dir, max_train_tokens=args.max_train_tokens,
+                            command="speculant " + " ".join(sys.argv[1:]), **common)
