@@ -183,13 +183,13 @@ def test_bench_spec_parses_head_methods():
 def test_training_lowers_loss_raises_agreement_and_drafts_better(tmp_path):
     """The draft-head recipe on a tiny target: the loss falls, the trained head is accepted more often than
     an untrained one when decoding (train/decode alignment), output stays identical to AR, --resume works."""
-    from speculant.training.batched import sample_batch
     from speculant.training.head import train_draft_head
     m = tiny_model(seed=11, scale=2.5, vocab=64, layers=4)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 64, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
                for _ in range(48)]                     # self-distillation: the target's own greedy responses
-    responses = sample_batch(m.decoder, prompts, 40, SamplingConfig(), set())
+    ar = build_generator(m, method="ar")
+    responses = [ar.generate(p, GenerationConfig(max_new_tokens=40)).token_ids for p in prompts]
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"id": str(i), "source": "t", "split": "train" if i < 42 else "heldout",
                                           "prompt": "", "prompt_ids": p, "response_ids": r, "text": ""}) + "\n"

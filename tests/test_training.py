@@ -272,3 +272,24 @@ def test_shipped_default_adapter_is_found_by_name():
     m = replace(m, name="smollm2-135m")                   # resolves the shipped files, then rejects the shape
     with pytest.raises(SpeculantError, match="hidden_size=576 but model 'smollm2-135m' has 64"):
         exit_adapter_mod.load_exit_adapter("default", m, None)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_make_data_output_does_not_depend_on_the_batch_size(tmp_path, temperature):
+    """Continuous batching decodes each prompt as it would be decoded alone (prompt i samples with seed + i),
+    and the split of the prompts does not move with the sampling seed."""
+    from speculant.training.data import make_data
+    model = tiny_model(seed=11, scale=2.5, vocab=64, layers=3, eos=7)
+    prompts = [Prompt(f"p{i}", "t", " ".join(f"t{(5 * i + j) % 60 + 2}" for j in range(3 + i % 4)))
+               for i in range(9)]
+    runs = {}
+    for b in (1, 4):
+        out = tmp_path / f"b{b}.jsonl"
+        make_data(model, prompts, out, temperature=temperature, max_new_tokens=12, batch_size=b, seed=3,
+                  progress=False)
+        runs[b] = {r["id"]: (r["response_ids"], r["split"]) for r in read_corpus(out)}
+    assert runs[1] == runs[4] and len(runs[1]) == 9
+    assert any(len(r) < 12 for r, _ in runs[1].values())            # some stopped at EOS, freeing their slot
+    other = tmp_path / "seed.jsonl"
+    make_data(model, prompts, other, temperature=temperature, max_new_tokens=4, batch_size=4, seed=99, progress=False)
+    assert {r["id"]: r["split"] for r in read_corpus(other)} == {k: v[1] for k, v in runs[1].items()}

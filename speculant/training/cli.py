@@ -12,7 +12,7 @@ def _threads(args) -> None:
 
 
 def cmd_make_data(args) -> int:
-    from ..models.loading import load_model
+    from ..cli import load_for_decoding
     from . import data
 
     _threads(args)
@@ -25,11 +25,11 @@ def cmd_make_data(args) -> int:
         prompts += data.builtin_prompts()
     for p in args.prompts_file or ():
         prompts += data.file_prompts(p)
-    model = load_model(args.model, args.dtype)
+    model = load_for_decoding(args)          # the runtime the corpus' target decodes in (--weights, compiled)
     summary = data.make_data(model, prompts, args.out, heldout_fraction=args.heldout_fraction, seed=args.seed,
                              temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                              max_minutes=args.max_minutes, resume=args.resume, text_files=args.text_file or (),
-                             chunk_tokens=args.chunk_tokens, batch_size=args.batch_size)
+                             chunk_tokens=args.chunk_tokens, batch_size=args.batch_size, split_seed=args.split_seed)
     print(json.dumps(summary))
     return 0
 
@@ -65,9 +65,11 @@ def register(subparsers, add_model_args, add_method_args) -> None:
     m.add_argument("--max-new-tokens", type=int, default=192)
     m.add_argument("--max-minutes", type=float, default=None, help="stop starting new prompts after this time")
     m.add_argument("--resume", action="store_true", help="append to --out, skipping prompts already there")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=int, default=0, help="sampling seed (prompt order and draws)")
+    m.add_argument("--split-seed", type=int, default=0,
+                   help="seed of the train/held-out prompt split (keep it fixed across corpora)")
     m.add_argument("--batch-size", type=int, default=1,
-                   help="prompts sampled per forward (1 = our decoding engine, one prompt at a time)")
+                   help="prompts decoded together (continuous batching; the output does not depend on it)")
     m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     m.set_defaults(func=cmd_make_data)
 

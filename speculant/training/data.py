@@ -206,20 +206,21 @@ def text_records(path: str | Path, tokenizer, chunk_tokens: int, split: str = "t
 def make_data(model, prompts: list[Prompt], out_path: str | Path, *, heldout_fraction: float = 0.1, seed: int = 0,
               temperature: float = 0.7, top_p: float = 0.95, max_new_tokens: int = 192,
               max_minutes: float | None = None, resume: bool = False, text_files: Iterable[str] = (),
-              chunk_tokens: int = 256, progress: bool = True, batch_size: int = 1) -> dict:
+              chunk_tokens: int = 256, progress: bool = True, batch_size: int = 1, split_seed: int = 0) -> dict:
     """Sample one response per prompt from ``model`` with our engine and append records to ``out_path``.
 
     Args:
         model: the target (:class:`~speculant.models.loading.LoadedModel`).
         prompts: see the ``*_prompts`` helpers; ids must be unique.
         temperature, top_p: sampling settings (seed of prompt i is ``seed + i``).
+        split_seed: seed of the train / held-out split of the prompts, independent of ``seed``, so that
+            corpora sampled with different seeds share one split (no held-out prompt is ever trained on).
         max_new_tokens: response length cap [tokens].
         max_minutes: stop starting new prompts after this wall time [minutes].
         resume: keep existing records and skip their ids (else the file is overwritten).
         text_files: raw text added as teacher-forced train sequences of ``chunk_tokens`` tokens.
-        batch_size: prompts sampled per forward (:mod:`speculant.training.batched`; 1 = our engine,
-            one prompt at a time, seed of prompt i ``seed + i``; B > 1 seeds each batch's generator
-            with ``seed`` + the index of its first prompt).
+        batch_size: prompts decoded together (continuous batching, :mod:`speculant.engine.batch`); the
+            output does not depend on it (prompt i always samples with seed ``seed + i``).
     Returns:
         summary dict: records/tokens written per split, seconds, generated tokens/s.
     Raises:
@@ -245,7 +246,7 @@ def make_data(model, prompts: list[Prompt], out_path: str | Path, *, heldout_fra
         done = {r["id"] for r in read_corpus(out_path)}
     elif out_path.exists():
         out_path.unlink()
-    split = split_prompts(prompts, heldout_fraction, seed)
+    split = split_prompts(prompts, heldout_fraction, split_seed)
     gen = build_generator(model, method="ar")
     t0 = time.perf_counter()
     n_tok = {"train": 0, "heldout": 0}
@@ -260,23 +261,18 @@ def make_data(model, prompts: list[Prompt], out_path: str | Path, *, heldout_fra
             n_rec["train"] += 1
             n_tok["train"] += len(rec["response_ids"])
         bar = tqdm(total=len(todo), desc="make-data", unit="prompt", disable=not progress)
-        for a in range(0, len(todo), batch_size):
-            if max_minutes is not None and time.perf_counter() - t0 > max_minutes * 60:
-                break
-            group = [(p, gen.encode(p.text)) for p in todo[a:a + batch_size]]
-            group = [(p, ids) for p, ids in group if len(ids) + max_new_tokens < model.config.max_position_embeddings]
-            for p, prompt_ids, response in _responses(gen, model, group, batch_size, temperature, top_p, seed,
-                                                      ids, max_new_tokens):
-                rec = {"id": p.id, "source": p.source, "split": split[p.id], "prompt": p.text,
-                       "prompt_ids": prompt_ids, "response_ids": response,
-                       "text": model.tokenizer.decode(response, skip_special_tokens=True)}
-                f.write(json.dumps(rec) + "\n")
-                s = split[p.id]
-                n_rec[s] += 1
-                n_tok[s] += len(prompt_ids) + len(response)
-                gen_tokens += len(response)
+        for p, prompt_ids, response in _responses(model, gen, todo, batch_size, temperature, top_p, seed, ids,
+                                                  max_new_tokens, t0, max_minutes):
+            rec = {"id": p.id, "source": p.source, "split": split[p.id], "prompt": p.text,
+                   "prompt_ids": prompt_ids, "response_ids": response,
+                   "text": model.tokenizer.decode(response, skip_special_tokens=True)}
+            f.write(json.dumps(rec) + "\n")
             f.flush()
-            bar.update(min(batch_size, len(todo) - a))
+            s = split[p.id]
+            n_rec[s] += 1
+            n_tok[s] += len(prompt_ids) + len(response)
+            gen_tokens += len(response)
+            bar.update(1)
             bar.set_postfix(gen_tok_s=f"{gen_tokens / (time.perf_counter() - t0):.1f}")
         bar.close()
     secs = time.perf_counter() - t0
@@ -285,23 +281,36 @@ def make_data(model, prompts: list[Prompt], out_path: str | Path, *, heldout_fra
             "skipped_existing": len(done)}
 
 
-def _responses(gen, model, group, batch_size, temperature, top_p, seed, ids, max_new_tokens):
-    """``(prompt, prompt ids, response ids)`` for each ``(prompt, ids)`` of ``group``: our engine one at a
-    time (``batch_size == 1``), else one batched sampling call."""
+def _responses(model, gen, todo, batch_size, temperature, top_p, seed, ids, max_new_tokens, t0, max_minutes):
+    """``(prompt, prompt ids, response ids)`` for the prompts of ``todo`` as they finish.
+
+    Up to ``batch_size`` prompts decode together with continuous batching
+    (:class:`~speculant.engine.batch.BatchedGenerator`: each prompt prefilled alone, one target forward per
+    round for every active sequence, a finished sequence replaced at once); prompt i samples with its own
+    generator seeded ``seed + i``, so the responses are those of decoding each prompt alone.  No new prompt
+    starts after ``max_minutes``.
+    """
+    from ..engine.batch import BatchedGenerator
     from ..engine.generator import GenerationConfig
     from ..sampling.processors import SamplingConfig
-    from .batched import sample_batch
-    if not group:
-        return []
-    if batch_size == 1:
-        out = []
-        for p, prompt_ids in group:
-            cfg = GenerationConfig(max_new_tokens=max_new_tokens,
-                                   sampling=SamplingConfig(temperature=temperature, top_p=top_p,
-                                                           seed=seed + ids.index(p.id)))
-            out.append((p, prompt_ids, gen.generate(prompt_ids, cfg).token_ids))
-        return out
-    sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed + ids.index(group[0][0].id))
-    responses = sample_batch(model.decoder, [i for _, i in group], max_new_tokens, sampling,
-                             set(model.eos_token_ids), sampling.generator())
-    return [(p, i, r) for (p, i), r in zip(group, responses)]
+
+    batched = BatchedGenerator(model)
+    ctx = model.config.context_length
+    queue = [(p, gen.encode(p.text)) for p in todo]
+    queue = [(p, i) for p, i in queue if len(i) + max_new_tokens < ctx]
+    queue.reverse()
+    active = []
+    while queue or active:
+        while queue and len(active) < batch_size and (max_minutes is None or time.perf_counter() - t0 <= max_minutes * 60):
+            p, prompt_ids = queue.pop()
+            cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(
+                temperature=temperature, top_p=top_p, seed=seed + ids.index(p.id)))
+            active.append((p, prompt_ids, batched.start(prompt_ids, cfg)))
+        if max_minutes is not None and time.perf_counter() - t0 > max_minutes * 60:
+            queue.clear()
+        running = [a for a in active if a[2].finished is None]
+        batched.step([seq for _, _, seq in running])
+        for item in [a for a in active if a[2].finished is not None]:
+            active.remove(item)
+            p, prompt_ids, seq = item
+            yield p, prompt_ids, seq.state.tokens[len(prompt_ids):]
