@@ -205,3 +205,23 @@ def test_cost_ratio_with_exit_adapter_counts_adapter_bytes():
     layer0 = sum(p.numel() * 4 for p in dec.layers[0].parameters())
     assert draft_cost_ratio(dec, exit_layer=1, head_bytes=nbytes) == (layer0 + nbytes) / weight_bytes(dec)
     assert exit_head_bytes(None) is None
+
+
+def test_methods_in_another_runtime_are_compared_within_it(tmp_path, monkeypatch):
+    """``rt=`` runs a method on the same model in another weight format: greedy exactness is checked
+    against the ``ar`` of that runtime, speed against the run's ``ar``."""
+    from speculant.models.loading import save_hf_dir
+    from speculant.runtime.loader import load_model
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+    src = save_hf_dir(tiny_model(seed=1, scale=2.0, vocab=64, hidden=64, inter=128), tmp_path / "m")
+    model = load_model(str(src), weights="fp32", compile=False)
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["t5 t6 t7 t5 t6 t7"]}) + "\n")
+    methods = parse_methods("ar,prompt-lookup:K=2,ar:rt=int4-eager,prompt-lookup:K=2,rt=int4-eager")
+    res = run_benchmark(model, load_prompts(str(data)), methods, BenchConfig(max_new_tokens=10), None,
+                        progress=False, chat=False)
+    rows = res["summary"]["all"]
+    assert all(r["mismatches_vs_ar"] == 0 for r in rows.values())
+    assert rows["ar:rt=int4-eager"]["speedup_vs_ar"] is not None
+    with pytest.raises(SpeculantError, match="rt='int5' is unknown"):
+        parse_methods("ar:rt=int5")

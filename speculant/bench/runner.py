@@ -31,7 +31,7 @@ from ..engine.generator import GenerationConfig, SpeculativeGenerator
 from ..engine.methods import build_generator, default_exit_layer
 from ..engine.stats import GenerationStats
 from ..errors import SpeculantError, check_range
-from ..models.loading import LoadedModel
+from ..models.loading import KNOWN_MODELS, LoadedModel
 from ..sampling.processors import SamplingConfig, is_greedy
 from .datasets import Prompt
 from .mbsu import draft_cost_ratio, exit_head_bytes
@@ -121,6 +121,19 @@ class _LlamaCpp:
         return toks, r.seconds, {"new_tokens": r.new_tokens, "llamacpp_timings": r.timings}
 
 
+def _model_for(model: LoadedModel, method: BenchMethod, loaded: dict) -> LoadedModel:
+    """The run's model, or the same model in the runtime of the method's ``rt=`` key (loaded once per runtime)."""
+    from .specs import runtime_of
+    rt = runtime_of(method)
+    if rt is None or rt == (model.weights, model.compiled):
+        return model
+    if rt not in loaded:
+        from ..runtime.loader import load_model
+        loaded[rt] = load_model(model.name if model.name in KNOWN_MODELS else str(model.path), weights=rt[0],
+                                compile=rt[1])
+    return loaded[rt]
+
+
 def machine_info() -> dict:
     """Where the numbers were measured (CPU, cores, torch threads, versions, 1-minute load average at start)."""
     import transformers
@@ -146,18 +159,22 @@ def encode_prompts(model: LoadedModel, prompts: list[Prompt], chat: bool = True)
 def check_equality(results: dict) -> None:
     """Set ``equal_to_ar`` / ``equal_to_hf_ar`` on every record (``None`` when not greedy or no reference).
 
-    Token ids are compared, except for llama.cpp's records, whose text is compared (it returns text).
+    A method is compared with the ``ar`` of its own runtime (``rt=``; the run's when it has none): greedy
+    exactness holds within a weight format, and two formats' outputs may differ.  Token ids are compared,
+    except for llama.cpp's records, whose text is compared (it returns text).
     """
     from .specs import LLAMACPP_METHODS
     greedy = is_greedy(results["meta"]["temperature"])
-    refs: dict[tuple[str, str], dict] = {}
+    runtime = {m["label"]: (m.get("params") or {}).get("rt") for m in results["meta"]["methods"]}
+    refs: dict[tuple, dict] = {}
     for r in results["records"]:
-        if r["method"] in ("ar", "hf-ar"):
-            refs[(r["prompt_id"], r["method"])] = r
+        name = r["method"].split(":")[0]
+        if name in ("ar", "hf-ar"):
+            refs[(r["prompt_id"], name, runtime.get(r["method"]))] = r
     for r in results["records"]:
         by_text = r["method"].split(":")[0] in LLAMACPP_METHODS
         for ref, key in (("ar", "equal_to_ar"), ("hf-ar", "equal_to_hf_ar")):
-            want = refs.get((r["prompt_id"], ref))
+            want = refs.get((r["prompt_id"], ref, runtime.get(r["method"]) if ref == "ar" else None))
             if not greedy or want is None:
                 r[key] = None
             elif by_text:
@@ -196,6 +213,7 @@ def run_benchmark(model: LoadedModel, prompts: list[Prompt], methods: list[Bench
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     runners: dict[str, object] = {}
+    models: dict[tuple[str, bool], LoadedModel] = {}
     hf_model = None
     ids = encode_prompts(model, prompts, chat)
     for m in methods:
@@ -207,7 +225,7 @@ def run_benchmark(model: LoadedModel, prompts: list[Prompt], methods: list[Bench
         elif m.is_llamacpp:
             runners[m.label] = _LlamaCpp(model, m, max(map(len, ids)) + cfg.max_new_tokens + 16)
         else:
-            runners[m.label] = _Ours(model, m)
+            runners[m.label] = _Ours(_model_for(model, m, models), m)
     results = {
         "schema_version": SCHEMA_VERSION,
         "meta": {"model": model.name, "dataset": dataset, "dtype": str(model.decoder.dtype).replace("torch.", ""),

@@ -15,6 +15,10 @@ Ours (keys -> :class:`speculant.engine.methods.MethodSpec` fields):
 ``b``                  branching, ``x``-separated (``b=3x2x1`` = 3,2,1)
 ``W`` / ``L``          beam_width / draft_length (rsd-s)
 ``adapter``            exit_adapter (name or directory)
+``head``               draft_head (name or directory)
+``rt``                 the runtime the method runs in, when not the run's own (``--weights``): a weight
+                       format ``fp32|bf16|int8|int4``, with ``-eager`` for no torch.compile, e.g.
+                       ``ar:rt=fp32-eager`` (each distinct runtime loads the model once more)
 ``head``               draft_head (name or directory): ``eagle`` and the tree methods draft with it
 =====================  ==========================================================
 
@@ -41,9 +45,10 @@ _OURS_KEYS = {"E": "exit_layer", "K": "num_speculations", "draft": "draft_model"
               "n": "min_ngram", "b": "branching", "W": "beam_width", "L": "draft_length", "adapter": "exit_adapter",
               "head": "draft_head"}
 _ALLOWED = {
-    "ar": (), "early-exit": ("E", "K", "adapter"), "draft-model": ("E", "K", "draft"),
-    "prompt-lookup": ("K", "N", "n"), "eagle": ("K", "head"), "rsd-c": ("E", "b", "draft", "adapter", "head"),
-    "specinfer": ("E", "b", "draft", "adapter", "head"), "rsd-s": ("E", "W", "L", "draft", "adapter", "head"),
+    "ar": ("rt",), "early-exit": ("E", "K", "adapter", "rt"), "draft-model": ("E", "K", "draft", "rt"),
+    "prompt-lookup": ("K", "N", "n", "rt"), "eagle": ("K", "head", "rt"),
+    "rsd-c": ("E", "b", "draft", "adapter", "head", "rt"),
+    "specinfer": ("E", "b", "draft", "adapter", "head", "rt"), "rsd-s": ("E", "W", "L", "draft", "adapter", "head", "rt"),
     "hf-ar": (), "hf-early-exit": ("E", "K"), "hf-prompt-lookup": ("K", "N"), "hf-assistant": ("E", "K"),
     "llamacpp": (), "llamacpp-lookup": ("K", "N"),
 }
@@ -75,6 +80,18 @@ class BenchMethod:
         return self.name in LLAMACPP_METHODS
 
 
+RUNTIMES = tuple(f"{w}{suffix}" for w in ("fp32", "bf16", "int8", "int4") for suffix in ("", "-eager"))
+"""Values of the ``rt=`` key: another weight format (and ``-eager``: no torch.compile) than the run's."""
+
+
+def runtime_of(method: "BenchMethod") -> tuple[str, bool] | None:
+    """``(weights, compile)`` of a method's ``rt=`` key, or ``None`` (the run's own model)."""
+    rt = method.params.get("rt")
+    if rt is None:
+        return None
+    return rt.removesuffix("-eager"), not rt.endswith("-eager")
+
+
 def _value(method: str, key: str, raw: str):
     if key in _INT_KEYS or (key == "K" and raw != "auto"):
         try:
@@ -85,6 +102,10 @@ def _value(method: str, key: str, raw: str):
         if v < 1:
             raise SpeculantError(f"{method}: {key}={v} is out of range; allowed: >= 1")
         return v
+    if key == "rt":
+        if raw not in RUNTIMES:
+            raise SpeculantError(f"{method}: rt={raw!r} is unknown; allowed: {', '.join(RUNTIMES)}")
+        return raw
     if key == "K" and method not in METHODS:
         raise SpeculantError(f"{method}: K={raw!r} is invalid; allowed: an integer")
     return raw
@@ -93,7 +114,7 @@ def _value(method: str, key: str, raw: str):
 def to_spec(name: str, params: dict, exit_adapter: str | None = None) -> MethodSpec:
     """The :class:`MethodSpec` of one of our methods; ``exit_adapter`` is used where the method drafts
     with early-exit layers and no ``adapter=`` was given."""
-    kw = {_OURS_KEYS[k]: v for k, v in params.items()}
+    kw = {_OURS_KEYS[k]: v for k, v in params.items() if k != "rt"}
     if name == "draft-model":
         e = kw.pop("exit_layer", None)
         if e is not None:
