@@ -20,11 +20,13 @@ import json
 import torch
 
 from speculant.bench.costs import expected_speedup, measure_step_costs, required_acceptance
-from speculant.models.loading import load_model
+from speculant.models.loading import load_model as float_load_model
+from speculant.runtime.loader import load_model
 from speculant.drafters.exit_adapter import ExitHead
 from speculant.training.adapter import new_adapter
 
 
+@torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--exit-layers", default="2,4,6,8,12,16,20,24")
@@ -35,24 +37,29 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=1.6, help="speed-up over AR to solve for")
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--agreement", default=None, help="exit-eval JSON with per-layer top-1 agreement")
+    ap.add_argument("--weights", default="auto", help="weight format of the runtime (default: the tuned one)")
+    ap.add_argument("--no-compile", action="store_true")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     exits = [int(x) for x in args.exit_layers.split(",")]
     ks = [int(x) for x in args.ks.split(",")]
-    model = load_model()
+    model = load_model(weights=args.weights, compile=not args.no_compile, threads=args.threads)
     dec = model.decoder
     vocab_ids = torch.arange(args.draft_vocab)
 
+    float_model = float_load_model()       # adapters are trained (and initialised) on the float32 model
+
     def adapter_head(e: int):
-        return ExitHead(new_adapter(model, e, num_blocks=2, vocab_ids=vocab_ids).to(dec.dtype), dec.config.vocab_size)
+        return ExitHead(new_adapter(float_model, e, num_blocks=2, vocab_ids=vocab_ids), dec.config.vocab_size)
 
     shared = measure_step_costs(dec, exits, ks, args.context, args.repeats)
     adapted = measure_step_costs(dec, exits, ks[:1], args.context, args.repeats, exit_head_for=adapter_head)
     agree = {}
     if args.agreement:
         agree = {int(k): v for k, v in json.loads(open(args.agreement).read())["layers"].items()}
-    print(f"AR step {shared.ar_step_s * 1e3:.1f} ms (context {args.context}, threads {shared.threads})\n")
+    print(f"weights {model.weights}, compiled {model.compiled}; AR step {shared.ar_step_s * 1e3:.1f} ms "
+          f"(context {args.context}, threads {shared.threads})\n")
     print("| E | c_draft shared head | c_draft adapter head | " + " | ".join(f"c_verify K={k}" for k in ks)
           + f" | best K | alpha needed for {args.target}x | agreement (shared head) | expected speed-up at it |")
     print("|" + "---|" * (6 + len(ks)))

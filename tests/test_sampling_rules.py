@@ -162,3 +162,35 @@ def test_single_tree_wrapper_and_point_mass_draft():
         samples.append((tree.tokens[path[0]],) if path else (tok,))
     stat, threshold = chi_square(samples, law)
     assert stat < threshold
+
+
+def test_sample_categorical_draws_the_law_and_never_a_zero_probability_token():
+    from speculant.sampling.processors import sample_categorical
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.2, 0.3, 0.0], [0.1, 0.0, 0.0, 0.0, 0.0, 0.9]])
+    draws = sample_categorical(probs * 7.0, torch.Generator().manual_seed(0), 60_000)   # unnormalised is fine
+    for row in range(2):
+        samples = [(int(t),) for t in draws[row]]
+        law = {(i,): float(p) for i, p in enumerate(probs[row]) if p > 0}
+        stat, threshold = chi_square(samples, law)
+        assert stat < threshold, (row, stat, threshold)
+    # a broken sampler (one index off) fails the same test
+    broken = [((int(t) + 1) % 6,) for t in draws[0]]
+    with pytest.raises(AssertionError):
+        stat, threshold = chi_square(broken, {(i,): float(p) for i, p in enumerate(probs[0]) if p > 0})
+        assert stat < threshold
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.999])
+def test_top_p_partial_sort_equals_the_full_sort(scale, top_p):
+    """The nucleus found among the most likely candidates equals the full-sort nucleus (flat and peaked)."""
+    from speculant.sampling import processors
+    g = torch.Generator().manual_seed(1)
+    probs = torch.softmax(torch.randn(3, 5000, generator=g) * scale, -1)
+    fast = processors._top_p(probs, top_p)
+    sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+    cum = sorted_p.cumsum(-1)
+    full = torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill((cum - sorted_p) >= top_p, 0.0))
+    full = full / full.sum(-1, keepdim=True)
+    torch.testing.assert_close(fast, full, rtol=1e-6, atol=1e-7)
+    assert torch.equal(fast > 0, full > 0)

@@ -12,7 +12,7 @@ import torch
 
 from ..drafters.base import DecodingState, Drafter
 from ..models.llama import LlamaDecoder
-from ..sampling.processors import SamplingConfig, logits_to_probs
+from ..sampling.processors import SamplingConfig, logits_to_probs, sample_categorical
 from ..trees.builders import TreeBuilder
 from ..trees.tree import DraftTree
 from ..verification.rules import greedy_accept, recursive_rejection_sampling
@@ -23,7 +23,7 @@ def pick_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.
     """The target's token from fp32 logits ``[V]``: argmax under greedy decoding, else one draw."""
     if sampling.greedy:
         return int(logits.argmax())
-    return int(torch.multinomial(logits_to_probs(logits, sampling), 1, generator=generator))
+    return int(sample_categorical(logits_to_probs(logits, sampling), generator)[0])
 
 
 def prefill(target: LlamaDecoder, drafter: Drafter, prompt_ids: list[int], cache_length: int,

@@ -27,6 +27,7 @@ import torch
 
 from ..errors import SpeculantError
 from ..sampling.gumbel import gumbel_like, gumbel_top_k, truncated_gumbel
+from ..sampling.processors import sample_categorical
 
 
 class TreeBuilder:
@@ -106,7 +107,7 @@ class ChainBuilder(TreeBuilder):
         return self.num_speculations
 
     def expand(self, depth, q, greedy, generator):
-        toks = q.argmax(-1) if greedy else torch.multinomial(q, 1, generator=generator)[:, 0]
+        toks = q.argmax(-1) if greedy else sample_categorical(q, generator)[:, 0]
         if self.adaptive and depth > 1:
             keep = (q.amax(-1) >= self.current_threshold).tolist()
             return [[t] if k else [] for t, k in zip(toks.tolist(), keep)]
@@ -163,7 +164,7 @@ class IIDTreeBuilder(ConstantBranchingBuilder):
         b = self.branching[depth - 1]
         if greedy:
             return super().expand(depth, q, greedy, generator)
-        return torch.multinomial(q, b, replacement=True, generator=generator).tolist()
+        return sample_categorical(q, generator, b).tolist()
 
 
 @dataclass

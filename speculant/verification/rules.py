@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from ..sampling.processors import sample_categorical
 from ..trees.tree import DraftTree
 
 
@@ -124,7 +125,7 @@ def recursive_rejection_sampling_batch(tokens: torch.Tensor, children: torch.Ten
                 big_q = torch.where(trying[:, None], remove_token(big_q, x), big_q)
         done = active & (accepted < 0)
         if bool(done.any()):
-            token[done] = torch.multinomial(r[done], 1, generator=generator)[:, 0]
+            token[done] = sample_categorical(r[done], generator)[:, 0]
         active = active & (accepted >= 0)
         if not bool(active.any()):
             break
