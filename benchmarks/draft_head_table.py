@@ -30,10 +30,11 @@ def main(d: str) -> int:
         def f(x, fmt="{:.2f}"):
             return "–" if x is None else fmt.format(x)
         print(f"| {label} | {s['tokens_per_second']:.2f} | {f(s.get('speedup_vs_ar'))} | {f(s.get('speedup_vs_hf_ar'))} "
-              f"| {s['block_efficiency']:.2f} | {f(first / rounds if rounds else None)} | {f(acc)} "
+              f"| {f(s['block_efficiency'] or None)} | {f(first / rounds if rounds else None)} | {f(acc)} "
               f"| {f(nodes if rounds else None, '{:.1f}')} | {f(s.get('mismatches_vs_ar'), '{}')} |")
     m = res["meta"]
-    print(f"\n<sub>{m['model']} {m['dtype']}, {len(res['prompts'])} prompts, max_new_tokens={m['max_new_tokens']}, "
+    fmt = f"{m.get('weights', m['dtype'])}{' compiled' if m.get('compiled') else ''}"
+    print(f"\n<sub>{m['model']} {fmt}, {len(res['prompts'])} prompts, max_new_tokens={m['max_new_tokens']}, "
           f"T={m['temperature']}, torch threads={m['machine']['torch_threads']}, {m['machine']['cpu']}, "
           f"load average at start {m['machine']['load_average_1min']:.1f}, {m['started']}</sub>")
     return 0

@@ -26,7 +26,7 @@ def _f(x, fmt="{:.2f}"):
 def _header(res):
     m = res["meta"]
     n = len({r["prompt_id"] for r in res["records"]})
-    return (f"<sub>{m['model']} {m['dtype']}, {n} prompt(s) from {Path(m['dataset']).name}, "
+    return (f"<sub>{m['model']} {m.get('weights', m['dtype'])}{' compiled' if m.get('compiled') else ''}, {n} prompt(s) from {Path(m['dataset']).name}, "
             f"max_new_tokens={m['max_new_tokens']}, T={m['temperature']}, repeats={m['repeats']}; "
             f"{m['machine']['cpu']}, {m['machine']['cores']} cores, torch threads {m['machine']['torch_threads']}, "
             f"load average at start {_f(m['machine'].get('load_average_1min'))}; "

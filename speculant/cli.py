@@ -59,7 +59,7 @@ def load_for_decoding(args):
     """The model named by ``--model`` in ``--weights`` (tuned, compiled unless turned off)."""
     from .runtime.loader import load_model
     return load_model(args.model, weights=args.weights, compile=compile_wanted(args), dtype=args.dtype,
-                      threads=getattr(args, "threads", None))
+                      threads=getattr(args, "threads", None), blocks=getattr(args, "method", None) != "ar")
 
 
 def method_spec_from_args(args, model):

@@ -123,11 +123,19 @@ def _greedy(model, prompt, **spec):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_every_method_matches_ar_in_every_format(fmt):
-    model = in_format(packable_tiny(scale=2.5), fmt)
+def test_every_method_matches_ar_in_every_format(fmt, tmp_path):
+    from speculant.drafters.draft_head import load_head, new_head, save_head
+    float_model = packable_tiny(scale=2.5)
+    torch.manual_seed(0)
+    save_head(new_head(float_model, torch.arange(0, 96, 2)), tmp_path / "head")   # random head, half the vocab
+    model = in_format(float_model, fmt)
+    head = load_head(tmp_path / "head", model)       # int8/int4 targets: the head's projections run packed
+    assert any(isinstance(m, PackedLinear) for m in head.modules()) == (fmt in ("int8", "int4"))
+    head_methods = [dict(method="eagle", num_speculations=3, draft_head=str(tmp_path / "head")),
+                    dict(method="rsd-s", beam_width=2, draft_length=3, draft_head=str(tmp_path / "head"))]
     for prompt in ([3, 17, 42, 8, 25, 60, 1], [7, 8, 9, 10] * 4):
         ar = _greedy(model, prompt, method="ar")
-        for spec in METHODS:
+        for spec in METHODS + head_methods:
             assert _greedy(model, prompt, **spec) == ar, (fmt, spec)
 
 

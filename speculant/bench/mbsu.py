@@ -26,7 +26,11 @@ from ..models.llama import LlamaDecoder
 
 
 def _bytes(module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    """Weight bytes of ``module``: its parameters plus the packed buffers of its quantized projections
+    (:class:`~speculant.runtime.formats.PackedLinear`, whose weights are buffers, not parameters)."""
+    from ..runtime.formats import PackedLinear
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    return params + sum(m.nbytes for m in module.modules() if isinstance(m, PackedLinear))
 
 
 def weight_bytes(decoder: LlamaDecoder, layers: int | None = None) -> int:
@@ -42,7 +46,10 @@ def exit_head_bytes(exit_head) -> int | None:
     adapter = getattr(exit_head, "adapter", None)
     if adapter is None:
         return None
-    return _bytes(adapter) + sum(b.numel() * b.element_size() for b in adapter.buffers() if b.is_floating_point())
+    from ..runtime.formats import PackedLinear
+    packed = {id(b) for m in adapter.modules() if isinstance(m, PackedLinear) for b in m.buffers()}
+    float_buffers = [b for b in adapter.buffers() if b.is_floating_point() and id(b) not in packed]
+    return _bytes(adapter) + sum(b.numel() * b.element_size() for b in float_buffers)
 
 
 def draft_cost_ratio(target: LlamaDecoder, exit_layer: int | None = None, draft: LlamaDecoder | None = None,

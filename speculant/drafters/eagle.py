@@ -93,7 +93,7 @@ class DraftHeadDrafter(ModelDrafterBase):
         if first_entry == 0:
             # catch up: entries m .. n-1 read the target features of positions m .. n-1 (the last: the root's parent)
             m = st.cache.length
-            feats = st.pending[None].to(head.fc.weight.dtype)
+            feats = st.pending[None].to(head.dtype)
             toks = torch.tensor([state.tokens[m + 1:n + 1]], dtype=torch.long)
             out = head(feats, toks, torch.arange(m, n), None, st.cache, m)[0, -1:]
             st.cache.crop(n)

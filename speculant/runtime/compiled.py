@@ -66,11 +66,12 @@ def compiled_halves(decoder: LlamaDecoder):
     return _COMPILED[key]
 
 
-def enable_compile(decoder: LlamaDecoder, warm_up: bool = True, log=None) -> bool:
+def enable_compile(decoder: LlamaDecoder, warm_up: bool = True, log=None, blocks: bool = True) -> bool:
     """Route ``decoder``'s layers through compiled graphs; returns False (eager, one warning) without a C++ compiler.
 
-    ``warm_up`` compiles the one-token and the multi-token graphs now (printing progress to ``log``,
-    default stderr) instead of at the first generation.
+    ``warm_up`` compiles the one-token graph now, and the multi-token graph too when ``blocks`` (printing
+    progress to ``log``, default stderr), instead of at the first generation.  Autoregressive decoding never
+    runs a multi-token block (prefills are eager), so ``blocks=False`` saves it the second graph's load.
     """
     if not compiler_available():
         warnings.warn("no C++ compiler found (c++/g++/clang++): running the decoder eagerly, without "
@@ -80,7 +81,7 @@ def enable_compile(decoder: LlamaDecoder, warm_up: bool = True, log=None) -> boo
     key = f"{decoder.config}|{decoder.weight_format}|" + ",".join(sorted({type(m).__name__ for m in decoder.layers.modules()}))
     decoder.layer_step = _compiled_step(key)
     if warm_up:
-        warm_up_compiled(decoder, log)
+        warm_up_compiled(decoder, log, blocks)
     return True
 
 
@@ -89,8 +90,8 @@ def disable_compile(decoder: LlamaDecoder) -> None:
     decoder.layer_step = decoder_layer_step
 
 
-def warm_up_compiled(decoder: LlamaDecoder, log=None) -> float:
-    """Run the compiled layer halves once per graph (one token; a multi-token block) without a KV cache.
+def warm_up_compiled(decoder: LlamaDecoder, log=None, blocks: bool = True) -> float:
+    """Run the compiled layer step once per graph (one token; a multi-token block when ``blocks``).
 
     Returns the seconds it took (compilation, or loading cached kernels).
     """
@@ -99,7 +100,8 @@ def warm_up_compiled(decoder: LlamaDecoder, log=None) -> float:
     hidden = decoder.config.hidden_size
     cache = decoder.new_cache(16)
     with torch.inference_mode():
-        for t, start, label in ((1, 3, "one-token step"), (3, 4, "verification blocks (2+ tokens)")):
+        graphs = ((1, 3, "one-token step"), (3, 4, "verification blocks (2+ tokens)"))
+        for t, start, label in graphs if blocks else graphs[:1]:
             print(f"speculant: compiling the {label} ...", file=log, flush=True)
             decoder.run_layers(torch.zeros(1, t, hidden), 0, 1, torch.arange(start, start + t), None, cache, start)
     seconds = time.perf_counter() - t0

@@ -54,7 +54,8 @@ def _config_of(name_or_path: str) -> tuple[ModelConfig | None, object]:
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile: bool = True,
-               dtype: torch.dtype | str = torch.float32, threads: int | None = None, log=None) -> LoadedModel:
+               dtype: torch.dtype | str = torch.float32, threads: int | None = None, log=None,
+               blocks: bool = True) -> LoadedModel:
     """Load ``name_or_path`` (a known name or an HF-format directory) for decoding.
 
     Args:
@@ -67,6 +68,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
         threads: torch threads; default ``$SPECULANT_NUM_THREADS``, else the count measured fastest
             here (the measurement itself runs with torch's default).
         log: where progress goes (default stderr).
+        blocks: also compile the multi-token (verification block) graph at load; ``False`` for
+            autoregressive decoding only (the graph is then compiled at the first block, if one ever runs).
     Returns:
         a :class:`LoadedModel` whose ``weights``, ``compiled`` and ``tune`` fields say what was chosen.
     Raises:
@@ -111,7 +114,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
         tune.apply_choices(result, set_threads=fixed_threads is None)
     model.weights = fmt
     model.tune = result
-    model.compiled = bool(compile) and enable_compile(model.decoder, log=log)
+    model.compiled = bool(compile) and enable_compile(model.decoder, log=log, blocks=blocks)
     return model
 
 
