@@ -62,12 +62,14 @@ def load_for_decoding(args):
                       threads=getattr(args, "threads", None), blocks=getattr(args, "method", None) != "ar")
 
 
-def method_spec_from_args(args, model):
+def method_spec_from_args(args, model=None):
     """A :class:`MethodSpec` from parsed CLI arguments.
 
     ``--exit-layer auto`` takes the best exit layer of the stored sweep (:func:`speculant.bench.sweep.best_config`:
     this machine's, else the defaults shipped for the model), and its K when ``--num-speculations`` is not given
-    and the method reads K; ``--num-speculations auto`` always means the adaptive length.
+    and the method reads K; ``--num-speculations auto`` always means the adaptive length.  With ``model=None``
+    only the flags are checked (before the model loads, so a bad combination fails at once): ``--exit-layer
+    auto`` then stands for some exit layer.
     """
     from .engine.methods import MethodSpec, drafts_with_exit_layers
     exit_layer, k = args.exit_layer, args.num_speculations
@@ -76,6 +78,9 @@ def method_spec_from_args(args, model):
             raise SpeculantError(f"--exit-layer auto is not used by --method {args.method}"
                                  + (" with --draft-model" if args.draft_model else "")
                                  + "; it applies to early-exit and to rsd-c/rsd-s/specinfer without --draft-model")
+    if exit_layer == "auto" and model is None:
+        exit_layer = 1
+    elif exit_layer == "auto":
         from .bench.sweep import best_config
         best = best_config(model.name, args.exit_adapter if args.exit_adapter != "none" else None)
         exit_layer = best["exit_layer"]
@@ -102,6 +107,7 @@ def cmd_generate(args) -> int:
                               chat=not args.raw)
     if not args.prompt or not args.prompt.strip():
         raise SpeculantError("prompt is empty; allowed: a non-empty string")
+    method_spec_from_args(args)                 # bad flag combinations fail before the model loads
     model = load_for_decoding(args)
     gen = build_generator(model, method_spec_from_args(args, model))
     if args.json:

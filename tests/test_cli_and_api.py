@@ -152,3 +152,21 @@ def test_tune_command_measures_caches_and_prints(capsys, model_dir, tmp_path, mo
     assert len(list((tmp_path / "tune").glob("*.json"))) == 1
     code, out, _ = run_cli(capsys, "tune", "--model", str(model_dir), "--threads", "1")
     assert code == 0 and "| format | route | batch-invariant |" in out and "default weights:" in out
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_bad_flag_combinations_fail_before_the_model_loads(capsys, monkeypatch, command):
+    """A flag combination the method refuses is reported at once, whatever the model or the cache state (loading,
+    tuning and compiling would print progress first and take a minute on a fresh cache)."""
+    import speculant.cli as cli
+
+    def no_loading(args):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(cli, "load_for_decoding", no_loading)
+    args = ["hi"] if command == "generate" else []
+    assert main([command, *args, "--method", "eagle", "--draft-model", "truncated:2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("speculant: error: draft_model='truncated:2' is not used by method='eagle'"), err
+    assert main([command, *args, "--method", "ar", "--exit-layer", "auto"]) == 2
+    assert "--exit-layer auto is not used by --method ar" in capsys.readouterr().err

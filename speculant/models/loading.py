@@ -328,7 +328,6 @@ def load_hf_dir(path: Path, dtype=torch.float32, name: str | None = None) -> Loa
             (:meth:`ModelConfig.from_hf_dict`), missing/unexpected weights (:func:`check_hf_state`).
     """
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -353,7 +352,7 @@ def load_hf_dir(path: Path, dtype=torch.float32, name: str | None = None) -> Loa
         state.update(part)
     decoder = decoder_from_hf_state(cfg, state, dtype)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = load_tokenizer(path)
     except (OSError, ValueError) as e:
         raise SpeculantError(f"cannot load the tokenizer of {str(path)!r} ({str(e).splitlines()[0]})") from None
     return LoadedModel(name or path.name, decoder, tokenizer, path)
@@ -404,3 +403,29 @@ def list_models() -> list[dict]:
         rows.append({"name": name, "description": src.description, "package_installed": installed,
                      "cached": cached, "cache_dir": str(cache_root() / name), "install": src.install})
     return rows
+
+
+GENERIC_FAST_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+"""``tokenizer_class`` values that name transformers' generic ``tokenizers``-backed class."""
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of the HF-format directory ``path``, as ``AutoTokenizer`` would load it.
+
+    When ``tokenizer_config.json`` names the generic fast class (``TokenizersBackend`` in transformers 5,
+    ``PreTrainedTokenizerFast``), that class is loaded directly: the same object ``AutoTokenizer`` returns,
+    without importing its model-class registry (~1 s of a warm start).
+
+    Raises:
+        OSError, ValueError: missing or unreadable tokenizer files (from transformers).
+    """
+    path = Path(path)
+    try:
+        cls = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        cls = None
+    if cls in GENERIC_FAST_TOKENIZERS and (path / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path))

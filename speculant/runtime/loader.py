@@ -98,8 +98,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
         if fmt != "fp32":
             decoder = load_packed(packed_path(directory, fmt), cfg)
             if decoder is not None:
-                from transformers import AutoTokenizer
-                model = LoadedModel(name_or_path, decoder, AutoTokenizer.from_pretrained(str(directory)), directory)
+                model = LoadedModel(name_or_path, decoder, loading.load_tokenizer(directory), directory)
     if model is None:
         model = loading.load_model(name_or_path, dtype)
         if result is None and dtype == torch.float32:

@@ -220,7 +220,7 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
     if not all(isinstance(m, DecodeLinear) for m in base):
         raise ValueError("measure() needs a float32 model (load it with weights='fp32')")
     print(f"speculant: measuring kernels on this machine (once per machine; {len(base)} projections, "
-          f"{threads} threads) ...", file=log, flush=True)
+          f"{threads} thread{'s' if threads != 1 else ''}) ...", file=log, flush=True)
     variants: list[tuple[str, str, list, Routes | None]] = []
     with torch.inference_mode():
         for fmt in FORMATS:

@@ -114,6 +114,7 @@ def cmd_serve(args) -> int:
     check_range("--max-batch", args.max_batch, 1)
     check_range("--max-queue", args.max_queue, 0)
     check_range("--drain-timeout", args.drain_timeout, 0.0)
+    method_spec_from_args(args)                 # bad flag combinations fail before the model loads
     model = load_for_decoding(args)
     spec = method_spec_from_args(args, model)
     name = args.served_model_name or model.name
