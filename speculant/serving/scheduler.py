@@ -131,6 +131,17 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="speculant-scheduler", daemon=True)
         self._thread.start()
 
+    def run_here(self) -> None:
+        """Run the compute loop in the calling thread until :meth:`stop` (instead of :meth:`start`'s own thread).
+
+        For a caller that loaded the model in that same thread: torch's OpenMP thread pool belongs to the thread
+        that first runs a parallel op, and with a second pool (model warmed up in one thread, rounds run in
+        another) libgomp manages more threads than there are cores and stops spinning between parallel regions;
+        every parallel op then waits for a futex wake-up (measured on 2 cores: a round twice as long).
+        """
+        self._thread = threading.current_thread()
+        self._run()
+
     def submit(self, sub: Submission) -> None:
         """Queue ``sub``.
 

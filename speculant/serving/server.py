@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 
 from ..engine.batch import BatchedGenerator
 from ..errors import check_range
@@ -115,14 +116,33 @@ def cmd_serve(args) -> int:
     check_range("--max-queue", args.max_queue, 0)
     check_range("--drain-timeout", args.drain_timeout, 0.0)
     method_spec_from_args(args)                 # bad flag combinations fail before the model loads
-    model = load_for_decoding(args)
-    spec = method_spec_from_args(args, model)
-    name = args.served_model_name or model.name
-    engine = build_engine(model, spec, name, args.max_batch, args.max_queue, args.drain_timeout)
-    server = make_server(engine, args.host, args.port, args.drain_timeout, log_level=args.log_level)
+    box, ready = {}, threading.Event()
+
+    def compute() -> None:
+        """Load, check and decode in one thread (see :meth:`Scheduler.run_here`); uvicorn runs in the main one."""
+        try:
+            model = load_for_decoding(args)
+            spec = method_spec_from_args(args, model)
+            name = args.served_model_name or model.name
+            box["engine"] = build_engine(model, spec, name, args.max_batch, args.max_queue, args.drain_timeout)
+            box["about"] = (f"speculant: serving {name!r} (method {spec.method}, weights "
+                            f"{getattr(model, 'weights', '?')}, max batch {box['engine'].scheduler.max_batch}, "
+                            f"queue {args.max_queue})")
+        except BaseException as e:              # reported by the main thread (one-line error, exit 2)
+            box["error"] = e
+        ready.set()
+        if "engine" in box:
+            box["engine"].scheduler.run_here()
+
+    threading.Thread(target=compute, name="speculant-compute", daemon=True).start()
+    ready.wait()
+    if "error" in box:
+        raise box["error"]
+    engine = box["engine"]
+    server = make_server(engine, args.host, args.port, args.drain_timeout, start_scheduler=False,
+                         log_level=args.log_level)
     server.announce = True
-    print(f"speculant: serving {name!r} (method {spec.method}, weights {getattr(model, 'weights', '?')}, "
-          f"max batch {engine.scheduler.max_batch}, queue {args.max_queue})", file=sys.stderr, flush=True)
+    print(box["about"], file=sys.stderr, flush=True)
     server.run()
     return 0
 
