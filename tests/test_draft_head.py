@@ -11,10 +11,11 @@ from helpers import tiny_model
 from stats_helpers import chi_square, exact_law
 
 from speculant import GenerationConfig, SamplingConfig, build_generator
-from speculant.drafters.draft_head import DraftHead, load_head, new_head, save_head
+from speculant.drafters.draft_head import DraftHead, head_weight_format, load_head, new_head, save_head
 from speculant.drafters.eagle import DraftHeadDrafter, target_features
 from speculant.engine.stats import GenerationStats
 from speculant.errors import SpeculantError
+from speculant.runtime.formats import PackedLinear
 
 PROMPTS = {"varied": [3, 17, 42, 8, 25, 60, 1, 33, 12], "one-token": [5], "repetitive": [7, 8, 9, 10] * 6}
 
@@ -102,16 +103,23 @@ def test_drafts_equal_the_head_run_over_the_whole_sequence(model):
     assert checked >= 10
 
 
-@pytest.mark.parametrize("spec", [dict(method="eagle", num_speculations=2),
-                                  dict(method="rsd-s", beam_width=2, draft_length=2)], ids=["eagle", "rsd-s"])
-def test_sampled_tokens_follow_the_target_law(spec, tmp_path):
+@pytest.mark.parametrize("spec,head_weights", [(dict(method="eagle", num_speculations=2), "fp32"),
+                                               (dict(method="rsd-s", beam_width=2, draft_length=2), "fp32"),
+                                               (dict(method="eagle", num_speculations=2), "int8")],
+                         ids=["eagle", "rsd-s", "eagle-int8-head"])
+def test_sampled_tokens_follow_the_target_law(spec, head_weights, tmp_path, monkeypatch):
     """T=1.3, top-k 3: the joint law of 3 tokens through the engine (prefill + one drafted round) equals
-    the target's, for the chain and a tree drafted by the head (as tests/test_sampling_engine.py)."""
+    the target's, for the chain and a tree drafted by the head (as tests/test_sampling_engine.py), and with the
+    head's projections packed in int8 (as for quantized targets)."""
+    import speculant.drafters.draft_head as draft_head
+    monkeypatch.setattr(draft_head, "head_weight_format", lambda model: head_weights)
     m = tiny_model(seed=5, scale=1.5, vocab=4, layers=2, hidden=32, heads=2, kv_heads=1, inter=64)
     prompt, sampling = [1, 2, 3, 1, 2], dict(temperature=1.3, top_k=3)
     law = exact_law(m, prompt, SamplingConfig(**sampling))
     save_head(random_head(m, seed=1), tmp_path / "h")
     gen = build_generator(m, draft_head=str(tmp_path / "h"), **spec)
+    packed = [mod for mod in gen.drafter.head.modules() if isinstance(mod, PackedLinear)]
+    assert bool(packed) == (head_weights == "int8")        # the head really runs in the format under test
     outs, drafted = [], 0
     for seed in range(4000):
         stats = GenerationStats()
@@ -231,3 +239,21 @@ def test_smollm2_with_the_shipped_head_matches_ar():
     assert chain.stats.acceptance_by_position[0] > 0.15, chain.stats.acceptance_by_position
     tree = build_generator(model, method="rsd-s", beam_width=2, draft_length=4, draft_head="default")
     assert tree.generate(ids, cfg).token_ids == ar
+
+
+@pytest.mark.parametrize("target,int8_ms,fp32_ms,want", [("int4", 5.0, 9.0, "int8"), ("int4", 9.0, 5.0, "fp32"),
+                                                         ("int8", None, None, "int8"), ("fp32", 5.0, 9.0, "fp32")])
+def test_head_format_follows_this_machines_measurement(target, int8_ms, fp32_ms, want):
+    """A quantized target's head runs in int8 only where the tuner measured int8 faster than float32 (no
+    measurement: int8); a float32 target keeps a float32 head."""
+    from types import SimpleNamespace
+
+    from speculant.runtime.tune import TuneResult
+    tune = None
+    if int8_ms is not None:
+        rows = [{"format": "int8", "route": "-", "ms": {"1": int8_ms}},
+                {"format": "fp32", "route": "linear", "ms": {"1": fp32_ms}}]
+        tune = TuneResult(key={}, weights=target, fp32_route="linear", threads=2, table=rows, thread_ms={},
+                          seconds=0.0, measured_at="")
+    model = SimpleNamespace(decoder=SimpleNamespace(weight_format=target), tune=tune)
+    assert head_weight_format(model) == want

@@ -26,11 +26,8 @@ from ..models.llama import LlamaDecoder
 
 
 def _bytes(module) -> int:
-    """Weight bytes of ``module``: its parameters plus the packed buffers of its quantized projections
-    (:class:`~speculant.runtime.formats.PackedLinear`, whose weights are buffers, not parameters)."""
-    from ..runtime.formats import PackedLinear
-    params = sum(p.numel() * p.element_size() for p in module.parameters())
-    return params + sum(m.nbytes for m in module.modules() if isinstance(m, PackedLinear))
+    from ..runtime.formats import weight_bytes as module_bytes
+    return module_bytes(module)
 
 
 def weight_bytes(decoder: LlamaDecoder, layers: int | None = None) -> int:

@@ -36,7 +36,7 @@ from ..models.kv_cache import KVCache
 from ..models.linear import DecodeLinear
 from ..models.llama import DecoderLayer, RMSNorm, attend, attention_inputs, causal_mask, layer_output
 from ..models.rope import rope_tables
-from ..runtime.formats import PackedLinear, select_rows
+from ..runtime.formats import select_rows
 from .artifacts import check_compatible, read_config, resolve_dir, shipped_names
 
 FORMAT = "speculant-draft-head"
@@ -125,15 +125,11 @@ class DraftHead(nn.Module):
         Raises:
             SpeculantError: unknown format (``fp32`` leaves the head as it is).
         """
-        from ..runtime.formats import PROJECTIONS, check_format, pack_linear
+        from ..runtime.formats import check_format, pack_linear, pack_projections
         if check_format(fmt) == "fp32":
             return self
         self.fc = pack_linear(fmt, self.fc.weight, self.fc.bias)
-        for name in PROJECTIONS:
-            parent_name, attr = name.split(".")
-            parent = getattr(self.layer, parent_name)
-            lin = getattr(parent, attr)
-            setattr(parent, attr, pack_linear(fmt, lin.weight, lin.bias))
+        pack_projections(self.layer, fmt)
         return self
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
@@ -184,10 +180,8 @@ class DraftHead(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes of weights one head forward reads (fc, layer, LM-head rows; the embedding row is ignored)."""
-        own = sum(p.numel() * p.element_size() for p in self.parameters())
-        own += sum(m.nbytes for m in self.modules() if isinstance(m, PackedLinear))
-        rows = self._lm_head_rows[0]
-        return own + (rows.nbytes if isinstance(rows, PackedLinear) else rows.weight.numel() * rows.weight.element_size())
+        from ..runtime.formats import weight_bytes
+        return weight_bytes(self) + weight_bytes(self._lm_head_rows[0])
 
 
 def _lm_head_rows(decoder, vocab_ids: torch.Tensor | None) -> nn.Module:
@@ -249,10 +243,10 @@ def available_heads(model_name: str) -> list[str]:
     return shipped_names(KIND, model_name)
 
 
-def load_head(name_or_path: str | Path, model) -> DraftHead:
-    """Load a draft head (a shipped name such as ``default``, or a directory) for ``model``, in the model's dtype;
-    for a target in a quantized weight format (``int8``, ``int4``) the head's projections run in ``int8``
-    (:meth:`DraftHead.pack`: a draft step then reads ~1/4 of the float32 head's bytes).
+def load_head(name_or_path: str | Path, model, weights: str | None = None) -> DraftHead:
+    """Load a draft head (a shipped name such as ``default``, or a directory) for ``model``, in the model's dtype,
+    its projections in ``weights`` (``fp32``/``int8``/``bf16``), by default :func:`head_weight_format`
+    (:meth:`DraftHead.pack`; int8 reads ~1/4 of the float32 bytes).
 
     Raises:
         SpeculantError: unknown name, another format, or a head trained for a differently shaped model.
@@ -273,9 +267,24 @@ def load_head(name_or_path: str | Path, model) -> DraftHead:
     if missing or unexpected:
         raise SpeculantError(f"draft head {str(path)!r} has missing tensors {missing} / unexpected tensors "
                              f"{unexpected}; allowed: exactly the tensors of a {conf['feature']} head")
-    head = head.to(dec.dtype).eval().requires_grad_(False)
-    fmt = getattr(dec, "weight_format", "fp32")
-    return head.pack("int8") if fmt in ("int8", "int4") else head
+    return head.to(dec.dtype).eval().requires_grad_(False).pack(weights or head_weight_format(model))
+
+
+def head_weight_format(model) -> str:
+    """The weight format a draft head runs in for ``model``: ``fp32`` for a float32 target; for a quantized
+    target (``int8``/``int4``) ``int8`` when this machine's measured one-row pass (the kernel tuner's table,
+    ``model.tune``) is faster in int8 than in the chosen float32 route, else ``fp32``; without a measurement
+    (e.g. a model packed by hand), ``int8``."""
+    if getattr(model.decoder, "weight_format", "fp32") not in ("int8", "int4"):
+        return "fp32"
+    result = getattr(model, "tune", None)
+    if result is None:
+        return "int8"
+    try:
+        int8, fp32 = result.row("int8")["ms"]["1"], result.row("fp32", result.fp32_route)["ms"]["1"]
+    except KeyError:
+        return "int8"
+    return "int8" if int8 < fp32 else "fp32"
 
 
 def default_head_for(model_name: str) -> str | None:

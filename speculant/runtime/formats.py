@@ -279,14 +279,27 @@ def apply_weight_format(decoder, fmt: str, codes: dict[str, GroupQuantized] | No
         return
     codes = codes or {}
     for i, layer in enumerate(decoder.layers):
-        for name in PROJECTIONS:
-            parent_name, attr = name.split(".")
-            parent = getattr(layer, parent_name)
-            lin = getattr(parent, attr)
-            setattr(parent, attr, pack_linear(fmt, lin.weight, lin.bias, codes.get(f"layers.{i}.{name}")))
+        pack_projections(layer, fmt, {name: codes.get(f"layers.{i}.{name}") for name in PROJECTIONS})
     head = decoder.lm_head_proj
     decoder.lm_head_proj = pack_linear("int8" if fmt == "int4" else fmt, head.weight, head.bias)
     decoder.weight_format = fmt
+
+
+def pack_projections(layer, fmt: str, codes: dict[str, GroupQuantized | None] | None = None) -> None:
+    """Put the :data:`PROJECTIONS` of one decoder layer in format ``fmt`` (:func:`pack_linear`), in place;
+    ``codes``: the GGUF's own codes per projection name, where known."""
+    for name in PROJECTIONS:
+        parent_name, attr = name.split(".")
+        parent = getattr(layer, parent_name)
+        lin = getattr(parent, attr)
+        setattr(parent, attr, pack_linear(fmt, lin.weight, lin.bias, (codes or {}).get(name)))
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Weight bytes of ``module`` [bytes]: its parameters plus the packed buffers of its
+    :class:`PackedLinear` projections (whose weights are buffers, not parameters)."""
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    return params + sum(m.nbytes for m in module.modules() if isinstance(m, PackedLinear))
 
 
 def projection_bytes(decoder) -> int:
