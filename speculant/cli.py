@@ -43,7 +43,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="known model name or HF-format directory")
     p.add_argument("--weights", default="auto",
                    help="weight format of the projections: auto (default: the fastest batch-invariant format "
-                        "measured on this machine), fp32, bf16, int8, int4 (the GGUF's own 4-bit codes)")
+                        "measured on this machine), fp32, bf16, int8, int4 (the GGUF's own 4-bit codes), "
+                        "w4a8 (the same codes on int8 activations, our AVX2 kernel)")
     p.add_argument("--no-compile", action="store_true",
                    help="run the decoder eagerly (no torch.compile); also SPECULANT_COMPILE=0")
     p.add_argument("--dtype", default="float32",

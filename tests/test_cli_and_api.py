@@ -8,6 +8,8 @@ from helpers import tiny_model
 
 from speculant import GenerationConfig, SamplingConfig, SpeculantError, build_generator, load_model
 from speculant.cli import main
+from speculant.kernels import qgemm
+from speculant.runtime.formats import FORMATS, format_available
 from speculant.models.loading import save_hf_dir
 
 
@@ -127,9 +129,11 @@ def test_sampling_is_reproducible_with_seed():
     assert a != gen.generate([1, 2, 3], cfg2).token_ids
 
 
-@pytest.mark.parametrize("weights", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("weights", ["fp32", "int8", "int4", "w4a8"])
 def test_generate_with_each_weight_format(capsys, model_dir, weights, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    if not format_available(weights):
+        pytest.skip(f"{weights}: {qgemm.unavailable_reason()}")
     code, out, _ = run_cli(capsys, "generate", "t1 t2 t3 t4", "--model", str(model_dir), "--raw", "--json",
                            "--max-new-tokens", "8", "--method", "prompt-lookup", "--weights", weights)
     assert code == 0
@@ -147,8 +151,9 @@ def test_tune_command_measures_caches_and_prints(capsys, model_dir, tmp_path, mo
     code, out, _ = run_cli(capsys, "tune", "--model", str(model_dir), "--threads", "1", "--json")
     assert code == 0
     d = json.loads(out)
-    assert d["weights"] in ("fp32", "bf16", "int8", "int4") and d["key"]["threads"] == 1
-    assert {row["format"] for row in d["table"]} == {"fp32", "bf16", "int8", "int4"}
+    here = {f for f in FORMATS if format_available(f)}
+    assert d["weights"] in here and d["key"]["threads"] == 1
+    assert {row["format"] for row in d["table"]} == here
     assert len(list((tmp_path / "tune").glob("*.json"))) == 1
     code, out, _ = run_cli(capsys, "tune", "--model", str(model_dir), "--threads", "1")
     assert code == 0 and "| format | route | batch-invariant |" in out and "default weights:" in out

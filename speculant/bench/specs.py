@@ -17,7 +17,7 @@ Ours (keys -> :class:`speculant.engine.methods.MethodSpec` fields):
 ``adapter``            exit_adapter (name or directory)
 ``head``               draft_head (name or directory)
 ``rt``                 the runtime the method runs in, when not the run's own (``--weights``): a weight
-                       format ``fp32|bf16|int8|int4``, with ``-eager`` for no torch.compile, e.g.
+                       format ``fp32|bf16|int8|int4|w4a8``, with ``-eager`` for no torch.compile, e.g.
                        ``ar:rt=fp32-eager`` (each distinct runtime loads the model once more)
 ``head``               draft_head (name or directory): ``eagle`` and the tree methods draft with it
 =====================  ==========================================================
@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from ..engine.methods import METHODS, TREE_METHODS, MethodSpec
 from ..errors import SpeculantError
+from ..runtime.formats import FORMATS
 
 HF_METHODS = ("hf-ar", "hf-early-exit", "hf-prompt-lookup", "hf-assistant")
 LLAMACPP_METHODS = ("llamacpp", "llamacpp-lookup")
@@ -80,7 +81,7 @@ class BenchMethod:
         return self.name in LLAMACPP_METHODS
 
 
-RUNTIMES = tuple(f"{w}{suffix}" for w in ("fp32", "bf16", "int8", "int4") for suffix in ("", "-eager"))
+RUNTIMES = tuple(f"{w}{suffix}" for w in FORMATS for suffix in ("", "-eager"))
 """Values of the ``rt=`` key: another weight format (and ``-eager``: no torch.compile) than the run's."""
 
 

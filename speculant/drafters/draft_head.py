@@ -272,10 +272,10 @@ def load_head(name_or_path: str | Path, model, weights: str | None = None) -> Dr
 
 def head_weight_format(model) -> str:
     """The weight format a draft head runs in for ``model``: ``fp32`` for a float32 target; for a quantized
-    target (``int8``/``int4``) ``int8`` when this machine's measured one-row pass (the kernel tuner's table,
+    target (``int8``/``int4``/``w4a8``) ``int8`` when this machine's measured one-row pass (the kernel tuner's table,
     ``model.tune``) is faster in int8 than in the chosen float32 route, else ``fp32``; without a measurement
     (e.g. a model packed by hand), ``int8``."""
-    if getattr(model.decoder, "weight_format", "fp32") not in ("int8", "int4"):
+    if getattr(model.decoder, "weight_format", "fp32") not in ("int8", "int4", "w4a8"):
         return "fp32"
     result = getattr(model, "tune", None)
     if result is None:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import attention as attention_kernel
 from .config import ModelConfig
 from .kv_cache import KVCache
 from ..errors import SpeculantError
@@ -106,29 +107,58 @@ def decoder_layer_step(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, 
 
     ``keys``/``values`` ``[1, Hkv, S_max, Dh]`` are the layer's cache; ``mask`` bool ``[T, S]`` says which of
     the first ``S`` slots each row attends (True = may attend); the new keys/values go to ``slots``
-    ``[T]`` (``S - T .. S - 1``).  Attention runs in the cache's dtype (see :func:`attend`).  Everything here is
+    ``[T]`` (``S - T .. S - 1``).  Attention runs in the cache's dtype (see :func:`attend`): a float32 cache through
+    our row-by-row kernel (:mod:`speculant.kernels.attention`), a float64 one through SDPA.  Everything here is
     traceable by ``torch.compile`` with ``T`` and ``S`` dynamic.
     """
     t, visible = x.shape[1], mask.shape[-1]
     q, k, v = attention_inputs(layer, x, cos, sin)
     keys.index_copy_(2, slots, k.to(keys.dtype))
     values.index_copy_(2, slots, v.to(values.dtype))
+    if keys.dtype == torch.float32:
+        return layer_output(layer, x, torch.ops.speculant.attention(q, keys, values, mask, q.shape[-1] ** -0.5))
     out = F.scaled_dot_product_attention(q.to(keys.dtype), keys[:, :, :visible], values[:, :, :visible],
                                          attn_mask=mask, enable_gqa=True)
     return layer_output(layer, x, out.to(x.dtype).transpose(1, 2).reshape(1, t, -1))
+
+
+def prefill_layer_step(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One decoder layer over a whole prompt ``x`` ``[1, T, D]`` into an empty static KV cache (slots ``0 .. T-1``).
+
+    Attention is causal over the prompt itself and runs in float32 (``is_causal``: the flash kernel skips the
+    masked half), unlike :func:`decoder_layer_step`'s float64: a prompt's forward is the same call for every
+    method and is never compared with a one-token step, so its rows need no batch invariance, and float64
+    attention over an 800-token prompt took 1.6 s of SmolLM2's 4.7 s prefill on a 2-core AVX2 CPU.  The keys and
+    values are stored in the cache's dtype (float32 -> float64 is exact).
+    """
+    t = x.shape[1]
+    q, k, v = attention_inputs(layer, x, cos, sin)
+    keys[:, :, :t] = k
+    values[:, :, :t] = v
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return layer_output(layer, x, out.transpose(1, 2).reshape(1, t, -1))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
            cache: KVCache | None, layer: int, cache_position: int) -> torch.Tensor:
     """Scaled dot-product attention over the KV cache (new keys/values written at ``cache_position``).
 
-    Computed in the cache's dtype: a float64 cache makes each row's result independent of how many
-    rows share the call (batch invariance; see :attr:`LlamaDecoder.attention_dtype`).
-    ``q`` ``[B, H, T, Dh]`` -> ``[B, T, H * Dh]`` in ``q``'s dtype.
+    Computed in the cache's dtype: a float32 cache (one sequence) through our row-by-row kernel, a float64 one
+    through SDPA; either makes each row's result independent of how many rows share the call (batch invariance;
+    see :attr:`LlamaDecoder.attention_dtype`).  ``q`` ``[B, H, T, Dh]`` -> ``[B, T, H * Dh]`` in ``q``'s dtype.
     """
     dtype = q.dtype
     if cache is not None:
         q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)
+        if cache.dtype == torch.float32 and q.shape[0] == 1:
+            cache.write(layer, k, v, cache_position)
+            t = q.shape[2]
+            if mask is None:
+                mask = causal_mask(t, cache_position, q.device)
+            mask = mask.reshape(mask.shape[-2], mask.shape[-1])
+            return torch.ops.speculant.attention(q, cache.layer_keys[layer], cache.layer_values[layer], mask,
+                                                 q.shape[-1] ** -0.5).to(dtype)
         k, v = cache.write(layer, k, v, cache_position)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
     b, h, t, d = out.shape
@@ -141,12 +171,15 @@ class LlamaDecoder(nn.Module):
     Shapes: ``B`` batch, ``T`` new tokens, ``S`` visible cache slots, ``D``
     hidden size, ``V`` vocabulary size.  Logits are returned in fp32.
 
-    ``attention_dtype`` (default float64) is the KV cache's dtype, in which attention is computed.  In
-    float32, CPU attention kernels give a query row different bits depending on how many rows share the
-    call and how many masked keys follow (measured: 71 of 104 cases); those differences, rounded to
-    bfloat16 at the next int4/int8 projection, moved SmolLM2's verification logits by up to 0.3 from the
-    one-token step's.  Accumulated in float64 and rounded to float32, the rows agree bit for bit (tested
-    in ``tests/test_runtime_formats.py``), so verification sees exactly the logits decoding would.
+    ``attention_dtype`` is the KV cache's dtype, in which attention is computed: float32 where our row-by-row
+    attention kernel runs (:mod:`speculant.kernels.attention`: AVX2, a C compiler, head size a multiple of 8),
+    float64 otherwise.  In float32, torch's CPU attention kernels give a query row different bits depending on
+    how many rows share the call and how many masked keys follow (measured: 71 of 104 cases); those
+    differences, rounded to bfloat16 at the next int4/int8 projection, moved SmolLM2's verification logits by
+    up to 0.3 from the one-token step's.  Our kernel computes each row over its attended keys in slot order, the
+    same operations whatever else is in the call; torch's, accumulated in float64 and rounded to float32, agree
+    bit for bit too (tested in ``tests/test_runtime_formats.py``), at twice the cache bytes.  Either way
+    verification sees exactly the logits decoding would.
     ``layer_step`` is :func:`decoder_layer_step` or its compiled version (:mod:`speculant.runtime.compiled`).
     """
 
@@ -160,7 +193,9 @@ class LlamaDecoder(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head_proj.weight = self.embed_tokens.weight
         self.layer_token_counts = [0] * cfg.num_hidden_layers   # tokens each layer has processed
-        self.attention_dtype: torch.dtype = torch.float64         # KV cache / attention dtype, see attend()
+        # KV cache / attention dtype, see attend(): float32 with our kernel, else float64
+        self.attention_dtype: torch.dtype = (torch.float32 if attention_kernel.supports(cfg.head_dim)
+                                             else torch.float64)
         self.layer_step = decoder_layer_step     # eager; speculant.runtime.compiled swaps in the compiled step
         self.weight_format = "fp32"
         cos, sin = rope_tables(cfg)
@@ -218,6 +253,12 @@ class LlamaDecoder(nn.Module):
             visible = cache_position + t
             if visible > cache.max_length:
                 raise SpeculantError(f"KV cache overflow: slot {visible} > max_length={cache.max_length}")
+            if cache_position == 0 and attention_mask is None and t > 1:      # a prompt: see prefill_layer_step
+                for i in range(start, end):
+                    hidden = prefill_layer_step(self.layers[i], hidden, cos, sin, cache.layer_keys[i],
+                                                cache.layer_values[i])
+                    counts[i] += t
+                return hidden
             mask = _dense_mask(attention_mask, t, cache_position, hidden.device)
             torch._dynamo.maybe_mark_dynamic(mask, 1)
             slots = torch.arange(cache_position, visible, device=hidden.device)

@@ -5,7 +5,7 @@ costs while ``T`` is small.  So a batch of sequences, each with its own verifica
 chain, ``T_i`` rows) and its own KV cache, is run as one ``[1, sum T_i, D]`` batch through each layer's
 projections, norms and MLP (:func:`~speculant.models.llama.attention_inputs`,
 :func:`~speculant.models.llama.layer_output`), while attention runs per sequence against its own cache with
-its own mask (:func:`~speculant.models.llama.attend`, in the cache's float64).  No padding: the rows are
+its own mask (:func:`~speculant.models.llama.attend`, in the cache's dtype).  No padding: the rows are
 simply concatenated, as in vLLM's flattened batches (Kwon et al. 2023) or Orca's selective batching
 (Yu et al. 2022, Sec. 4.2: batch the token-wise operations, split for attention).
 

@@ -10,13 +10,18 @@ int8     int8 per output channel, symmetric, bfloat16 scales       ``aten._weigh
 int4     int4 per group of 32, asymmetric (GGUF Q4_0/Q4_1 codes     ``aten._weight_int4pack_mm_for_cpu``
          as stored; other weights quantized like Q4_1),
          bfloat16 scales and offsets
+w4a8     the same 4-bit codes with float32 scales and offsets (as    ``speculant.w4a8_mm`` (our AVX2
+         the GGUF stores them); activations quantized to int8 per    kernel, :mod:`speculant.kernels.
+         block of 32 (llama.cpp's Q4 x Q8_1 dot product)             qgemm`)
 ======== ========================================================= ==============================
 
 Weight-only quantization: activations stay float32 between projections; the bf16/int8/int4 kernels
 read them rounded to bfloat16 and return bfloat16, which is converted back to float32.  The LM head of
-``int4`` is ``int8`` (GGUF stores it as Q8_0, for which torch has no group-wise kernel).  A projection
-whose shape a kernel cannot take (int4 needs ``O % 16 == 0`` and ``I % 32 == 0``) falls back to the next
-format in ``int4 -> int8 -> bf16``.
+``int4`` is ``int8`` (GGUF stores it as Q8_0, for which torch has no group-wise kernel).  ``w4a8`` is not
+weight-only: each projection quantizes its input rows to int8 per block of 32 and returns float32, as
+llama.cpp's CPU backend does; its LM head is ``w8a8`` (the GGUF's own Q8_0 codes, same activations).  A projection
+whose shape a kernel cannot take (int4 needs ``O % 16 == 0`` and ``I % 32 == 0``; w4a8 needs ``I % 32 == 0``) falls
+back to the next format in ``w4a8 -> int8``, ``int4 -> int8 -> bf16``.
 
 Every kernel here computes each output row from its own input row only; whether that holds *bit for bit*
 for 1..N rows on the machine at hand (batch invariance, which greedy exactness of speculative decoding
@@ -30,11 +35,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import SpeculantError
+from ..kernels import qgemm          # registers torch.ops.speculant.w4a8_mm / w8a8_mm (built on first use)
 from ..models.gguf_codes import GroupQuantized
 
-FORMATS = ("fp32", "bf16", "int8", "int4")
+FORMATS = ("fp32", "bf16", "int8", "int4", "w4a8")
 """Weight formats, most exact first."""
 INT4_GROUP = 32
+HEAD_FORMATS = {"int4": "int8", "w4a8": "w8a8"}
+"""The LM head's format where it differs from the projections' (``w8a8`` exists for LM heads only)."""
+KERNEL_FORMATS = ("w4a8",)
+"""Formats that run our own kernel (:mod:`speculant.kernels.qgemm`), available where it builds."""
+
+
+def head_format(fmt: str) -> str:
+    """The format of the LM head of a model whose projections are in ``fmt``."""
+    return HEAD_FORMATS.get(fmt, fmt)
+
+
+def format_available(fmt: str) -> bool:
+    """Whether format ``fmt``'s kernel runs on this machine (torch's always do; ours needs AVX2 and a C compiler)."""
+    if fmt in KERNEL_FORMATS:
+        return qgemm.available()
+    return True
 
 
 def check_format(name: str) -> str:
@@ -174,7 +196,59 @@ class Int4Linear(PackedLinear):
         return w.view(o, i)
 
 
-PACKED_CLASSES = {cls.__name__: cls for cls in (Bf16Linear, Int8Linear, Int4Linear)}
+class W4A8Linear(PackedLinear):
+    """4-bit codes in blocks of 32 on int8 activations: ``W[o, i] = scales[o, g] * q[o, i] + offsets[o, g]``,
+    ``q`` in 0..15 packed two per byte as in GGUF, ``scales``/``offsets`` float32 (a GGUF's fp16 values exactly).
+    The input is quantized per row and block of 32 to int8 (llama.cpp's Q8_1) inside the kernel."""
+
+    format = "w4a8"
+    _ROW_BUFFERS = ("codes", "scales", "offsets")
+
+    def __init__(self, gq: GroupQuantized, bias: torch.Tensor | None = None):
+        o, i = gq.shape
+        super().__init__(i, o, bias)
+        if gq.bits != 4 or gq.group != INT4_GROUP:
+            raise SpeculantError(f"w4a8 takes 4-bit codes in groups of {INT4_GROUP}, got {gq.bits}-bit groups of {gq.group}")
+        c = gq.codes.to(torch.uint8).view(o, i // INT4_GROUP, INT4_GROUP)
+        self.register_buffer("codes", (c[..., :16] | (c[..., 16:] << 4)).reshape(o, i // 2).contiguous())
+        self.register_buffer("scales", gq.scale.float().contiguous())
+        offset = gq.offset if gq.offset is not None else torch.zeros_like(gq.scale)
+        self.register_buffer("offsets", offset.float().contiguous())
+
+    def matmul(self, x):
+        return torch.ops.speculant.w4a8_mm(x.float(), self.codes, self.scales, self.offsets)
+
+    def dequantized_weight(self):
+        o, i = self.out_features, self.in_features
+        b = self.codes.view(o, i // INT4_GROUP, 16)
+        q = torch.cat([b & 0x0F, b >> 4], -1).float()
+        return (q * self.scales[..., None] + self.offsets[..., None]).view(o, i)
+
+
+class W8A8Linear(PackedLinear):
+    """8-bit codes in blocks of 32 on int8 activations: ``W[o, i] = scales[o, i // 32] * codes[o, i]`` (GGUF's Q8_0);
+    the LM head of ``w4a8``."""
+
+    format = "w8a8"
+    _ROW_BUFFERS = ("codes", "scales")
+
+    def __init__(self, gq: GroupQuantized, bias: torch.Tensor | None = None):
+        o, i = gq.shape
+        super().__init__(i, o, bias)
+        if gq.bits != 8 or gq.group != INT4_GROUP or gq.offset is not None:
+            raise SpeculantError(f"w8a8 takes symmetric 8-bit codes in groups of {INT4_GROUP}")
+        self.register_buffer("codes", gq.codes.to(torch.int8).contiguous())
+        self.register_buffer("scales", gq.scale.float().contiguous())
+
+    def matmul(self, x):
+        return torch.ops.speculant.w8a8_mm(x.float(), self.codes, self.scales)
+
+    def dequantized_weight(self):
+        o, i = self.out_features, self.in_features
+        return (self.codes.float().view(o, i // INT4_GROUP, INT4_GROUP) * self.scales[..., None]).view(o, i)
+
+
+PACKED_CLASSES = {cls.__name__: cls for cls in (Bf16Linear, Int8Linear, Int4Linear, W4A8Linear, W8A8Linear)}
 
 
 def _int4_scales_and_zeros(codes: GroupQuantized) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,6 +305,17 @@ def quantize_q4(weight: torch.Tensor) -> GroupQuantized:
     return GroupQuantized(q, scale, lo, 4, INT4_GROUP)
 
 
+def quantize_q8(weight: torch.Tensor) -> GroupQuantized:
+    """Float weight ``[O, I]`` -> symmetric 8-bit codes per group of 32, as llama.cpp's Q8_0 makes them
+    (``scale = max|w| / 127``, ``q = round(w / scale)``)."""
+    o, i = weight.shape
+    w = weight.detach().float().view(o, i // INT4_GROUP, INT4_GROUP)
+    scale = w.abs().amax(-1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / safe[..., None]).clamp(-127, 127).to(torch.int8).view(o, i)
+    return GroupQuantized(q, scale, None, 8, INT4_GROUP)
+
+
 def pack_linear(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 codes: GroupQuantized | None = None) -> PackedLinear:
     """The projection ``weight`` ``[O, I]`` (float) in format ``fmt`` (not ``fp32``: float32 projections stay
@@ -242,8 +327,19 @@ def pack_linear(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None = None
     Raises:
         SpeculantError: unknown format.
     """
-    check_format(fmt)
+    if fmt != "w8a8":
+        check_format(fmt)
     o, i = weight.shape
+    if fmt in ("w4a8", "w8a8"):
+        if i % INT4_GROUP == 0:
+            qgemm.require()
+            if fmt == "w8a8":
+                ok = codes is not None and codes.bits == 8 and codes.group == INT4_GROUP and codes.offset is None
+                return W8A8Linear(codes if ok else quantize_q8(weight), bias)
+            if codes is None or codes.bits != 4 or codes.group != INT4_GROUP:
+                codes = quantize_q4(weight)
+            return W4A8Linear(codes, bias)
+        fmt = "int8"
     if fmt == "int4":
         if int4_fits(o, i):
             if codes is None or codes.bits != 4 or codes.group != INT4_GROUP:
@@ -264,8 +360,9 @@ def apply_weight_format(decoder, fmt: str, codes: dict[str, GroupQuantized] | No
     """Put every projection of ``decoder`` (a :class:`~speculant.models.llama.LlamaDecoder`) in format ``fmt``, in place.
 
     The float32 projection weights are dropped (the token embedding stays float32: it is a lookup);
-    ``codes`` (from :func:`~speculant.models.gguf_codes.read_group_quantized`) lets ``int4`` use the
-    GGUF's own 4-bit codes.  The LM head of ``int4`` is ``int8`` (see the module docstring).
+    ``codes`` (from :func:`~speculant.models.gguf_codes.read_group_quantized`) lets ``int4`` and ``w4a8`` use
+    the GGUF's own 4-bit codes (and ``w4a8``'s LM head its Q8_0 codes).  The LM head of ``int4`` is ``int8``,
+    that of ``w4a8`` is ``w8a8`` (see the module docstring).
     ``decoder.weight_format`` records ``fmt``.
 
     Raises:
@@ -281,7 +378,7 @@ def apply_weight_format(decoder, fmt: str, codes: dict[str, GroupQuantized] | No
     for i, layer in enumerate(decoder.layers):
         pack_projections(layer, fmt, {name: codes.get(f"layers.{i}.{name}") for name in PROJECTIONS})
     head = decoder.lm_head_proj
-    decoder.lm_head_proj = pack_linear("int8" if fmt == "int4" else fmt, head.weight, head.bias)
+    decoder.lm_head_proj = pack_linear(head_format(fmt), head.weight, head.bias, codes.get("lm_head_proj"))
     decoder.weight_format = fmt
 
 

@@ -18,10 +18,10 @@ from ..models.config import ModelConfig
 from ..models.loading import DEFAULT_MODEL, KNOWN_MODELS, LoadedModel
 from . import tune
 from .compiled import enable_compile
-from .formats import apply_weight_format, check_format
+from .formats import FORMATS, apply_weight_format, check_format
 from .store import load_packed, packed_path, save_packed
 
-WEIGHT_CHOICES = ("auto",) + tuple(f for f in ("fp32", "bf16", "int8", "int4"))
+WEIGHT_CHOICES = ("auto",) + FORMATS
 
 
 def user_threads() -> int | None:
@@ -59,7 +59,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
     """Load ``name_or_path`` (a known name or an HF-format directory) for decoding.
 
     Args:
-        weights: a weight format (``fp32``, ``bf16``, ``int8``, ``int4``; see
+        weights: a weight format (``fp32``, ``bf16``, ``int8``, ``int4``, ``w4a8``; see
             :mod:`speculant.runtime.formats`) or ``auto``: the fastest batch-invariant format measured
             on this machine (:mod:`speculant.runtime.tune`, cached after the first load).
         compile: compile the decoding steps with ``torch.compile`` (eager without a C++ compiler).
@@ -105,7 +105,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
             result = tune.load_or_measure(model.decoder, threads, log=log)
         fmt = "fp32" if result is None else (result.weights if weights == "auto" else check_format(weights))
         if fmt != "fp32":
-            codes = _gguf_codes(name_or_path, model.config) if fmt == "int4" else None
+            codes = _gguf_codes(name_or_path, model.config) if fmt in ("int4", "w4a8") else None
             apply_weight_format(model.decoder, fmt, codes)
             if name_or_path in KNOWN_MODELS:
                 save_packed(model.decoder, packed_path(model.path, fmt))

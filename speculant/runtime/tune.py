@@ -5,7 +5,8 @@ float32 one-row route by 2x) and so does what is *exact*: greedy speculative dec
 token-identical to autoregressive decoding only if a projection gives each row the same bits whether
 it runs alone (a decoding step) or inside a block (a verification).  So :func:`measure`:
 
-1. packs the model's projections in every weight format (:mod:`speculant.runtime.formats`);
+1. packs the model's projections in every weight format that runs here (:mod:`speculant.runtime.formats`;
+   ``w4a8`` needs AVX2 and a C compiler);
 2. checks each format's kernel for batch invariance: rows of a 2..16-row product must equal, bit for
    bit, the same rows computed one at a time (for ``fp32``, each route: plain ``F.linear``,
    ``(W x^T)^T`` for 2..16 rows, a one-row product padded to two columns); and records up to which of
@@ -37,7 +38,7 @@ from torch import nn
 
 from ..models import linear as fp32_linear
 from ..models.linear import DecodeLinear, Routes
-from .formats import FORMATS, PROJECTIONS, pack_linear
+from .formats import FORMATS, PROJECTIONS, format_available, head_format, pack_linear
 
 ROWS = (1, 2, 4, 5, 8, 16)
 """Row counts measured: a decoding step, verification blocks and tree frontiers."""
@@ -153,7 +154,7 @@ def _packed(modules: list[nn.Module], fmt: str) -> list[nn.Module]:
     out = []
     for i, m in enumerate(modules):
         head = i == len(modules) - 1
-        out.append(pack_linear("int8" if (fmt == "int4" and head) else fmt, m.weight, m.bias))
+        out.append(pack_linear(head_format(fmt) if head else fmt, m.weight, m.bias))
     return out
 
 
@@ -224,6 +225,8 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
     variants: list[tuple[str, str, list, Routes | None]] = []
     with torch.inference_mode():
         for fmt in FORMATS:
+            if not format_available(fmt):       # our own kernel, where it cannot be built or run here
+                continue
             mods = _packed(base, fmt)
             if fmt == "fp32":
                 for name, routes in FP32_ROUTES.items():

@@ -1,0 +1,100 @@
+/* Attention of query rows over a static KV cache with a boolean mask, each row computed on its own (AVX2).
+ *
+ *   out[t, h] = sum_i softmax_i(scale * q[t, h] . k[s_i]) v[s_i],   s_0 < s_1 < ... the slots row t may attend
+ *
+ * Exactness: a row's result depends only on its query and on the sequence of keys/values it attends, in slot
+ * order: the visible slots are first listed densely, and every sum (over the head dimension, over the listed keys)
+ * runs in a fixed order over that list.  So a row of a verification block or tree (its ancestors at scattered tree
+ * slots, the other slots masked) gets exactly the bits of the one-token step that attends the same keys at
+ * contiguous slots, whatever T is: the batch invariance greedy speculative decoding rests on, by construction,
+ * in float32 (no float64 cache needed).  Build: cc -O3 -mavx2 -mfma -fopenmp, no -ffast-math.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* exp(x) for x <= 0 (Cephes' expf polynomial, relative error ~2e-7); exactly 0 below -87 */
+static inline __m256 exp_nonpositive(__m256 x) {
+    const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(tiny, y);
+}
+
+/* q [T, H, D]; k, v [HKV, smax, D] (one layer's cache); mask [T, S] (nonzero: may attend slot s < S);
+ * out [T, H, D].  D a multiple of 8, at most 256.  Returns 0, or -1 if a workspace cannot be allocated. */
+int spec_attention(const float *q, const float *k, const float *v, int64_t smax, const uint8_t *mask,
+                   int64_t T, int64_t H, int64_t HKV, int64_t D, int64_t S, float scale, float *out) {
+    const int64_t group = H / HKV, nd = D / 8;
+    int failed = 0;
+    #pragma omp parallel
+    {
+        float *p = (float *)malloc(sizeof(float) * (size_t)(S + 8));
+        int64_t *slot = (int64_t *)malloc(sizeof(int64_t) * (size_t)(S + 1));
+        if (!p || !slot) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t th = 0; th < T * H; th++) {
+            if (!p || !slot) continue;
+            const int64_t t = th / H, h = th % H, kv = h / group;
+            const float *qr = q + th * D;
+            const float *kb = k + kv * smax * D, *vb = v + kv * smax * D;
+            const uint8_t *mr = mask + t * S;
+            int64_t n = 0;
+            for (int64_t s = 0; s < S; s++)
+                if (mr[s]) slot[n++] = s;
+            float m = -INFINITY;
+            for (int64_t i = 0; i < n; i++) {
+                const float *kr = kb + slot[i] * D;
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t c = 0; c < nd; c++)
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * c), _mm256_loadu_ps(kr + 8 * c), acc);
+                p[i] = hsum8(acc) * scale;
+                m = p[i] > m ? p[i] : m;
+            }
+            for (int64_t i = n; i < n + 8; i++) p[i] = -INFINITY;
+            const __m256 vm = _mm256_set1_ps(m);
+            __m256 sv = _mm256_setzero_ps();
+            for (int64_t i = 0; i < n; i += 8) {
+                const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + i), vm));
+                _mm256_storeu_ps(p + i, e);
+                sv = _mm256_add_ps(sv, e);
+            }
+            const float sum = hsum8(sv);
+            __m256 acc[32];
+            for (int64_t c = 0; c < nd; c++) acc[c] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < n; i++) {
+                const __m256 w = _mm256_set1_ps(p[i]);
+                const float *vr = vb + slot[i] * D;
+                for (int64_t c = 0; c < nd; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+            }
+            const __m256 inv = _mm256_set1_ps(n > 0 ? 1.0f / sum : 0.0f);
+            for (int64_t c = 0; c < nd; c++) _mm256_storeu_ps(out + th * D + 8 * c, _mm256_mul_ps(acc[c], inv));
+        }
+        free(p);
+        free(slot);
+    }
+    return failed ? -1 : 0;
+}

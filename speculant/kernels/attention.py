@@ -1,0 +1,60 @@
+"""Masked attention over a float32 static KV cache, each query row on its own (``attention.c``).
+
+Greedy speculative decoding is exact only if a row of a verification block (or tree) gets the bits of the
+one-token step at its position.  CPU attention kernels do not promise that in float32 (their blocking depends on
+how many rows and masked keys share the call), which is why the runtime kept a float64 KV cache, and reading it
+became the largest cost of a step at long contexts (SmolLM2, 900 tokens: 83 MB per step, more than the int4
+weights).  This kernel gives each row a fixed sequence of operations over the keys it attends, listed in slot
+order, so batch invariance holds by construction in float32 (half the cache bytes of float64).
+
+:func:`attention` is ``torch.ops.speculant.attention``; it needs the kernels of :mod:`speculant.kernels.build`
+(:func:`~speculant.kernels.build.available`), and the runtime falls back to float64 SDPA without them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import build
+
+
+def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    lib = build._LIB or build.require("float32 batch-invariant attention")
+    _, h, t, d = q.shape
+    hkv, smax = keys.shape[1], keys.shape[2]
+    s = mask.shape[-1]
+    qc = q.float().transpose(1, 2).contiguous()                                  # [1, T, H, D]
+    m = mask.contiguous()
+    out = torch.empty(1, t, h * d)
+    if lib.spec_attention(qc.data_ptr(), keys.data_ptr(), values.data_ptr(), smax, m.data_ptr(), t, h, hkv, d, s,
+                          scale, out.data_ptr()) != 0:
+        raise MemoryError("speculant attention: cannot allocate its workspace")
+    return out
+
+
+_OPS = torch.library.Library("speculant", "FRAGMENT")
+_OPS.define("attention(Tensor q, Tensor keys, Tensor values, Tensor mask, float scale) -> Tensor")
+_OPS.impl("attention", _attention, "CPU")
+
+
+@torch.library.register_fake("speculant::attention")
+def _(q, keys, values, mask, scale):
+    return q.new_empty(1, q.shape[2], q.shape[1] * q.shape[3])
+
+
+def supports(head_dim: int, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the kernel takes this head size (a multiple of 8, at most 256) and cache dtype, and runs here."""
+    return dtype == torch.float32 and head_dim % 8 == 0 and head_dim <= 256 and build.available()
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of ``q`` ``[1, H, T, D]`` over the first ``S`` slots of one layer's cache ``keys``/``values``
+    ``[1, Hkv, S_max, D]`` (float32, contiguous), where ``mask`` ``[T, S]`` (bool) is True; ``H`` a multiple of
+    ``Hkv`` (grouped-query attention).  Returns ``[1, T, H * D]`` float32.  Softmax of ``scale * q . k`` (Vaswani
+    et al. 2017, Eq. 1), computed row by row in float32 over the attended slots in slot order.
+
+    Raises:
+        SpeculantError: the kernels cannot run here.
+    """
+    return torch.ops.speculant.attention(q, keys, values, mask, scale)

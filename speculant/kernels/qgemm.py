@@ -1,0 +1,118 @@
+"""Weight-quantized products on int8 activations (W4A8 / W8A8), built from ``qgemm.c`` on the machine at hand.
+
+Why a kernel of our own (the last resort, measured): on a 2-core AMD EPYC with AVX2 and no AVX-512
+(2026-12-01), torch's ``_weight_int4pack_mm_for_cpu`` took 13.6 ms for one row through all of SmolLM2's
+projections (53 MB of int4 codes, 3.9 GB/s; the machine streams 24 GB/s) and ``_weight_int8pack_mm`` 15.5 ms;
+on an AVX-512 EPYC the same int4 pass took 4.8 ms.  torch's CPU kernels dequantize every weight to float
+and multiply in float, which AVX2 cannot do at memory speed; ``torch._int_mm`` on CPU is a reference loop
+(1.3 ms for one 576 x 3072 row).  llama.cpp instead quantizes the activations to int8 per block of 32
+(Q8_1) and takes integer dot products of the blocks (``vpmaddubsw``), which this kernel does too
+(``benchmarks/qgemm_cost.py`` compares them shape by shape).
+
+The C source is built once per machine (:mod:`speculant.kernels.build`).  The products are torch custom
+operators (``torch.ops.speculant.w4a8_mm`` / ``w8a8_mm``), so compiled
+decoding steps call them like any other extern kernel.
+
+:func:`~speculant.kernels.build.available` says whether it can run here; the formats that need it are left out
+of the tuner's measurement otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import build
+from .build import available, unavailable_reason  # noqa: F401  (re-exported)
+
+BLOCK = 32
+"""Weights (and activations) per quantization block: GGUF's Q4_0/Q4_1/Q8_0 and llama.cpp's Q8_1."""
+
+
+def require():
+    """The kernel library.
+
+    Raises:
+        SpeculantError: it cannot run here ("the w4a8 weight format needs ...; allowed here: ...").
+    """
+    return build.require("the w4a8 weight format", "fp32, bf16, int8, int4")
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Activations ``x`` ``[M, K]`` float32 (K a multiple of 32) -> ``(xq [M, K] int8, xd [M, K/32], xs [M, K/32])``
+    with ``x ~ xq * xd`` per block of 32 and ``xs = xd * sum(xq)`` (llama.cpp's Q8_1; round to nearest even)."""
+    lib = require()
+    x = x.contiguous()
+    m, k = x.shape
+    xq = torch.empty(m, k, dtype=torch.int8)
+    xd = torch.empty(m, k // BLOCK)
+    xs = torch.empty(m, k // BLOCK)
+    lib.spec_quantize_rows(x.data_ptr(), m, k, xq.data_ptr(), xd.data_ptr(), xs.data_ptr())
+    return xq, xd, xs
+
+
+def _check(status: int) -> None:
+    if status != 0:
+        raise MemoryError("speculant qgemm: cannot allocate the quantized-activation workspace")
+
+
+def _w4a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], codes.shape[0])
+    _check((build._LIB or require()).spec_w4a8_f32(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(),
+                                                    scales.data_ptr(), offsets.data_ptr(), codes.shape[0], y.data_ptr()))
+    return y
+
+
+def _w8a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], codes.shape[0])
+    _check((build._LIB or require()).spec_w8a8_f32(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(),
+                                                    scales.data_ptr(), codes.shape[0], y.data_ptr()))
+    return y
+
+
+# Registered with the dispatcher directly (torch.library.custom_op's Python wrapper cost ~20 us a call, as
+# much as a projection's kernel); the fake (meta) versions give compiled graphs the output shape.
+_OPS = torch.library.Library("speculant", "FRAGMENT")
+_OPS.define("w4a8_mm(Tensor x, Tensor codes, Tensor scales, Tensor offsets) -> Tensor")
+_OPS.define("w8a8_mm(Tensor x, Tensor codes, Tensor scales) -> Tensor")
+_OPS.impl("w4a8_mm", _w4a8_mm, "CPU")
+_OPS.impl("w8a8_mm", _w8a8_mm, "CPU")
+
+
+@torch.library.register_fake("speculant::w4a8_mm")
+def _(x, codes, scales, offsets):
+    return x.new_empty(x.shape[0], codes.shape[0])
+
+
+@torch.library.register_fake("speculant::w8a8_mm")
+def _(x, codes, scales):
+    return x.new_empty(x.shape[0], codes.shape[0])
+
+
+def w4a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[M, K]`` float32 times the transpose of the 4-bit weight ``[N, K]`` -> ``[M, N]`` float32
+    (``torch.ops.speculant.w4a8_mm``).
+
+    The weight is ``w[n, k] = scales[n, g] * q[n, k] + offsets[n, g]`` (``g = k // 32``, ``q`` in 0..15), packed
+    in ``codes`` ``[N, K/2]`` uint8 as GGUF does (byte j of a block: code j in the low nibble, code j+16 in the
+    high one); ``scales``/``offsets`` ``[N, K/32]`` float32.  ``x`` is quantized per block of 32 to int8 first
+    (:func:`quantize_rows`).
+
+    Raises:
+        SpeculantError: the kernel cannot run here.
+    """
+    require()
+    return torch.ops.speculant.w4a8_mm(x, codes, scales, offsets)
+
+
+def w8a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[M, K]`` float32 times the transpose of the 8-bit weight ``w[n, k] = scales[n, k // 32] * codes[n, k]``
+    (``codes`` ``[N, K]`` int8, ``scales`` ``[N, K/32]`` float32; GGUF's Q8_0) -> ``[M, N]`` float32, on int8
+    activations (:func:`quantize_rows`; ``torch.ops.speculant.w8a8_mm``).
+
+    Raises:
+        SpeculantError: the kernel cannot run here.
+    """
+    require()
+    return torch.ops.speculant.w8a8_mm(x, codes, scales)

@@ -1,0 +1,65 @@
+"""Our float32 attention kernel (speculant/kernels/attention.c): the softmax it computes, and rows that get the
+same bits whatever else shares the call, including tree layouts."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from speculant.kernels import attention as kernel
+from speculant.kernels import build
+
+pytestmark = pytest.mark.skipif(not build.available(), reason=f"kernels: {build.unavailable_reason()}")
+
+
+def _cache(hkv=2, smax=40, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, hkv, smax, d, generator=g) * 2, torch.randn(1, hkv, smax, d, generator=g)
+
+
+def test_matches_float64_sdpa():
+    keys, values = _cache()
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 6, 5, 16, generator=g) * 3
+    mask = torch.rand(5, 33, generator=g) < 0.6
+    mask[:, 0] = True                                           # every row attends at least one slot
+    got = kernel.attention(q, keys, values, mask, 0.25)
+    want = F.scaled_dot_product_attention(q.double(), keys[:, :, :33].double(), values[:, :, :33].double(),
+                                          attn_mask=mask, scale=0.25, enable_gqa=True)
+    want = want.transpose(1, 2).reshape(1, 5, -1)
+    assert got.shape == (1, 5, 96) and got.dtype == torch.float32
+    assert float((got.double() - want).abs().max()) < 2e-6 * float(want.abs().max())
+
+
+def test_a_block_row_gets_the_bits_of_its_one_token_step():
+    """Row j of a chain block (later slots masked) equals the one-token step that sees slots 0..n+j only."""
+    keys, values = _cache(smax=64)
+    g = torch.Generator().manual_seed(2)
+    n, t = 30, 7
+    q = torch.randn(1, 4, t, 16, generator=g)
+    causal = torch.arange(n + t)[None, :] <= torch.arange(t)[:, None] + n
+    block = kernel.attention(q, keys, values, causal, 0.25)
+    for j in range(t):
+        step = kernel.attention(q[:, :, j:j + 1], keys, values, torch.ones(1, n + j + 1, dtype=torch.bool), 0.25)
+        assert torch.equal(block[:, j], step[:, 0]), j
+
+
+def test_a_tree_row_gets_the_bits_of_the_contiguous_path():
+    """A tree node whose ancestors sit at scattered slots (siblings masked between) equals the same keys laid out
+    contiguously, as they are after the accepted path is committed."""
+    keys, values = _cache(smax=64, seed=3)
+    g = torch.Generator().manual_seed(4)
+    n = 20
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    scattered = torch.zeros(1, n + 9, dtype=torch.bool)
+    scattered[0, :n] = True
+    path = [n + 1, n + 4, n + 8]                                  # the node's ancestors and itself
+    scattered[0, path] = True
+    tree = kernel.attention(q, keys, values, scattered, 0.25)
+    k2, v2 = keys.clone(), values.clone()
+    k2[:, :, n:n + 3], v2[:, :, n:n + 3] = keys[:, :, path], values[:, :, path]
+    contiguous = kernel.attention(q, k2, v2, torch.ones(1, n + 3, dtype=torch.bool), 0.25)
+    assert torch.equal(tree, contiguous)
+
+
+def test_supports():
+    assert kernel.supports(64) and not kernel.supports(60) and not kernel.supports(64, torch.float64)

@@ -1,0 +1,111 @@
+"""Our W4A8/W8A8 kernel (speculant/kernels/qgemm.c): the products it computes, batch invariance by
+construction, and what happens where it cannot run."""
+
+import pytest
+import torch
+
+from speculant.errors import SpeculantError
+from speculant.kernels import build, qgemm
+from speculant.runtime import formats, tune
+from speculant.runtime.formats import W4A8Linear, W8A8Linear, pack_linear, quantize_q4, quantize_q8
+
+needs_kernel = pytest.mark.skipif(not qgemm.available(), reason=f"w4a8 kernel: {qgemm.unavailable_reason()}")
+
+
+def reference_quantize(x):
+    """llama.cpp's Q8_1 in torch: per block of 32, d = max|x| / 127, q = round-half-even(x / d), s = d * sum(q)."""
+    m, k = x.shape
+    blocks = x.view(m, -1, 32)
+    d = blocks.abs().amax(-1) / 127.0
+    q = torch.round(blocks * torch.where(d > 0, 1.0 / d, torch.zeros_like(d))[..., None])
+    return q.to(torch.int8).view(m, k), d, d * q.sum(-1)
+
+
+@needs_kernel
+def test_activation_quantization_is_llama_cpp_q8_1():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 256, generator=g) * torch.logspace(-3, 2, 256)      # blocks of very different ranges
+    x[3, 32:64] = 0.0                                                       # an all-zero block: d = 0, q = 0
+    got, want = qgemm.quantize_rows(x), reference_quantize(x)
+    assert torch.equal(got[0], want[0])
+    assert torch.allclose(got[1], want[1], rtol=1e-6, atol=0) and torch.allclose(got[2], want[2], rtol=1e-5, atol=0)
+    assert int(got[0].abs().max()) == 127 and float(got[1][3, 1]) == 0.0
+
+
+def _dequantized_rows(x):
+    q, d, _ = reference_quantize(x)
+    return (q.double().view(x.shape[0], -1, 32) * d.double()[..., None]).view_as(x)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [4, 7, 96])                # 7: outputs past a multiple of 4 take the single path
+def test_w4a8_and_w8a8_compute_the_dequantized_product(n):
+    g = torch.Generator().manual_seed(n)
+    w, x = torch.randn(n, 128, generator=g), torch.randn(6, 128, generator=g)
+    x_deq = _dequantized_rows(x)
+    for lin, kind in ((W4A8Linear(quantize_q4(w)), "w4a8"), (W8A8Linear(quantize_q8(w)), "w8a8")):
+        want = x_deq @ lin.dequantized_weight().double().t()
+        got = lin(x)
+        assert lin.format == kind and got.dtype == torch.float32
+        # float32 accumulation of exact integer block sums: relative error ~1e-6 of the output scale
+        assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max()), kind
+        # and the dequantized weight really is the layer's weight, quantized (guards the reference)
+        assert float((lin.dequantized_weight() - w).abs().max()) < (0.5 if kind == "w4a8" else 0.03)
+
+
+@needs_kernel
+def test_every_row_gets_the_bits_it_gets_alone():
+    """Batch invariance by construction: 1..70 rows (blocks of 4 and single rows), any output count."""
+    g = torch.Generator().manual_seed(1)
+    for n in (8, 13):
+        w, x = torch.randn(n, 96, generator=g), torch.randn(70, 96, generator=g)
+        for lin in (W4A8Linear(quantize_q4(w)), W8A8Linear(quantize_q8(w))):
+            alone = torch.cat([lin(x[i:i + 1]) for i in range(70)])
+            for rows in (2, 3, 4, 5, 8, 9, 16, 33, 70):
+                assert torch.equal(lin(x[:rows]), alone[:rows]), (type(lin).__name__, n, rows)
+            assert tune.batch_invariant([lin])
+
+
+@needs_kernel
+def test_gguf_codes_are_used_as_stored():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(16, 64, generator=g)
+    codes = quantize_q4(w)
+    lin = pack_linear("w4a8", w + 1.0, codes=codes)               # the codes win over the float weight
+    assert torch.equal(lin.dequantized_weight(), codes.dequantize())
+    q8 = quantize_q8(w)
+    head = pack_linear("w8a8", w + 1.0, codes=q8)
+    assert torch.equal(head.dequantized_weight(), q8.dequantize())
+    rows = head.select_rows(torch.tensor([3, 0, 9]))             # a draft head's reduced-vocabulary LM head
+    x = torch.randn(2, 64, generator=g)
+    assert torch.equal(rows(x), head(x)[:, [3, 0, 9]])
+
+
+@needs_kernel
+def test_shapes_the_kernel_cannot_take_fall_back():
+    lin = pack_linear("w4a8", torch.randn(8, 40))                  # 40 inputs: not blocks of 32
+    assert lin.format == "int8"
+
+
+def test_without_the_kernel_the_format_is_refused_and_not_tuned(monkeypatch):
+    monkeypatch.setattr(build, "_LIB", None)
+    monkeypatch.setattr(build, "_WHY_NOT", "needs an x86-64 CPU with AVX2 and FMA")
+    assert not formats.format_available("w4a8") and formats.format_available("int4")
+    with pytest.raises(SpeculantError, match="w4a8 weight format needs an x86-64 CPU with AVX2.*allowed here"):
+        pack_linear("w4a8", torch.randn(8, 32))
+    from helpers import tiny_model
+    model = tiny_model(seed=3, vocab=96, hidden=64, heads=4, kv_heads=2, inter=128)
+    result = tune.measure(model.decoder, threads=1, repeats=1)
+    assert "w4a8" not in {row["format"] for row in result.table} and result.weights != "w4a8"
+
+
+def test_build_failure_is_reported_not_raised(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "_LIB", None)
+    monkeypatch.setattr(build, "_WHY_NOT", None)
+    monkeypatch.setattr(build, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(build, "FLAGS", ("--no-such-option-for-speculant",) + build.FLAGS)
+    assert not qgemm.available()
+    assert "could not be built here" in qgemm.unavailable_reason()
+    assert not list((tmp_path / "kernels").glob("*.so")) and not list((tmp_path / "kernels").glob("*.tmp*"))
