@@ -63,3 +63,30 @@ def test_a_tree_row_gets_the_bits_of_the_contiguous_path():
 
 def test_supports():
     assert kernel.supports(64) and not kernel.supports(60) and not kernel.supports(64, torch.float64)
+
+
+def test_ragged_call_writes_each_cache_and_gives_each_row_its_own_bits():
+    """A batched round's one call over several sequences (own caches, block sizes, masks) equals each sequence's
+    own KV write + attention."""
+    g = torch.Generator().manual_seed(5)
+    specs = [(12, 3), (30, 1), (7, 5)]                          # (cache position, rows) per sequence
+    caches = [_cache(smax=48, seed=10 + j) for j in range(3)]
+    solo_caches = [(k.clone(), v.clone()) for k, v in caches]
+    rows = [t for _, t in specs]
+    q = torch.randn(1, 4, sum(rows), 16, generator=g)
+    k_new, v_new = torch.randn(1, 2, sum(rows), 16, generator=g), torch.randn(1, 2, sum(rows), 16, generator=g)
+    masks = []
+    for start, t in specs:
+        m = torch.rand(t, start + t, generator=g) < 0.7
+        m[:, 0] = True
+        masks.append(m)
+    out = kernel.ragged_attention(q, k_new, v_new, rows, [c[0] for c in caches], [c[1] for c in caches],
+                                  [s for s, _ in specs], masks, 0.25)
+    first = 0
+    for j, (start, t) in enumerate(specs):
+        k, v = solo_caches[j]
+        k[:, :, start:start + t], v[:, :, start:start + t] = k_new[:, :, first:first + t], v_new[:, :, first:first + t]
+        assert torch.equal(caches[j][0], k) and torch.equal(caches[j][1], v)        # the call wrote the cache
+        solo = kernel.attention(q[:, :, first:first + t], k, v, masks[j], 0.25)
+        assert torch.equal(out[:, first:first + t], solo), j
+        first += t

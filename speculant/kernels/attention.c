@@ -41,11 +41,48 @@ static inline __m256 exp_nonpositive(__m256 x) {
     return _mm256_andnot_ps(tiny, y);
 }
 
+/* One query row qr [D] of head group kv over the slots of mask row mr [S] that are nonzero; p, slot: workspaces
+ * of S + 8 floats and S + 1 indices; writes out [D].  The only code that computes a row (both entry points). */
+static void attend_row(const float *qr, const float *kb, const float *vb, const uint8_t *mr, int64_t S, int64_t D,
+                       float scale, float *p, int64_t *slot, float *out) {
+    const int64_t nd = D / 8;
+    int64_t n = 0;
+    for (int64_t s = 0; s < S; s++)
+        if (mr[s]) slot[n++] = s;
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; i++) {
+        const float *kr = kb + slot[i] * D;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t c = 0; c < nd; c++)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * c), _mm256_loadu_ps(kr + 8 * c), acc);
+        p[i] = hsum8(acc) * scale;
+        m = p[i] > m ? p[i] : m;
+    }
+    for (int64_t i = n; i < n + 8; i++) p[i] = -INFINITY;
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 sv = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + i), vm));
+        _mm256_storeu_ps(p + i, e);
+        sv = _mm256_add_ps(sv, e);
+    }
+    const float sum = hsum8(sv);
+    __m256 acc[32];
+    for (int64_t c = 0; c < nd; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i++) {
+        const __m256 w = _mm256_set1_ps(p[i]);
+        const float *vr = vb + slot[i] * D;
+        for (int64_t c = 0; c < nd; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+    }
+    const __m256 inv = _mm256_set1_ps(n > 0 ? 1.0f / sum : 0.0f);
+    for (int64_t c = 0; c < nd; c++) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], inv));
+}
+
 /* q [T, H, D]; k, v [HKV, smax, D] (one layer's cache); mask [T, S] (nonzero: may attend slot s < S);
  * out [T, H, D].  D a multiple of 8, at most 256.  Returns 0, or -1 if a workspace cannot be allocated. */
 int spec_attention(const float *q, const float *k, const float *v, int64_t smax, const uint8_t *mask,
                    int64_t T, int64_t H, int64_t HKV, int64_t D, int64_t S, float scale, float *out) {
-    const int64_t group = H / HKV, nd = D / 8;
+    const int64_t group = H / HKV;
     int failed = 0;
     #pragma omp parallel
     {
@@ -58,40 +95,52 @@ int spec_attention(const float *q, const float *k, const float *v, int64_t smax,
         #pragma omp for schedule(static)
         for (int64_t th = 0; th < T * H; th++) {
             if (!p || !slot) continue;
-            const int64_t t = th / H, h = th % H, kv = h / group;
-            const float *qr = q + th * D;
-            const float *kb = k + kv * smax * D, *vb = v + kv * smax * D;
-            const uint8_t *mr = mask + t * S;
-            int64_t n = 0;
-            for (int64_t s = 0; s < S; s++)
-                if (mr[s]) slot[n++] = s;
-            float m = -INFINITY;
-            for (int64_t i = 0; i < n; i++) {
-                const float *kr = kb + slot[i] * D;
-                __m256 acc = _mm256_setzero_ps();
-                for (int64_t c = 0; c < nd; c++)
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * c), _mm256_loadu_ps(kr + 8 * c), acc);
-                p[i] = hsum8(acc) * scale;
-                m = p[i] > m ? p[i] : m;
+            const int64_t t = th / H, kv = (th % H) / group;
+            attend_row(q + th * D, k + kv * smax * D, v + kv * smax * D, mask + t * S, S, D, scale, p, slot,
+                       out + th * D);
+        }
+        free(p);
+        free(slot);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Several sequences' blocks in one call (a batched round): sequence j has rows[j] rows (query rows
+ * q [sum rows, H, D], new keys/values kn, vn [sum rows, HKV, D], in sequence order), its own layer cache
+ * k[j], v[j] [HKV, smax[j], D] and mask[j] [rows[j], start[j] + rows[j]].  The new keys/values are first written
+ * to slots start[j] .. of their cache; then every row attends exactly as spec_attention computes it. */
+int spec_attention_ragged(int64_t nseq, const int64_t *rows, const int64_t *start, const int64_t *smax,
+                          float *const *k, float *const *v, const uint8_t *const *mask, const float *q,
+                          const float *kn, const float *vn, int64_t H, int64_t HKV, int64_t D, float scale,
+                          float *out) {
+    const int64_t group = H / HKV;
+    int64_t total = 0, widest = 0;
+    for (int64_t j = 0; j < nseq; j++) {
+        for (int64_t t = 0; t < rows[j]; t++)
+            for (int64_t g = 0; g < HKV; g++) {
+                const int64_t src = ((total + t) * HKV + g) * D, dst = (g * smax[j] + start[j] + t) * D;
+                for (int64_t c = 0; c < D; c++) { k[j][dst + c] = kn[src + c]; v[j][dst + c] = vn[src + c]; }
             }
-            for (int64_t i = n; i < n + 8; i++) p[i] = -INFINITY;
-            const __m256 vm = _mm256_set1_ps(m);
-            __m256 sv = _mm256_setzero_ps();
-            for (int64_t i = 0; i < n; i += 8) {
-                const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + i), vm));
-                _mm256_storeu_ps(p + i, e);
-                sv = _mm256_add_ps(sv, e);
-            }
-            const float sum = hsum8(sv);
-            __m256 acc[32];
-            for (int64_t c = 0; c < nd; c++) acc[c] = _mm256_setzero_ps();
-            for (int64_t i = 0; i < n; i++) {
-                const __m256 w = _mm256_set1_ps(p[i]);
-                const float *vr = vb + slot[i] * D;
-                for (int64_t c = 0; c < nd; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), acc[c]);
-            }
-            const __m256 inv = _mm256_set1_ps(n > 0 ? 1.0f / sum : 0.0f);
-            for (int64_t c = 0; c < nd; c++) _mm256_storeu_ps(out + th * D + 8 * c, _mm256_mul_ps(acc[c], inv));
+        total += rows[j];
+        widest = start[j] + rows[j] > widest ? start[j] + rows[j] : widest;
+    }
+    int failed = 0;
+    #pragma omp parallel
+    {
+        float *p = (float *)malloc(sizeof(float) * (size_t)(widest + 8));
+        int64_t *slot = (int64_t *)malloc(sizeof(int64_t) * (size_t)(widest + 1));
+        if (!p || !slot) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t rh = 0; rh < total * H; rh++) {
+            if (!p || !slot) continue;
+            int64_t r = rh / H, j = 0, first = 0;
+            while (r >= first + rows[j]) first += rows[j++];
+            const int64_t t = r - first, kv = (rh % H) / group, S = start[j] + rows[j];
+            attend_row(q + rh * D, k[j] + kv * smax[j] * D, v[j] + kv * smax[j] * D, mask[j] + t * S, S, D, scale,
+                       p, slot, out + rh * D);
         }
         free(p);
         free(slot);

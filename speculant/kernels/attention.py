@@ -13,6 +13,8 @@ order, so batch invariance holds by construction in float32 (half the cache byte
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from . import build
@@ -58,3 +60,36 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
         SpeculantError: the kernels cannot run here.
     """
     return torch.ops.speculant.attention(q, keys, values, mask, scale)
+
+
+def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list[int], keys: list[torch.Tensor],
+                     values: list[torch.Tensor], starts: list[int], masks: list[torch.Tensor],
+                     scale: float) -> torch.Tensor:
+    """Several sequences' blocks of one layer in one call (a batched round, :mod:`speculant.models.ragged`).
+
+    ``q`` ``[1, H, R, D]`` and the new ``k``/``v`` ``[1, Hkv, R, D]`` hold the rows of every sequence in order
+    (``rows[j]`` rows each, ``R = sum(rows)``); sequence ``j``'s new keys/values are written to slots
+    ``starts[j] ..`` of its layer cache ``keys[j]``/``values[j]`` ``[1, Hkv, S_max_j, D]`` (float32, contiguous),
+    then its rows attend where ``masks[j]`` ``[rows[j], starts[j] + rows[j]]`` (bool) is True.  Each row gets
+    exactly the bits :func:`attention` gives it (the same C function computes both).  Returns ``[1, R, H * D]``.
+
+    Raises:
+        SpeculantError: the kernels cannot run here.
+        MemoryError: the workspace cannot be allocated.
+    """
+    lib = build._LIB or build.require("float32 batch-invariant attention")
+    _, h, r, d = q.shape
+    hkv = k.shape[1]
+    n = len(rows)
+    qc = q.float().transpose(1, 2).contiguous()
+    kc, vc = k.float().transpose(1, 2).contiguous(), v.float().transpose(1, 2).contiguous()
+    masks = [m.contiguous() for m in masks]
+    i64, ptr = ctypes.c_int64 * n, ctypes.c_void_p * n
+    out = torch.empty(1, r, h * d)
+    status = lib.spec_attention_ragged(n, i64(*rows), i64(*starts), i64(*(c.shape[2] for c in keys)),
+                                       ptr(*(c.data_ptr() for c in keys)), ptr(*(c.data_ptr() for c in values)),
+                                       ptr(*(m.data_ptr() for m in masks)), qc.data_ptr(), kc.data_ptr(),
+                                       vc.data_ptr(), h, hkv, d, scale, out.data_ptr())
+    if status != 0:
+        raise MemoryError("speculant attention: cannot allocate its workspace")
+    return out

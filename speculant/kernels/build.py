@@ -98,6 +98,8 @@ def load() -> ctypes.CDLL | None:
     lib.spec_w4a8_f32.restype = lib.spec_w8a8_f32.restype = ctypes.c_int
     lib.spec_attention.argtypes = [p, p, p, i, p, i, i, i, i, i, ctypes.c_float, p]
     lib.spec_attention.restype = ctypes.c_int
+    lib.spec_attention_ragged.argtypes = [i, p, p, p, p, p, p, p, p, p, i, i, i, ctypes.c_float, p]
+    lib.spec_attention_ragged.restype = ctypes.c_int
     _LIB = lib
     return lib
 

@@ -87,13 +87,15 @@ static inline __m256 block_dot_s(__m256i w, const int8_t *y) {    /* signed code
         for (int a = 0; a < (NB); a++)                                                           \
             for (int r = 0; r < (R); r++) acc[a][r] = _mm256_setzero_ps();                       \
         for (int64_t g = 0; g < G; g++) {                                                        \
+            __m256 bx[R];                                                                        \
+            for (int r = 0; r < (R); r++) bx[r] = _mm256_broadcast_ss(xd + (m0 + r) * G + g);     \
             for (int a = 0; a < (NB); a++) {                                                     \
                 const int64_t n = (N0) + a;                                                      \
                 const __m256i w = LOAD;                                                          \
-                const float dw = wd[n * G + g];                                                  \
+                const __m256 bw = _mm256_broadcast_ss(wd + n * G + g);                           \
                 for (int r = 0; r < (R); r++) {                                                  \
                     const int64_t m = m0 + r;                                                    \
-                    const __m256 s = _mm256_set1_ps(dw * xd[m * G + g]);                         \
+                    const __m256 s = _mm256_mul_ps(bw, bx[r]);                                   \
                     acc[a][r] = _mm256_fmadd_ps(DOT(w, xq + m * K + g * QK), s, acc[a][r]);      \
                 }                                                                                \
             }                                                                                    \

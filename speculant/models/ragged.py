@@ -5,7 +5,8 @@ costs while ``T`` is small.  So a batch of sequences, each with its own verifica
 chain, ``T_i`` rows) and its own KV cache, is run as one ``[1, sum T_i, D]`` batch through each layer's
 projections, norms and MLP (:func:`~speculant.models.llama.attention_inputs`,
 :func:`~speculant.models.llama.layer_output`), while attention runs per sequence against its own cache with
-its own mask (:func:`~speculant.models.llama.attend`, in the cache's dtype).  No padding: the rows are
+its own mask (:func:`~speculant.models.llama.attend`, in the cache's dtype; with float32 caches every
+sequence's attention runs in one call of our kernel, :func:`speculant.kernels.attention.ragged_attention`).  No padding: the rows are
 simply concatenated, as in vLLM's flattened batches (Kwon et al. 2023) or Orca's selective batching
 (Yu et al. 2022, Sec. 4.2: batch the token-wise operations, split for attention).
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SpeculantError
+from ..kernels import attention as attention_kernel
 from .kv_cache import KVCache
 from .llama import LlamaDecoder, _dense_mask, attend, attention_inputs, layer_output
 
@@ -79,6 +81,9 @@ def ragged_run_layers(decoder: LlamaDecoder, blocks: list[RaggedBlock], end: int
                                  f"allowed: ({t}, {b.cache_position + t})")
         masks.append(mask)
         tables.append((decoder.rope_cos[b.positions], decoder.rope_sin[b.positions]))
+    # float32 caches (our attention kernel, see speculant.models.llama.attend): one call per layer for all sequences
+    one_call = all(b.cache.dtype == torch.float32 and b.cache.keys.shape[1] == 1 for b in blocks) and \
+        attention_kernel.supports(decoder.config.head_dim)
     members: list[int] = []
     cos = sin = x = None
     sizes: list[int] = []
@@ -100,12 +105,19 @@ def ragged_run_layers(decoder: LlamaDecoder, blocks: list[RaggedBlock], end: int
             torch._dynamo.maybe_mark_dynamic(sin, 0)
         q, k, v = first_half(layer, x, cos, sin)
         dtype, adtype = x.dtype, blocks[members[0]].cache.dtype
-        q, k, v = q.to(adtype), k.to(adtype), v.to(adtype)    # once per layer, not per sequence (same values)
-        attended = []
-        for j, qj, kj, vj in zip(members, q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2)):
-            b = blocks[j]
-            attended.append(attend(qj, kj, vj, masks[j], False, b.cache, i, b.cache_position))
-        attended = (torch.cat(attended, dim=1) if len(attended) > 1 else attended[0]).to(dtype)
+        if one_call:               # every sequence's attention (and KV write) in one kernel call
+            attended = attention_kernel.ragged_attention(
+                q, k, v, sizes, [blocks[j].cache.layer_keys[i] for j in members],
+                [blocks[j].cache.layer_values[i] for j in members], [blocks[j].cache_position for j in members],
+                [masks[j] for j in members], q.shape[-1] ** -0.5)
+        else:
+            q, k, v = q.to(adtype), k.to(adtype), v.to(adtype)    # once per layer, not per sequence (same values)
+            attended = []
+            for j, qj, kj, vj in zip(members, q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2)):
+                b = blocks[j]
+                attended.append(attend(qj, kj, vj, masks[j], False, b.cache, i, b.cache_position))
+            attended = torch.cat(attended, dim=1) if len(attended) > 1 else attended[0]
+        attended = attended.to(dtype)
         if x.shape[1] > 1:
             torch._dynamo.maybe_mark_dynamic(attended, 1)
         x = second_half(layer, x, attended)
