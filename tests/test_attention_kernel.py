@@ -67,11 +67,15 @@ def test_supports():
 
 def test_ragged_call_writes_each_cache_and_gives_each_row_its_own_bits():
     """A batched round's one call over several sequences (own caches, block sizes, masks) equals each sequence's
-    own KV write + attention."""
+    own KV write + attention, at the layer asked for."""
+    from speculant.models.kv_cache import KVCache
     g = torch.Generator().manual_seed(5)
     specs = [(12, 3), (30, 1), (7, 5)]                          # (cache position, rows) per sequence
-    caches = [_cache(smax=48, seed=10 + j) for j in range(3)]
-    solo_caches = [(k.clone(), v.clone()) for k, v in caches]
+    caches = [KVCache(3, 2, 16, 48 + 8 * j, dtype=torch.float32) for j in range(3)]
+    for c in caches:
+        c.keys.normal_(generator=g)
+        c.values.normal_(generator=g)
+    solo = [(c.keys.clone(), c.values.clone()) for c in caches]
     rows = [t for _, t in specs]
     q = torch.randn(1, 4, sum(rows), 16, generator=g)
     k_new, v_new = torch.randn(1, 2, sum(rows), 16, generator=g), torch.randn(1, 2, sum(rows), 16, generator=g)
@@ -80,13 +84,13 @@ def test_ragged_call_writes_each_cache_and_gives_each_row_its_own_bits():
         m = torch.rand(t, start + t, generator=g) < 0.7
         m[:, 0] = True
         masks.append(m)
-    out = kernel.ragged_attention(q, k_new, v_new, rows, [c[0] for c in caches], [c[1] for c in caches],
-                                  [s for s, _ in specs], masks, 0.25)
+    plan = kernel.RaggedPlan(rows, [s for s, _ in specs], caches, masks)
+    out = kernel.ragged_attention(q, k_new, v_new, plan, 1, 0.25)
     first = 0
     for j, (start, t) in enumerate(specs):
-        k, v = solo_caches[j]
-        k[:, :, start:start + t], v[:, :, start:start + t] = k_new[:, :, first:first + t], v_new[:, :, first:first + t]
-        assert torch.equal(caches[j][0], k) and torch.equal(caches[j][1], v)        # the call wrote the cache
-        solo = kernel.attention(q[:, :, first:first + t], k, v, masks[j], 0.25)
-        assert torch.equal(out[:, first:first + t], solo), j
+        k, v = solo[j]
+        k[1, :, :, start:start + t], v[1, :, :, start:start + t] = k_new[:, :, first:first + t], v_new[:, :, first:first + t]
+        assert torch.equal(caches[j].keys, k) and torch.equal(caches[j].values, v)   # layer 1 written, 0 and 2 not
+        alone = kernel.attention(q[:, :, first:first + t], k[1], v[1], masks[j], 0.25)
+        assert torch.equal(out[:, first:first + t], alone), j
         first += t

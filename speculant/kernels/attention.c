@@ -12,15 +12,10 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+
+#include "simd.h"
 #include <stdlib.h>
 
-static inline float hsum8(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
 
 /* exp(x) for x <= 0 (Cephes' expf polynomial, relative error ~2e-7); exactly 0 below -87 */
 static inline __m256 exp_nonpositive(__m256 x) {
@@ -78,45 +73,21 @@ static void attend_row(const float *qr, const float *kb, const float *vb, const 
     for (int64_t c = 0; c < nd; c++) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], inv));
 }
 
-/* q [T, H, D]; k, v [HKV, smax, D] (one layer's cache); mask [T, S] (nonzero: may attend slot s < S);
- * out [T, H, D].  D a multiple of 8, at most 256.  Returns 0, or -1 if a workspace cannot be allocated. */
-int spec_attention(const float *q, const float *k, const float *v, int64_t smax, const uint8_t *mask,
-                   int64_t T, int64_t H, int64_t HKV, int64_t D, int64_t S, float scale, float *out) {
-    const int64_t group = H / HKV;
-    int failed = 0;
-    #pragma omp parallel
-    {
-        float *p = (float *)malloc(sizeof(float) * (size_t)(S + 8));
-        int64_t *slot = (int64_t *)malloc(sizeof(int64_t) * (size_t)(S + 1));
-        if (!p || !slot) {
-            #pragma omp atomic write
-            failed = 1;
-        }
-        #pragma omp for schedule(static)
-        for (int64_t th = 0; th < T * H; th++) {
-            if (!p || !slot) continue;
-            const int64_t t = th / H, kv = (th % H) / group;
-            attend_row(q + th * D, k + kv * smax * D, v + kv * smax * D, mask + t * S, S, D, scale, p, slot,
-                       out + th * D);
-        }
-        free(p);
-        free(slot);
-    }
-    return failed ? -1 : 0;
-}
-
 /* Several sequences' blocks in one call (a batched round): sequence j has rows[j] rows (query rows
- * q [sum rows, H, D], new keys/values kn, vn [sum rows, HKV, D], in sequence order), its own layer cache
- * k[j], v[j] [HKV, smax[j], D] and mask[j] [rows[j], start[j] + rows[j]].  The new keys/values are first written
- * to slots start[j] .. of their cache; then every row attends exactly as spec_attention computes it. */
+ * q [sum rows, H, D], new keys/values kn, vn [sum rows, HKV, D], in sequence order), its own cache whose layer
+ * `layer` starts at kc[j] + layer * lstride[j] (and likewise vc), laid out [HKV, smax[j], D], and its mask
+ * mask[j] [rows[j], start[j] + rows[j]].  The new keys/values kn, vn (unless NULL) are first written to slots
+ * start[j] .. of their cache; then every row attends.  Returns 0, or -1 if a workspace cannot be allocated. */
 int spec_attention_ragged(int64_t nseq, const int64_t *rows, const int64_t *start, const int64_t *smax,
-                          float *const *k, float *const *v, const uint8_t *const *mask, const float *q,
-                          const float *kn, const float *vn, int64_t H, int64_t HKV, int64_t D, float scale,
-                          float *out) {
+                          float *const *kc, float *const *vc, const int64_t *lstride, int64_t layer,
+                          const uint8_t *const *mask, const float *q, const float *kn, const float *vn, int64_t H,
+                          int64_t HKV, int64_t D, float scale, float *out) {
     const int64_t group = H / HKV;
+    float *k[nseq > 0 ? nseq : 1], *v[nseq > 0 ? nseq : 1];
+    for (int64_t j = 0; j < nseq; j++) { k[j] = kc[j] + layer * lstride[j]; v[j] = vc[j] + layer * lstride[j]; }
     int64_t total = 0, widest = 0;
     for (int64_t j = 0; j < nseq; j++) {
-        for (int64_t t = 0; t < rows[j]; t++)
+        for (int64_t t = 0; kn && t < rows[j]; t++)
             for (int64_t g = 0; g < HKV; g++) {
                 const int64_t src = ((total + t) * HKV + g) * D, dst = (g * smax[j] + start[j] + t) * D;
                 for (int64_t c = 0; c < D; c++) { k[j][dst + c] = kn[src + c]; v[j][dst + c] = vn[src + c]; }
@@ -146,4 +117,14 @@ int spec_attention_ragged(int64_t nseq, const int64_t *rows, const int64_t *star
         free(slot);
     }
     return failed ? -1 : 0;
+}
+
+/* q [T, H, D]; k, v [HKV, smax, D] (one layer's cache); mask [T, S] (nonzero: may attend slot s < S);
+ * out [T, H, D].  D a multiple of 8, at most 256.  The ragged call's code for one sequence, no KV write. */
+int spec_attention(const float *q, const float *k, const float *v, int64_t smax, const uint8_t *mask,
+                   int64_t T, int64_t H, int64_t HKV, int64_t D, int64_t S, float scale, float *out) {
+    const int64_t rows = T, start = S - T, lstride = 0;
+    float *kc = (float *)k, *vc = (float *)v;
+    return spec_attention_ragged(1, &rows, &start, &smax, &kc, &vc, &lstride, 0, &mask, q, 0, 0, H, HKV, D, scale,
+                                 out);
 }

@@ -62,15 +62,34 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
     return torch.ops.speculant.attention(q, keys, values, mask, scale)
 
 
-def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list[int], keys: list[torch.Tensor],
-                     values: list[torch.Tensor], starts: list[int], masks: list[torch.Tensor],
+class RaggedPlan:
+    """What one batched pass (:func:`speculant.models.ragged.ragged_run_layers`) tells the kernel about its
+    sequences, prepared once and used at every layer: rows per sequence, first slot written, the caches' storage
+    (:class:`~speculant.models.kv_cache.KVCache` ``keys``/``values``, float32, batch 1) and the masks
+    ``[rows[j], starts[j] + rows[j]]`` (bool).
+    """
+
+    def __init__(self, rows: list[int], starts: list[int], caches: list, masks: list[torch.Tensor]):
+        n = len(rows)
+        i64, ptr = ctypes.c_int64 * n, ctypes.c_void_p * n
+        self.n, self.rows = n, i64(*rows)
+        self.masks = [m.contiguous() for m in masks]               # kept alive while the plan is used
+        self.caches = caches
+        self.starts = i64(*starts)
+        self.smax = i64(*(c.max_length for c in caches))
+        self.keys = ptr(*(c.keys.data_ptr() for c in caches))
+        self.values = ptr(*(c.values.data_ptr() for c in caches))
+        self.layer_stride = i64(*(c.keys.stride(0) for c in caches))
+        self.mask_ptrs = ptr(*(m.data_ptr() for m in self.masks))
+
+
+def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RaggedPlan, layer: int,
                      scale: float) -> torch.Tensor:
     """Several sequences' blocks of one layer in one call (a batched round, :mod:`speculant.models.ragged`).
 
-    ``q`` ``[1, H, R, D]`` and the new ``k``/``v`` ``[1, Hkv, R, D]`` hold the rows of every sequence in order
-    (``rows[j]`` rows each, ``R = sum(rows)``); sequence ``j``'s new keys/values are written to slots
-    ``starts[j] ..`` of its layer cache ``keys[j]``/``values[j]`` ``[1, Hkv, S_max_j, D]`` (float32, contiguous),
-    then its rows attend where ``masks[j]`` ``[rows[j], starts[j] + rows[j]]`` (bool) is True.  Each row gets
+    ``q`` ``[1, H, R, D]`` and the new ``k``/``v`` ``[1, Hkv, R, D]`` hold the rows of every sequence of ``plan``
+    in order (``R`` = the plan's rows summed); sequence ``j``'s new keys/values are written to slots
+    ``starts[j] ..`` of layer ``layer`` of its cache, then its rows attend where its mask is True.  Each row gets
     exactly the bits :func:`attention` gives it (the same C function computes both).  Returns ``[1, R, H * D]``.
 
     Raises:
@@ -79,17 +98,12 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: li
     """
     lib = build._LIB or build.require("float32 batch-invariant attention")
     _, h, r, d = q.shape
-    hkv = k.shape[1]
-    n = len(rows)
     qc = q.float().transpose(1, 2).contiguous()
     kc, vc = k.float().transpose(1, 2).contiguous(), v.float().transpose(1, 2).contiguous()
-    masks = [m.contiguous() for m in masks]
-    i64, ptr = ctypes.c_int64 * n, ctypes.c_void_p * n
     out = torch.empty(1, r, h * d)
-    status = lib.spec_attention_ragged(n, i64(*rows), i64(*starts), i64(*(c.shape[2] for c in keys)),
-                                       ptr(*(c.data_ptr() for c in keys)), ptr(*(c.data_ptr() for c in values)),
-                                       ptr(*(m.data_ptr() for m in masks)), qc.data_ptr(), kc.data_ptr(),
-                                       vc.data_ptr(), h, hkv, d, scale, out.data_ptr())
+    status = lib.spec_attention_ragged(plan.n, plan.rows, plan.starts, plan.smax, plan.keys, plan.values,
+                                       plan.layer_stride, layer, plan.mask_ptrs, qc.data_ptr(), kc.data_ptr(),
+                                       vc.data_ptr(), h, k.shape[1], d, scale, out.data_ptr())
     if status != 0:
         raise MemoryError("speculant attention: cannot allocate its workspace")
     return out

@@ -24,6 +24,7 @@ from pathlib import Path
 from ..errors import SpeculantError
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("qgemm.c", "attention.c"))
+HEADERS = (Path(__file__).with_name("simd.h"),)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 _LIB: ctypes.CDLL | None = None
 _WHY_NOT: str | None = None
@@ -49,7 +50,7 @@ def _build(cc: str) -> Path:
     from ..models.loading import cache_root
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     cpu = " ".join(sorted(_cpu_flags()))
-    digest = hashlib.sha1(b"".join(p.read_bytes() for p in SOURCES) + version.encode() + " ".join(FLAGS).encode()
+    digest = hashlib.sha1(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + version.encode() + " ".join(FLAGS).encode()
                           + cpu.encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"speculant-kernels-{digest}.so"
     if out.is_file():
@@ -98,7 +99,7 @@ def load() -> ctypes.CDLL | None:
     lib.spec_w4a8_f32.restype = lib.spec_w8a8_f32.restype = ctypes.c_int
     lib.spec_attention.argtypes = [p, p, p, i, p, i, i, i, i, i, ctypes.c_float, p]
     lib.spec_attention.restype = ctypes.c_int
-    lib.spec_attention_ragged.argtypes = [i, p, p, p, p, p, p, p, p, p, i, i, i, ctypes.c_float, p]
+    lib.spec_attention_ragged.argtypes = [i, p, p, p, p, p, p, i, p, p, p, p, i, i, i, ctypes.c_float, p]
     lib.spec_attention_ragged.restype = ctypes.c_int
     _LIB = lib
     return lib

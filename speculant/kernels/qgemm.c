@@ -17,16 +17,11 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "simd.h"
+
 #define QK 32
 #define MB 4
 
-static inline float hsum8(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
 
 /* x [M, K] float32 -> xq [M, K] int8, xd [M, K/32], xs [M, K/32] */
 void spec_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs) {
@@ -87,15 +82,13 @@ static inline __m256 block_dot_s(__m256i w, const int8_t *y) {    /* signed code
         for (int a = 0; a < (NB); a++)                                                           \
             for (int r = 0; r < (R); r++) acc[a][r] = _mm256_setzero_ps();                       \
         for (int64_t g = 0; g < G; g++) {                                                        \
-            __m256 bx[R];                                                                        \
-            for (int r = 0; r < (R); r++) bx[r] = _mm256_broadcast_ss(xd + (m0 + r) * G + g);     \
             for (int a = 0; a < (NB); a++) {                                                     \
                 const int64_t n = (N0) + a;                                                      \
                 const __m256i w = LOAD;                                                          \
-                const __m256 bw = _mm256_broadcast_ss(wd + n * G + g);                           \
+                const float dw = wd[n * G + g];                                                  \
                 for (int r = 0; r < (R); r++) {                                                  \
                     const int64_t m = m0 + r;                                                    \
-                    const __m256 s = _mm256_mul_ps(bw, bx[r]);                                   \
+                    const __m256 s = _mm256_set1_ps(dw * xd[m * G + g]);                         \
                     acc[a][r] = _mm256_fmadd_ps(DOT(w, xq + m * K + g * QK), s, acc[a][r]);      \
                 }                                                                                \
             }                                                                                    \

@@ -96,6 +96,9 @@ def ragged_run_layers(decoder: LlamaDecoder, blocks: list[RaggedBlock], end: int
             members = now
             sizes = [hidden[j].shape[1] for j in members]
             x = torch.cat([hidden[j] for j in members], dim=1) if len(members) > 1 else hidden[members[0]]
+            if one_call:
+                plan = attention_kernel.RaggedPlan(sizes, [blocks[j].cache_position for j in members],
+                                                   [blocks[j].cache for j in members], [masks[j] for j in members])
             cos = torch.cat([tables[j][0] for j in members]).to(x.dtype).unsqueeze(-2)    # [R, 1, Dh]
             sin = torch.cat([tables[j][1] for j in members]).to(x.dtype).unsqueeze(-2)
         layer = decoder.layers[i]
@@ -106,10 +109,7 @@ def ragged_run_layers(decoder: LlamaDecoder, blocks: list[RaggedBlock], end: int
         q, k, v = first_half(layer, x, cos, sin)
         dtype, adtype = x.dtype, blocks[members[0]].cache.dtype
         if one_call:               # every sequence's attention (and KV write) in one kernel call
-            attended = attention_kernel.ragged_attention(
-                q, k, v, sizes, [blocks[j].cache.layer_keys[i] for j in members],
-                [blocks[j].cache.layer_values[i] for j in members], [blocks[j].cache_position for j in members],
-                [masks[j] for j in members], q.shape[-1] ** -0.5)
+            attended = attention_kernel.ragged_attention(q, k, v, plan, i, q.shape[-1] ** -0.5)
         else:
             q, k, v = q.to(adtype), k.to(adtype), v.to(adtype)    # once per layer, not per sequence (same values)
             attended = []
