@@ -90,12 +90,9 @@ def load() -> ctypes.CDLL | None:
         return None
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.spec_quantize_rows.argtypes = [p, i, i, p, p, p]
-    lib.spec_w4a8.argtypes = [p, p, p, i, i, p, p, p, i, p]
-    lib.spec_w8a8.argtypes = [p, p, i, i, p, p, i, p]
+    lib.spec_quantize_rows.restype = None
     lib.spec_w4a8_f32.argtypes = [p, i, i, p, p, p, i, p]
     lib.spec_w8a8_f32.argtypes = [p, i, i, p, p, i, p]
-    for f in (lib.spec_quantize_rows, lib.spec_w4a8, lib.spec_w8a8):
-        f.restype = None
     lib.spec_w4a8_f32.restype = lib.spec_w8a8_f32.restype = ctypes.c_int
     lib.spec_attention.argtypes = [p, p, p, i, p, i, i, i, i, i, ctypes.c_float, p]
     lib.spec_attention.restype = ctypes.c_int

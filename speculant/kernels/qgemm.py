@@ -2,10 +2,10 @@
 
 Why a kernel of our own (the last resort, measured): on a 2-core AMD EPYC with AVX2 and no AVX-512
 (2026-12-01), torch's ``_weight_int4pack_mm_for_cpu`` took 13.6 ms for one row through all of SmolLM2's
-projections (53 MB of int4 codes, 3.9 GB/s; the machine streams 24 GB/s) and ``_weight_int8pack_mm`` 15.5 ms;
+projections (53 MB of int4 codes; a float32 sum streams ~24 GB/s there) and ``_weight_int8pack_mm`` 15.5 ms;
 on an AVX-512 EPYC the same int4 pass took 4.8 ms.  torch's CPU kernels dequantize every weight to float
 and multiply in float, which AVX2 cannot do at memory speed; ``torch._int_mm`` on CPU is a reference loop
-(1.3 ms for one 576 x 3072 row).  llama.cpp instead quantizes the activations to int8 per block of 32
+(0.9 ms for one 576 x 3072 row).  llama.cpp instead quantizes the activations to int8 per block of 32
 (Q8_1) and takes integer dot products of the blocks (``vpmaddubsw``), which this kernel does too
 (``benchmarks/qgemm_cost.py`` compares them shape by shape).
 
@@ -56,6 +56,18 @@ def _check(status: int) -> None:
 
 
 def _w4a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[M, K]`` float32 times the transpose of the 4-bit weight ``[N, K]`` -> ``[M, N]`` float32
+    (``torch.ops.speculant.w4a8_mm``).
+
+    The weight is ``w[n, k] = scales[n, g] * q[n, k] + offsets[n, g]`` (``g = k // 32``, ``q`` in 0..15), packed
+    in ``codes`` ``[N, K/2]`` uint8 as GGUF does (byte j of a block: code j in the low nibble, code j+16 in the
+    high one); ``scales``/``offsets`` ``[N, K/32]`` float32.  ``x`` is quantized per block of 32 to int8 first
+    (:func:`quantize_rows`).
+
+    Raises:
+        SpeculantError: the kernel cannot run here.
+        MemoryError: the quantized-activation workspace cannot be allocated.
+    """
     x = x.contiguous()
     y = torch.empty(x.shape[0], codes.shape[0])
     _check((build._LIB or require()).spec_w4a8_f32(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(),
@@ -64,6 +76,14 @@ def _w4a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets
 
 
 def _w8a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[M, K]`` float32 times the transpose of the 8-bit weight ``w[n, k] = scales[n, k // 32] * codes[n, k]``
+    (``codes`` ``[N, K]`` int8, ``scales`` ``[N, K/32]`` float32; GGUF's Q8_0) -> ``[M, N]`` float32, on int8
+    activations (:func:`quantize_rows`; ``torch.ops.speculant.w8a8_mm``).
+
+    Raises:
+        SpeculantError: the kernel cannot run here.
+        MemoryError: the quantized-activation workspace cannot be allocated.
+    """
     x = x.contiguous()
     y = torch.empty(x.shape[0], codes.shape[0])
     _check((build._LIB or require()).spec_w8a8_f32(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(),
@@ -88,31 +108,3 @@ def _(x, codes, scales, offsets):
 @torch.library.register_fake("speculant::w8a8_mm")
 def _(x, codes, scales):
     return x.new_empty(x.shape[0], codes.shape[0])
-
-
-def w4a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[M, K]`` float32 times the transpose of the 4-bit weight ``[N, K]`` -> ``[M, N]`` float32
-    (``torch.ops.speculant.w4a8_mm``).
-
-    The weight is ``w[n, k] = scales[n, g] * q[n, k] + offsets[n, g]`` (``g = k // 32``, ``q`` in 0..15), packed
-    in ``codes`` ``[N, K/2]`` uint8 as GGUF does (byte j of a block: code j in the low nibble, code j+16 in the
-    high one); ``scales``/``offsets`` ``[N, K/32]`` float32.  ``x`` is quantized per block of 32 to int8 first
-    (:func:`quantize_rows`).
-
-    Raises:
-        SpeculantError: the kernel cannot run here.
-    """
-    require()
-    return torch.ops.speculant.w4a8_mm(x, codes, scales, offsets)
-
-
-def w8a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[M, K]`` float32 times the transpose of the 8-bit weight ``w[n, k] = scales[n, k // 32] * codes[n, k]``
-    (``codes`` ``[N, K]`` int8, ``scales`` ``[N, K/32]`` float32; GGUF's Q8_0) -> ``[M, N]`` float32, on int8
-    activations (:func:`quantize_rows`; ``torch.ops.speculant.w8a8_mm``).
-
-    Raises:
-        SpeculantError: the kernel cannot run here.
-    """
-    require()
-    return torch.ops.speculant.w8a8_mm(x, codes, scales)

@@ -82,8 +82,7 @@ def ragged_run_layers(decoder: LlamaDecoder, blocks: list[RaggedBlock], end: int
         masks.append(mask)
         tables.append((decoder.rope_cos[b.positions], decoder.rope_sin[b.positions]))
     # float32 caches (our attention kernel, see speculant.models.llama.attend): one call per layer for all sequences
-    one_call = all(b.cache.dtype == torch.float32 and b.cache.keys.shape[1] == 1 for b in blocks) and \
-        attention_kernel.supports(decoder.config.head_dim)
+    one_call = all(b.cache.dtype == torch.float32 and b.cache.keys.shape[1] == 1 for b in blocks)
     members: list[int] = []
     cos = sin = x = None
     sizes: list[int] = []
