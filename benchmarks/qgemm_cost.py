@@ -7,6 +7,9 @@ fused gate/up 576 -> 3072, down 1536 -> 576, LM head 576 -> 49152), each packed 
 timings of ``--calls`` calls each, formats interleaved, the call as the model makes it (module forward).
 
     python benchmarks/qgemm_cost.py [--rows 1,2,4,5,8,16,64,800] [--repeats 5]
+
+A last row times ``torch._int_mm`` (torch's int8 x int8 -> int32 product, the integer part alone) on the gate/up
+shape for up to 8 rows: on CPU it is a reference loop, one reason for a kernel of our own.
 """
 
 from __future__ import annotations
@@ -55,6 +58,20 @@ def main() -> None:
                         best[k][r] = min(best[k].get(r, us), us)
             for k in mods:
                 print(f"| {name} {i}->{o} | {k} | " + " | ".join(f"{best[k][r]:.0f}" for r in rows) + " |")
+        o, i = SHAPES["gate_up"]
+        b = torch.randint(-127, 128, (o, i), dtype=torch.int8, generator=g).t()      # [I, O], column-major
+        cells = []
+        for r in rows:
+            if r > 8:
+                cells.append("–")
+                continue
+            a = torch.randint(-127, 128, (r, i), dtype=torch.int8, generator=g)
+            torch._int_mm(a, b)
+            t = time.perf_counter()
+            for _ in range(5):
+                torch._int_mm(a, b)
+            cells.append(f"{(time.perf_counter() - t) / 5 * 1e6:.0f}")
+        print(f"| gate_up {i}->{o} | torch._int_mm (int8 x int8 only) | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -175,3 +175,19 @@ def test_bad_flag_combinations_fail_before_the_model_loads(capsys, monkeypatch, 
     assert err.startswith("speculant: error: draft_model='truncated:2' is not used by method='eagle'"), err
     assert main([command, *args, "--method", "ar", "--exit-layer", "auto"]) == 2
     assert "--exit-layer auto is not used by --method ar" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("measured", ["float32", "float64"])
+def test_loader_takes_the_measured_kv_cache_dtype(model_dir, tmp_path, monkeypatch, measured):
+    """The tuner's attention choice (not the machine the code was written on) sets the KV cache's dtype."""
+    from speculant.runtime import tune
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    real = tune.measure_attention
+    monkeypatch.setattr(tune, "measure_attention", lambda cfg, repeats=5: {
+        k: (1.0 if k == measured else 2.0) for k in real(cfg, 1)})
+    if measured == "float32" and not format_available("w4a8"):
+        pytest.skip(f"our attention kernel: {qgemm.unavailable_reason()}")
+    model = load_model(str(model_dir), weights="fp32", compile=False)
+    assert model.tune.attention == measured
+    assert model.decoder.attention_dtype == getattr(torch, measured)
+    assert model.decoder.new_cache(8).dtype == getattr(torch, measured)

@@ -109,3 +109,25 @@ def test_build_failure_is_reported_not_raised(monkeypatch, tmp_path):
     assert not qgemm.available()
     assert "could not be built here" in qgemm.unavailable_reason()
     assert not list((tmp_path / "kernels").glob("*.so")) and not list((tmp_path / "kernels").glob("*.tmp*"))
+
+
+def test_without_the_kernels_every_method_runs_on_float64_attention(monkeypatch, tmp_path):
+    """No AVX2 / no compiler: new decoders keep a float64 cache, a float32 cache (a draft head's) attends through
+    SDPA, and every drafter still decodes exactly what ``ar`` decodes."""
+    from helpers import tiny_model
+
+    from speculant import GenerationConfig, build_generator
+    from speculant.drafters.draft_head import new_head, save_head
+    monkeypatch.setattr(build, "_LIB", None)
+    monkeypatch.setattr(build, "_WHY_NOT", "needs an x86-64 CPU with AVX2 and FMA")
+    model = tiny_model(seed=3, vocab=96, hidden=64, heads=4, kv_heads=2, inter=128, scale=2.5)
+    assert model.decoder.attention_dtype == torch.float64
+    torch.manual_seed(0)
+    save_head(new_head(model, torch.arange(0, 96, 2)), tmp_path / "head")
+    cfg = GenerationConfig(max_new_tokens=16)
+    prompt = [3, 17, 42, 8, 25, 60, 1]
+    ar = build_generator(model, method="ar").generate(prompt, cfg).token_ids
+    for spec in (dict(method="eagle", num_speculations=3, draft_head=str(tmp_path / "head")),
+                 dict(method="rsd-s", exit_layer=1, beam_width=2, draft_length=3),
+                 dict(method="prompt-lookup", num_speculations=3)):
+        assert build_generator(model, **spec).generate(prompt, cfg).token_ids == ar, spec

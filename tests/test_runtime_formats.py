@@ -156,6 +156,9 @@ def test_tune_cache_is_reused_and_keyed(tmp_path, monkeypatch):
     assert calls == [1] and again.weights == first.weights and again.table == first.table
     assert first.weights in FORMATS
     assert {row["format"] for row in first.table} == set(FORMATS)
+    # the KV cache's dtype is the faster measured attention (float32 only where our kernel runs)
+    assert set(first.attention_us) == ({"float32", "float64"} if "w4a8" in FORMATS else {"float64"})
+    assert first.attention == min(first.attention_us, key=first.attention_us.get)
     # another thread count, torch version or CPU is another key: measured again
     tune.load_or_measure(model.decoder, threads=2)
     assert calls == [1, 1]

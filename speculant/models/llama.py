@@ -111,15 +111,23 @@ def decoder_layer_step(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, 
     our row-by-row kernel (:mod:`speculant.kernels.attention`), a float64 one through SDPA.  Everything here is
     traceable by ``torch.compile`` with ``T`` and ``S`` dynamic.
     """
-    t, visible = x.shape[1], mask.shape[-1]
     q, k, v = attention_inputs(layer, x, cos, sin)
     keys.index_copy_(2, slots, k.to(keys.dtype))
     values.index_copy_(2, slots, v.to(values.dtype))
+    return layer_output(layer, x, cache_attention(q, keys, values, mask).to(x.dtype))
+
+
+def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of one sequence's rows ``q`` ``[1, H, T, Dh]`` over the first ``S`` slots of one layer's cache
+    ``keys``/``values`` ``[1, Hkv, S_max, Dh]`` where ``mask`` ``[T, S]`` (bool) is True -> ``[1, T, H * Dh]`` in the
+    cache's dtype: a float32 cache through our row-by-row kernel (:mod:`speculant.kernels.attention`), a float64
+    one through SDPA (see :attr:`LlamaDecoder.attention_dtype`).  Traceable by ``torch.compile``."""
     if keys.dtype == torch.float32:
-        return layer_output(layer, x, torch.ops.speculant.attention(q, keys, values, mask, q.shape[-1] ** -0.5))
+        return torch.ops.speculant.attention(q, keys, values, mask, q.shape[-1] ** -0.5)
+    visible = mask.shape[-1]
     out = F.scaled_dot_product_attention(q.to(keys.dtype), keys[:, :, :visible], values[:, :, :visible],
                                          attn_mask=mask, enable_gqa=True)
-    return layer_output(layer, x, out.to(x.dtype).transpose(1, 2).reshape(1, t, -1))
+    return out.transpose(1, 2).reshape(1, q.shape[2], -1)
 
 
 def prefill_layer_step(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -127,7 +135,7 @@ def prefill_layer_step(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, 
     """One decoder layer over a whole prompt ``x`` ``[1, T, D]`` into an empty static KV cache (slots ``0 .. T-1``).
 
     Attention is causal over the prompt itself and runs in float32 (``is_causal``: the flash kernel skips the
-    masked half), unlike :func:`decoder_layer_step`'s float64: a prompt's forward is the same call for every
+    masked half), whatever the cache's dtype (:func:`decoder_layer_step` attends in it): a prompt's forward is the same call for every
     method and is never compared with a one-token step, so its rows need no batch invariance, and float64
     attention over an 800-token prompt took 1.6 s of SmolLM2's 4.7 s prefill on a 2-core AVX2 CPU.  The keys and
     values are stored in the cache's dtype (float32 -> float64 is exact).
@@ -144,21 +152,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
            cache: KVCache | None, layer: int, cache_position: int) -> torch.Tensor:
     """Scaled dot-product attention over the KV cache (new keys/values written at ``cache_position``).
 
-    Computed in the cache's dtype: a float32 cache (one sequence) through our row-by-row kernel, a float64 one
-    through SDPA; either makes each row's result independent of how many rows share the call (batch invariance;
+    Computed in the cache's dtype: a float32 cache (one sequence, where our kernels run) through our row-by-row
+    kernel, a float64 one through SDPA; either makes each row's result independent of how many rows share the call (batch invariance;
     see :attr:`LlamaDecoder.attention_dtype`).  ``q`` ``[B, H, T, Dh]`` -> ``[B, T, H * Dh]`` in ``q``'s dtype.
     """
     dtype = q.dtype
     if cache is not None:
         q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)
-        if cache.dtype == torch.float32 and q.shape[0] == 1:
+        if cache.dtype == torch.float32 and q.shape[0] == 1 and attention_kernel.supports(q.shape[-1]):
             cache.write(layer, k, v, cache_position)
-            t = q.shape[2]
-            if mask is None:
-                mask = causal_mask(t, cache_position, q.device)
-            mask = mask.reshape(mask.shape[-2], mask.shape[-1])
-            return torch.ops.speculant.attention(q, cache.layer_keys[layer], cache.layer_values[layer], mask,
-                                                 q.shape[-1] ** -0.5).to(dtype)
+            mask = _dense_mask(mask, q.shape[2], cache_position, q.device)
+            return cache_attention(q, cache.layer_keys[layer], cache.layer_values[layer], mask).to(dtype)
         k, v = cache.write(layer, k, v, cache_position)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
     b, h, t, d = out.shape
@@ -171,9 +175,10 @@ class LlamaDecoder(nn.Module):
     Shapes: ``B`` batch, ``T`` new tokens, ``S`` visible cache slots, ``D``
     hidden size, ``V`` vocabulary size.  Logits are returned in fp32.
 
-    ``attention_dtype`` is the KV cache's dtype, in which attention is computed: float32 where our row-by-row
-    attention kernel runs (:mod:`speculant.kernels.attention`: AVX2, a C compiler, head size a multiple of 8),
-    float64 otherwise.  In float32, torch's CPU attention kernels give a query row different bits depending on
+    ``attention_dtype`` is the KV cache's dtype, in which attention is computed: float32 (our row-by-row
+    attention kernel, :mod:`speculant.kernels.attention`: AVX2, a C compiler, head size a multiple of 8) or
+    float64 (SDPA).  A new decoder takes float32 where the kernel runs; the runtime's loader sets what the kernel
+    tuner measured faster on the machine at hand (:func:`speculant.runtime.tune.measure_attention`).  In float32, torch's CPU attention kernels give a query row different bits depending on
     how many rows share the call and how many masked keys follow (measured: 71 of 104 cases); those
     differences, rounded to bfloat16 at the next int4/int8 projection, moved SmolLM2's verification logits by
     up to 0.3 from the one-token step's.  Our kernel computes each row over its attended keys in slot order, the

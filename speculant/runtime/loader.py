@@ -110,7 +110,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
             if name_or_path in KNOWN_MODELS:
                 save_packed(model.decoder, packed_path(model.path, fmt))
     if result is not None:
-        tune.apply_choices(result, set_threads=fixed_threads is None)
+        tune.apply_choices(result, set_threads=fixed_threads is None, decoder=model.decoder)
     model.weights = fmt
     model.tune = result
     model.compiled = bool(compile) and enable_compile(model.decoder, log=log, blocks=blocks)

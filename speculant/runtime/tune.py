@@ -15,7 +15,10 @@ it runs alone (a decoding step) or inside a block (a verification).  So :func:`m
    from DRAM as in decoding) for 1, 2, 4, 5, 8 and 16 rows, formats interleaved, best of the repeats
    (the minimum is the figure least disturbed by other work on a shared machine); a variant that failed the
    invariance check is timed once after the warm-up (it is never the default; the figure ranks it in the table);
-4. times the chosen format's one-row pass with 1..N torch threads.
+4. times the chosen format's one-row pass with 1..N torch threads;
+5. times a one-token step's attention (every layer, 256 and 1024 cached tokens) through our float32 row-by-row
+   kernel and through float64 SDPA, both batch-invariant, and picks the faster as the KV cache's dtype
+   (``attention``; only float64 where our kernels do not run).
 
 The default weight format is the fastest one-row pass among the batch-invariant formats.  The result is
 stored as JSON under ``$SPECULANT_CACHE/tune/`` keyed by CPU model and flags, torch version, thread
@@ -48,7 +51,9 @@ FP32_ROUTES = {"linear": Routes("linear", "linear"), "transposed": Routes("linea
 BATCH_ROWS = (32, 64)
 """Row counts a batch of sequences reaches (one verification block per sequence, one forward): checked for
 batch invariance only (the ``invariant_rows`` column), so the one-sequence choice of format is unchanged."""
-SCHEMA = 1
+ATTENTION_CONTEXTS = (256, 1024)
+"""Cached tokens at which the one-token step's attention is timed."""
+SCHEMA = 2
 
 
 @dataclass
@@ -64,6 +69,9 @@ class TuneResult:
             projections], ``batch_invariant`` [bool] (at :data:`ROWS`), ``invariant_rows`` [rows] (the
             largest checked row count up to which it stays invariant, :func:`invariant_rows`).
         thread_ms: one-row pass of ``weights`` per thread count [milliseconds].
+        attention: the KV cache's dtype, ``float32`` (our row-by-row kernel) or ``float64`` (SDPA).
+        attention_us: a one-token step's attention over all layers per variant, summed over
+            :data:`ATTENTION_CONTEXTS` [microseconds].
         seconds: time the measurement took [s].
     """
 
@@ -73,6 +81,8 @@ class TuneResult:
     threads: int
     table: list[dict] = field(default_factory=list)
     thread_ms: dict = field(default_factory=dict)
+    attention: str = "float64"
+    attention_us: dict = field(default_factory=dict)
     seconds: float = 0.0
     measured_at: str = ""
     schema: int = SCHEMA
@@ -276,15 +286,52 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
                                                         for _ in range(repeats))
         thread_ms = {n: round(min(v), 3) for n, v in thread_ms.items()}
         best_threads = int(min(thread_ms, key=thread_ms.get))
+        torch.set_num_threads(best_threads)
+        attention_us = measure_attention(decoder.config, repeats)
     torch.set_num_threads(before_threads)
     fp32_linear.ROUTES = before_routes
     result = TuneResult(key=tune_key(decoder.config, threads), weights=best["format"], fp32_route=fp32_pick["route"],
                         threads=best_threads, table=table, thread_ms=thread_ms,
+                        attention=min(attention_us, key=attention_us.get), attention_us=attention_us,
                         seconds=round(time.perf_counter() - t0, 2),
                         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     print(f"speculant: kernels measured in {result.seconds:.1f} s: weights={result.weights}, "
-          f"fp32 route={result.fp32_route}, threads={result.threads}", file=log, flush=True)
+          f"fp32 route={result.fp32_route}, threads={result.threads}, attention={result.attention}", file=log,
+          flush=True)
     return result
+
+
+def measure_attention(cfg, repeats: int = 5) -> dict[str, float]:
+    """A one-token step's attention over all ``cfg.num_hidden_layers`` layers, summed over
+    :data:`ATTENTION_CONTEXTS` cached tokens, best of ``repeats`` [microseconds], per KV-cache dtype that runs here:
+    ``float32`` (our row-by-row kernel, where it builds) and ``float64`` (SDPA)."""
+    from ..kernels import attention as attention_kernel
+    from ..models.llama import cache_attention
+    h, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    dtypes = [torch.float64] + ([torch.float32] if attention_kernel.supports(dh) else [])
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, h, 1, dh, generator=g)
+    out = {}
+    for dtype in dtypes:
+        total = 0.0
+        for ctx in ATTENTION_CONTEXTS:
+            keys, values = (torch.randn(1, hkv, ctx, dh, generator=g).to(dtype) for _ in range(2))
+            mask = torch.ones(1, ctx, dtype=torch.bool)
+            cache_attention(q, keys, values, mask)
+            best = float("inf")
+            for _ in range(repeats):
+                t = time.perf_counter()
+                for _ in range(cfg.num_hidden_layers):
+                    cache_attention(q, keys, values, mask)
+                best = min(best, time.perf_counter() - t)
+            total += best
+        out[str(dtype).replace("torch.", "")] = round(total * 1e6, 1)
+    return out
+
+
+def attention_dtype(result: TuneResult) -> torch.dtype:
+    """The KV cache's dtype ``result`` chose (:attr:`TuneResult.attention`)."""
+    return torch.float32 if result.attention == "float32" else torch.float64
 
 
 def save(result: TuneResult) -> Path:
@@ -321,9 +368,12 @@ def load_or_measure(decoder, threads: int | None = None, log=None, force: bool =
     return result
 
 
-def apply_choices(result: TuneResult, set_threads: bool = True) -> None:
-    """Put ``result``'s float32 route (and, with ``set_threads``, its thread count) in force in this process."""
+def apply_choices(result: TuneResult, set_threads: bool = True, decoder=None) -> None:
+    """Put ``result``'s float32 route (and, with ``set_threads``, its thread count) in force in this process, and
+    its KV-cache dtype on ``decoder`` (:attr:`~speculant.models.llama.LlamaDecoder.attention_dtype`) when given."""
     fp32_linear.ROUTES = FP32_ROUTES[result.fp32_route]
+    if decoder is not None:
+        decoder.attention_dtype = attention_dtype(result)
     if set_threads:
         torch.set_num_threads(result.threads)
 
@@ -346,4 +396,8 @@ def format_table(result: TuneResult) -> str:
     lines += ["", f"default weights: **{result.weights}**; float32 route: {result.fp32_route}; threads: "
               f"{result.threads} (one-row pass: " + ", ".join(f"{n} threads {v:.2f} ms" for n, v in result.thread_ms.items())
               + ")"]
+    if result.attention_us:
+        lines += [f"attention (KV cache): **{result.attention}** (a one-token step over {' and '.join(map(str, ATTENTION_CONTEXTS))} "
+                  "cached tokens, all layers: " + ", ".join(f"{k} {v:.0f} us" for k, v in result.attention_us.items())
+                  + ")"]
     return "\n".join(lines)
