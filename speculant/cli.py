@@ -115,7 +115,7 @@ def cmd_generate(args) -> int:
         result = gen.generate(args.prompt, config)
         out = result.to_dict()
         out["method"] = args.method
-        out["weights"], out["compiled"] = model.weights, model.compiled
+        out["weights"], out["compiled"], out["fused"] = model.weights, model.compiled, model.fused
         print(json.dumps(out))
     else:
         for piece in gen.stream(args.prompt, config):

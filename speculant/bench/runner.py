@@ -229,7 +229,7 @@ def run_benchmark(model: LoadedModel, prompts: list[Prompt], methods: list[Bench
     results = {
         "schema_version": SCHEMA_VERSION,
         "meta": {"model": model.name, "dataset": dataset, "dtype": str(model.decoder.dtype).replace("torch.", ""),
-                 "weights": model.weights, "compiled": model.compiled,
+                 "weights": model.weights, "compiled": model.compiled, "fused": model.fused,
                  "num_layers": model.decoder.num_layers, **asdict(cfg),
                  "methods": [{"label": m.label, "name": m.name, "params": m.params,
                               "spec": asdict(m.spec) if m.spec else None,

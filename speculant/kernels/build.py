@@ -1,7 +1,8 @@
-"""Build and load our C kernels (``qgemm.c``, ``attention.c``) on the machine at hand, once per machine.
+"""Build and load our C kernels (``qgemm.c``, ``attention.c``, ``decode_step.c``) on the machine at hand, once per machine.
 
 The sources are compiled with the C compiler inductor uses (``$CC``, ``cc``, ``gcc`` or ``clang``;
-``-O3 -mavx2 -mfma -fopenmp``, never ``-ffast-math``, which would let the compiler reorder sums) into one shared
+``-O3 -mavx2 -mfma -fopenmp -ffp-contract=off``, never ``-ffast-math``, which would let the compiler reorder sums;
+no contraction of ``a * b + c`` into FMAs the compiler picks, so every operation is the one written) into one shared
 library under ``$SPECULANT_CACHE/kernels/`` (atomic rename; keyed by the sources, the compiler's version, the flags
 and the CPU's feature flags) and loaded with :mod:`ctypes`.  The library links the OpenMP runtime torch already
 loaded (``libgomp.so.1``), so it runs on torch's thread pool with torch's thread count.
@@ -23,9 +24,9 @@ from pathlib import Path
 
 from ..errors import SpeculantError
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("qgemm.c", "attention.c"))
-HEADERS = (Path(__file__).with_name("simd.h"),)
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("qgemm.c", "attention.c", "decode_step.c"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("simd.h", "kernels.h"))
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _LIB: ctypes.CDLL | None = None
 _WHY_NOT: str | None = None
 
@@ -98,6 +99,8 @@ def load() -> ctypes.CDLL | None:
     lib.spec_attention.restype = ctypes.c_int
     lib.spec_attention_ragged.argtypes = [i, p, p, p, p, p, p, i, p, p, p, p, i, i, i, ctypes.c_float, p]
     lib.spec_attention_ragged.restype = ctypes.c_int
+    lib.spec_run_layers.argtypes = [p, i, i, i, p, p, p, p, p, p, p, p, p, p]
+    lib.spec_run_layers.restype = ctypes.c_int
     _LIB = lib
     return lib
 

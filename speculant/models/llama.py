@@ -202,10 +202,32 @@ class LlamaDecoder(nn.Module):
         self.attention_dtype: torch.dtype = (torch.float32 if attention_kernel.supports(cfg.head_dim)
                                              else torch.float64)
         self.layer_step = decoder_layer_step     # eager; speculant.runtime.compiled swaps in the compiled step
+        self.use_fused = True                    # run w4a8 layers as one C call where it can (fused_layers)
+        self._fused = None
         self.weight_format = "fp32"
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def __getstate__(self):
+        """Copies (``copy.deepcopy``, pickling) drop the fused step: it points into this decoder's tensors."""
+        state = dict(super().__getstate__())
+        state["_fused"] = None
+        return state
+
+    def fused_layers(self):
+        """The :class:`~speculant.kernels.decode_step.FusedLayers` of this decoder (every layer of a forward over
+        a float32 KV cache in one C call), or ``None`` where it does not apply: weights not in ``w4a8``,
+        :attr:`use_fused` False, or what :func:`~speculant.kernels.decode_step.why_not` names.  Built at the
+        first call, after the weights were packed (it points into them)."""
+        if not self.use_fused or self.weight_format != "w4a8":
+            return None
+        if self._fused is None:
+            from ..kernels import decode_step
+            if decode_step.why_not(self) is not None:
+                return None
+            self._fused = decode_step.FusedLayers(self)
+        return self._fused
 
     @property
     def num_layers(self) -> int:
@@ -265,6 +287,13 @@ class LlamaDecoder(nn.Module):
                     counts[i] += t
                 return hidden
             mask = _dense_mask(attention_mask, t, cache_position, hidden.device)
+            fused = self.fused_layers() if cache.dtype == torch.float32 else None
+            if fused is not None:       # every layer of the range in one C call (speculant.kernels.decode_step)
+                plan = attention_kernel.RaggedPlan([t], [cache_position], [cache], [mask])
+                out = fused.run(hidden.reshape(t, -1), start, end, cos.reshape(t, -1), sin.reshape(t, -1), plan)
+                for i in range(start, end):
+                    counts[i] += t
+                return out.view(1, t, -1).to(hidden.dtype)
             torch._dynamo.maybe_mark_dynamic(mask, 1)
             slots = torch.arange(cache_position, visible, device=hidden.device)
             if t > 1:

@@ -76,6 +76,7 @@ class LoadedModel:
     path: Path                 # HF-format directory the weights came from
     weights: str = "fp32"      # weight format of the projections (speculant.runtime.formats)
     compiled: bool = False     # decoding steps run through torch.compile (speculant.runtime.compiled)
+    fused: bool = False        # decoder layers run as one C call per forward (speculant.kernels.decode_step)
     tune: object = None        # the speculant.runtime.tune.TuneResult the choices came from, if any
 
     @property

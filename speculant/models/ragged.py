@@ -86,7 +86,9 @@ def ragged_run_layers(decoder: LlamaDecoder, blocks: list[RaggedBlock], end: int
     members: list[int] = []
     cos = sin = x = None
     sizes: list[int] = []
-    for i in range(min((b.start_layer for b in blocks), default=end), end):
+    fused = decoder.fused_layers() if one_call else None      # speculant.kernels.decode_step
+    i = min((b.start_layer for b in blocks), default=end)
+    while i < end:
         now = [j for j, b in enumerate(blocks) if b.start_layer <= i]
         if now != members:                     # a block joins at its start layer: regroup the rows
             if x is not None:
@@ -100,6 +102,14 @@ def ragged_run_layers(decoder: LlamaDecoder, blocks: list[RaggedBlock], end: int
                                                    [blocks[j].cache for j in members], [masks[j] for j in members])
             cos = torch.cat([tables[j][0] for j in members]).to(x.dtype).unsqueeze(-2)    # [R, 1, Dh]
             sin = torch.cat([tables[j][1] for j in members]).to(x.dtype).unsqueeze(-2)
+        if fused is not None:         # layers i .. (the next block's start layer) in one C call
+            stop = min([b.start_layer for b in blocks if b.start_layer > i] + [end])
+            x = fused.run(x.reshape(-1, x.shape[-1]), i, stop, cos.reshape(x.shape[1], -1),
+                          sin.reshape(x.shape[1], -1), plan).view(1, x.shape[1], -1).to(x.dtype)
+            for layer_index in range(i, stop):
+                decoder.layer_token_counts[layer_index] += x.shape[1]
+            i = stop
+            continue
         layer = decoder.layers[i]
         if x.shape[1] > 1:            # one compiled graph for every row count 2..R
             torch._dynamo.maybe_mark_dynamic(x, 1)
@@ -121,6 +131,7 @@ def ragged_run_layers(decoder: LlamaDecoder, blocks: list[RaggedBlock], end: int
             torch._dynamo.maybe_mark_dynamic(attended, 1)
         x = second_half(layer, x, attended)
         decoder.layer_token_counts[i] += x.shape[1]
+        i += 1
     if x is not None:
         for j, h in zip(members, x.split(sizes, 1)):
             hidden[j] = h

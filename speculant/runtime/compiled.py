@@ -11,7 +11,8 @@ Attention and the KV cache update stay outside the graphs (they depend on the ca
 
 Compiled artifacts are cached on disk by inductor's FX graph cache under ``$SPECULANT_CACHE/inductor``
 (unless ``TORCHINDUCTOR_CACHE_DIR`` is set), so later loads skip the C++ compilation.  Without a C++
-compiler the model stays eager, with one warning.  Sources: gpt-fast (torch.compile of a decoder step);
+compiler the model stays eager, with one warning.  ``w4a8`` models need none of this: their layers run as one
+call into our kernels (:mod:`speculant.kernels.decode_step`).  Sources: gpt-fast (torch.compile of a decoder step);
 PyTorch's inductor CPU backend.
 """
 

@@ -22,6 +22,8 @@ weight-only: each projection quantizes its input rows to int8 per block of 32 an
 llama.cpp's CPU backend does; its LM head is ``w8a8`` (the GGUF's own Q8_0 codes, same activations).  A projection
 whose shape a kernel cannot take (int4 needs ``O % 16 == 0`` and ``I % 32 == 0``; w4a8 needs ``I % 32 == 0``) falls
 back to the next format in ``w4a8 -> int8``, ``int4 -> int8 -> bf16``.
+With every projection in ``w4a8``/``w8a8``, a forward over the KV cache runs all its decoder layers as one call into
+our kernels (:mod:`speculant.kernels.decode_step`) instead of torch's per-operation (or compiled) path.
 
 Every kernel here computes each output row from its own input row only; whether that holds *bit for bit*
 for 1..N rows on the machine at hand (batch invariance, which greedy exactness of speculative decoding

@@ -62,7 +62,9 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
         weights: a weight format (``fp32``, ``bf16``, ``int8``, ``int4``, ``w4a8``; see
             :mod:`speculant.runtime.formats`) or ``auto``: the fastest batch-invariant format measured
             on this machine (:mod:`speculant.runtime.tune`, cached after the first load).
-        compile: compile the decoding steps with ``torch.compile`` (eager without a C++ compiler).
+        compile: compile the decoding steps with ``torch.compile`` (eager without a C++ compiler); ``w4a8``
+            weights need no compilation: their layers run as one call into our kernels
+            (:mod:`speculant.kernels.decode_step`; ``LoadedModel.fused``).
         dtype: dtype of the float model; anything but float32 needs ``weights='fp32'`` (the legacy
             ``--dtype bfloat16`` path, activations in bfloat16 too).
         threads: torch threads; default ``$SPECULANT_NUM_THREADS``, else the count measured fastest
@@ -71,7 +73,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
         blocks: also compile the multi-token (verification block) graph at load; ``False`` for
             autoregressive decoding only (the graph is then compiled at the first block, if one ever runs).
     Returns:
-        a :class:`LoadedModel` whose ``weights``, ``compiled`` and ``tune`` fields say what was chosen.
+        a :class:`LoadedModel` whose ``weights``, ``compiled``, ``fused`` and ``tune`` fields say what was chosen.
     Raises:
         SpeculantError: unknown model or format, or a dtype/weights combination that does not exist.
     """
@@ -113,7 +115,9 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
         tune.apply_choices(result, set_threads=fixed_threads is None, decoder=model.decoder)
     model.weights = fmt
     model.tune = result
-    model.compiled = bool(compile) and enable_compile(model.decoder, log=log, blocks=blocks)
+    # w4a8 layers run as one C call per forward (nothing left to compile); other formats through torch.compile
+    model.fused = model.decoder.fused_layers() is not None
+    model.compiled = bool(compile) and not model.fused and enable_compile(model.decoder, log=log, blocks=blocks)
     return model
 
 

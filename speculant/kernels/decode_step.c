@@ -1,0 +1,162 @@
+/* Decoder layers first .. last-1 of a Llama-family model in one call: the decoding step, verification blocks,
+ * tree frontiers and batched rounds (several sequences, each with its own KV cache and mask), on w4a8/w8a8 weights.
+ *
+ * Per layer, for the R rows of every sequence together (Touvron et al. 2023, Llama; Zhang & Sennrich 2019, RMSNorm;
+ * Su et al. 2021, RoPE; Shazeer 2020, SwiGLU):
+ *   h = rmsnorm(x) * w_in;  [q k v] = h Wqkv^T (+ b);  q, k = rope(q), rope(k);  write k, v to the cache;
+ *   a = attention(q, cache, mask);  x = x + a Wo^T;  h = rmsnorm(x) * w_post;  [g u] = h Wgu^T;
+ *   x = x + (silu(g) * u) Wd^T
+ * The projections are qgemm.c's (activations quantized per row and 32-block to int8), attention is attention.c's.
+ *
+ * Why in C: a compiled (torch.compile) layer costs ~200 us of call path per layer on a 2-core CPU (guards, wrappers,
+ * one dispatcher call per kernel), about 6 ms of a 15 ms SmolLM2 step; here a step is one call.
+ *
+ * Exactness: every operation is per row (norms, RoPE, SiLU, residuals), per output element with a fixed order
+ * (qgemm.c) or per attended key list (attention.c), so a row gets the same bits whatever R is, whichever sequence
+ * shares the call and wherever the row falls: verification rows equal the one-token step's rows and a batched
+ * round equals each sequence alone.  Build: cc -O3 -mavx2 -mfma -fopenmp, no -ffast-math.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "simd.h"
+
+typedef struct {
+    int64_t bits;                  /* 4: Q4_1 codes [N, K/2] uint8 + scales, offsets [N, K/32]; 8: Q8_0 codes [N, K] */
+    int64_t in_features, out_features;
+    const void *codes;
+    const float *scales, *offsets; /* offsets: 4-bit only */
+    const float *bias;             /* [N] or NULL */
+} spec_projection;
+
+typedef struct {
+    const float *input_norm, *post_norm;   /* RMSNorm weights [D] */
+    spec_projection qkv, o, gate_up, down;
+} spec_layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, scale;              /* RMSNorm epsilon; softmax scale (head_dim^-1/2 as the caller rounds it) */
+    const spec_layer *layers;
+} spec_model;
+
+/* y [M, D] = x * rsqrt(mean(x^2) + eps) * w, row by row (fixed-order sum of squares) */
+static void rms_norm(const float *x, const float *w, int64_t M, int64_t D, float eps, float *y) {
+    for (int64_t r = 0; r < M; r++) {
+        const float *xr = x + r * D;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= D; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + i);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float ss = hsum8(acc);
+        for (; i < D; i++) ss += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+        for (i = 0; i < D; i++) y[r * D + i] = xr[i] * inv * w[i];
+    }
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias) on int8 activations; xq, xd, xs: workspaces of M*K, M*K/32, M*K/32 */
+static void project(const spec_projection *p, const float *x, int64_t M, int8_t *xq, float *xd, float *xs, float *y) {
+    const int64_t K = p->in_features, N = p->out_features;
+    spec_quantize_rows(x, M, K, xq, xd, xs);
+    if (p->bits == 4)
+        spec_w4a8(xq, xd, xs, M, K, (const uint8_t *)p->codes, p->scales, p->offsets, N, y);
+    else
+        spec_w8a8(xq, xd, M, K, (const int8_t *)p->codes, p->scales, N, y);
+    if (p->bias)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t n = 0; n < N; n++) y[r * N + n] += p->bias[n];
+}
+
+/* x [M, D] += y [M, D] */
+static void add_rows(float *x, const float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] += y[i];
+}
+
+/* out [Dh] = x * cos + roll(x, Dh/2) * sin  (sin carries rotate_half's sign: -sin on the first half) */
+static void rope_head(const float *x, const float *cos, const float *sin, int64_t Dh, float *out) {
+    const int64_t half = Dh / 2;
+    for (int64_t i = 0; i < Dh; i++) {
+        const float rolled = x[i < half ? i + half : i - half];
+        out[i] = x[i] * cos[i] + rolled * sin[i];
+    }
+}
+
+/* act [M, I] = silu(gate) * up from gu [M, 2I] (gate first); silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) */
+static void swiglu(const float *gu, int64_t M, int64_t I, float *act) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (int64_t r = 0; r < M; r++) {
+        const float *g = gu + r * 2 * I, *u = g + I;
+        float *a = act + r * I;
+        int64_t i = 0;
+        for (; i + 8 <= I; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 e = exp_nonpositive(_mm256_or_ps(gv, sign));               /* exp(-|g|) */
+            const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+            const __m256 neg = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_LT_OQ);
+            const __m256 sig = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), neg);   /* g < 0: e / (1 + e) */
+            _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
+        }
+        for (; i < I; i++) {
+            const float e = expf(-fabsf(g[i])), inv = 1.0f / (1.0f + e);
+            a[i] = g[i] * (g[i] < 0.0f ? e * inv : inv) * u[i];
+        }
+    }
+}
+
+/* Layers first .. last-1 over x [R, D] (in place), R = sum of rows[j]: sequence j's rows are x's rows in order,
+ * their RoPE tables cos, sin [R, head_dim] (gathered at their positions), their new keys/values go to slots
+ * start[j] .. start[j] + rows[j] - 1 of its cache (kc[j], vc[j]: [layers, HKV, smax[j], head_dim], layer stride
+ * lstride[j] floats) and they attend where mask[j] [rows[j], start[j] + rows[j]] is nonzero.
+ * Returns 0, or -1 when a workspace cannot be allocated (x is then partly updated: the caller passes a copy). */
+int spec_run_layers(const spec_model *m, int64_t first, int64_t last, int64_t nseq, const int64_t *rows,
+                    const int64_t *start, const int64_t *smax, float *const *kc, float *const *vc,
+                    const int64_t *lstride, const uint8_t *const *mask, float *x, const float *cos,
+                    const float *sin) {
+    const int64_t D = m->hidden, H = m->heads, HKV = m->kv_heads, Dh = m->head_dim, I = m->intermediate;
+    const int64_t QKV = (H + 2 * HKV) * Dh;
+    int64_t R = 0;
+    for (int64_t j = 0; j < nseq; j++) R += rows[j];
+    const int64_t widest_in = D > I ? (D > H * Dh ? D : H * Dh) : (I > H * Dh ? I : H * Dh);
+    const int64_t widest_out = QKV > 2 * I ? QKV : 2 * I;
+    float *h = malloc(sizeof(float) * (size_t)(R * (D > H * Dh ? D : H * Dh)));
+    float *wide = malloc(sizeof(float) * (size_t)(R * widest_out));
+    float *q = malloc(sizeof(float) * (size_t)(R * H * Dh));
+    float *kv = malloc(sizeof(float) * (size_t)(2 * R * HKV * Dh));
+    float *att = malloc(sizeof(float) * (size_t)(R * (H * Dh > I ? H * Dh : I)));
+    int8_t *xq = malloc((size_t)(R * widest_in));
+    float *xd = malloc(sizeof(float) * (size_t)(2 * R * (widest_in / 32)));
+    int status = (h && wide && q && kv && att && xq && xd) ? 0 : -1;
+    float *k = kv, *v = kv + R * HKV * Dh, *xs = xd ? xd + R * (widest_in / 32) : 0;
+    for (int64_t l = first; l < last && status == 0; l++) {
+        const spec_layer *L = m->layers + l;
+        rms_norm(x, L->input_norm, R, D, m->eps, h);
+        project(&L->qkv, h, R, xq, xd, xs, wide);
+        for (int64_t r = 0; r < R; r++) {
+            const float *row = wide + r * QKV, *c = cos + r * Dh, *s = sin + r * Dh;
+            for (int64_t hd = 0; hd < H; hd++) rope_head(row + hd * Dh, c, s, Dh, q + (r * H + hd) * Dh);
+            for (int64_t g = 0; g < HKV; g++) {
+                rope_head(row + (H + g) * Dh, c, s, Dh, k + (r * HKV + g) * Dh);
+                memcpy(v + (r * HKV + g) * Dh, row + (H + HKV + g) * Dh, sizeof(float) * (size_t)Dh);
+            }
+        }
+        status = spec_attention_ragged(nseq, rows, start, smax, kc, vc, lstride, l, mask, q, k, v, H, HKV, Dh,
+                                       m->scale, att);
+        if (status) break;
+        project(&L->o, att, R, xq, xd, xs, h);
+        add_rows(x, h, R * D);
+        rms_norm(x, L->post_norm, R, D, m->eps, h);
+        project(&L->gate_up, h, R, xq, xd, xs, wide);
+        swiglu(wide, R, I, att);
+        project(&L->down, att, R, xq, xd, xs, h);
+        add_rows(x, h, R * D);
+    }
+    free(h); free(wide); free(q); free(kv); free(att); free(xq); free(xd);
+    return status;
+}

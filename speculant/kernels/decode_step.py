@@ -1,0 +1,136 @@
+"""A Llama-family model's decoder layers as one C call per forward (``decode_step.c``), on ``w4a8`` weights.
+
+Why: on a 2-core AMD EPYC (AVX2, 2026-12-01) a SmolLM2 decoding step through ``torch.compile``'d layers took
+14.8 ms for the 30 layers, of which the projections' kernels were ~8 ms and attention well under 1 ms: the
+rest was the compiled layers' call path (guards, wrappers, one dispatcher call per kernel), ~200 us per layer.
+:class:`FusedLayers` runs the same layers (RMSNorm, fused q/k/v projection, RoPE, KV-cache write, attention,
+output projection, residual, RMSNorm, SwiGLU MLP, residual; Touvron et al. 2023) as one call into our kernels
+(:mod:`speculant.kernels.qgemm`'s products, :mod:`speculant.kernels.attention`'s rows), with no torch.compile
+to trace or load.
+
+Every row is computed on its own with a fixed sequence of operations, so a row's result does not depend on how
+many rows or sequences share the call: verification blocks, tree frontiers and batched rounds give each row the
+one-token step's bits (tested in ``tests/test_decode_step.py``).  Prompts (an empty cache) keep the torch path
+(:func:`speculant.models.llama.prefill_layer_step`), the same for every method.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import attention as attention_kernel
+from . import build
+
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [("bits", _i64), ("in_features", _i64), ("out_features", _i64), ("codes", _ptr), ("scales", _ptr),
+                ("offsets", _ptr), ("bias", _ptr)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", _Projection), ("o", _Projection),
+                ("gate_up", _Projection), ("down", _Projection)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
+                ("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer))]
+
+
+def _projection(module, keep: list) -> _Projection | None:
+    from ..runtime.formats import W4A8Linear, W8A8Linear
+    if type(module) is W4A8Linear:
+        bits, offsets = 4, module.offsets
+    elif type(module) is W8A8Linear:
+        bits, offsets = 8, None
+    else:
+        return None
+    tensors = [module.codes, module.scales] + ([offsets] if offsets is not None else []) + \
+              ([module.bias] if module.bias is not None else [])
+    if not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
+        return None
+    keep.extend(tensors)
+    return _Projection(bits, module.in_features, module.out_features, module.codes.data_ptr(),
+                       module.scales.data_ptr(), 0 if offsets is None else offsets.data_ptr(),
+                       0 if module.bias is None else module.bias.data_ptr())
+
+
+def why_not(decoder) -> str | None:
+    """Why :class:`FusedLayers` cannot run ``decoder`` (a :class:`~speculant.models.llama.LlamaDecoder`), or ``None``."""
+    if not build.available():
+        return f"the kernels {build.unavailable_reason()}"
+    cfg = decoder.config
+    if decoder.attention_dtype != torch.float32 or not attention_kernel.supports(cfg.head_dim):
+        return "needs a float32 KV cache and a head size that is a multiple of 8 (at most 256)"
+    if cfg.hidden_size % 32 or cfg.intermediate_size % 32 or (cfg.num_attention_heads * cfg.head_dim) % 32:
+        return "needs hidden, intermediate and attention sizes that are multiples of 32"
+    for i, layer in enumerate(decoder.layers):
+        projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if any(_projection(p, []) is None for p in projections):
+            return f"layer {i} has a projection that is not w4a8/w8a8 ({type(projections[0]).__name__})"
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+            return "needs float32 norm weights"
+    return None
+
+
+class FusedLayers:
+    """The decoder layers of ``decoder`` (every projection :class:`~speculant.runtime.formats.W4A8Linear` or
+    :class:`~speculant.runtime.formats.W8A8Linear`, float32 KV cache) as one C call per forward.
+
+    It holds pointers into the decoder's tensors: build it after the weights are packed and rebuild it if they
+    are replaced.
+
+    Raises:
+        SpeculantError: the kernels cannot run here.
+        ValueError: the decoder cannot run this way (:func:`why_not` says why).
+    """
+
+    def __init__(self, decoder):
+        self.lib = build.require("the fused decoding step", "the torch layer step")
+        reason = why_not(decoder)
+        if reason is not None:
+            raise ValueError(f"fused decoding step: {reason}")
+        cfg = decoder.config
+        self._keep: list[torch.Tensor] = []
+        layers = (_Layer * decoder.num_layers)()
+        for i, layer in enumerate(decoder.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
+            self._keep.extend(norms)
+            layers[i] = _Layer(norms[0].data_ptr(), norms[1].data_ptr(),
+                               *(_projection(p, self._keep) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                                      mlp.down_proj)))
+        self._layers = layers
+        self.model = _Model(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                            cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim ** -0.5, layers)
+        self.hidden = cfg.hidden_size
+        self.num_layers = decoder.num_layers
+
+    def run(self, x: torch.Tensor, start: int, end: int, cos: torch.Tensor, sin: torch.Tensor,
+            plan: attention_kernel.RaggedPlan) -> torch.Tensor:
+        """Layers ``start .. end-1`` over the rows ``x`` ``[R, D]`` (float32) of the sequences of ``plan``
+        (one or more; rows in the plan's order), RoPE tables ``cos``/``sin`` ``[R, Dh]`` gathered at the rows'
+        positions.  Writes each sequence's new keys/values to its cache; returns the hidden states ``[R, D]``
+        leaving layer ``end - 1`` (``x`` is not modified).
+
+        Raises:
+            ValueError: a layer range or row count that does not match.
+            MemoryError: a workspace cannot be allocated.
+        """
+        rows = sum(plan.rows[j] for j in range(plan.n))
+        if not 0 <= start <= end <= self.num_layers or x.shape != (rows, self.hidden) or cos.shape[0] != rows:
+            raise ValueError(f"fused step: layers {start}..{end} of {self.num_layers}, x {tuple(x.shape)}, "
+                             f"cos {tuple(cos.shape)}; allowed: rows = {rows}, hidden = {self.hidden}")
+        out = x.detach().float().contiguous().clone()
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        status = self.lib.spec_run_layers(ctypes.byref(self.model), start, end, plan.n, plan.rows, plan.starts,
+                                          plan.smax, plan.keys, plan.values, plan.layer_stride, plan.mask_ptrs,
+                                          out.data_ptr(), cos.data_ptr(), sin.data_ptr())
+        if status != 0:
+            raise MemoryError("fused decoding step: cannot allocate its workspace")
+        return out

@@ -1,0 +1,136 @@
+"""The fused decoding step (speculant/kernels/decode_step.c): w4a8 layers as one C call per forward.
+
+What it computes (against the torch layer step on the same packed weights), rows that get the one-token step's
+bits whatever else shares the call (blocks, trees, batched rounds, a block resuming at an exit layer), and where
+it does not apply."""
+
+import copy
+
+import pytest
+import torch
+from helpers import tiny_model
+
+from speculant import load_model
+from speculant.kernels import build, decode_step
+from speculant.models.loading import save_hf_dir
+from speculant.models.ragged import RaggedBlock, ragged_run_layers
+from speculant.runtime.formats import apply_weight_format
+from speculant.trees.tree import DraftTree
+
+pytestmark = pytest.mark.skipif(not build.available(), reason=f"kernels: {build.unavailable_reason()}")
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = tiny_model(seed=7, scale=2.0, vocab=96, layers=4)
+    apply_weight_format(m.decoder, "w4a8")
+    return m
+
+
+def _prefilled(dec, prompt, length=48):
+    cache = dec.new_cache(length)
+    dec(torch.tensor([prompt]), None, None, cache, 0)
+    cache.crop(len(prompt))
+    return cache
+
+
+def test_it_runs_and_computes_what_the_torch_layer_step_computes(model):
+    """Same packed weights, same quantized products: the fused step and the torch step differ only by float
+    rounding in the norms, RoPE and SiLU (relative ~1e-6 of the logits), and the fused one is the one used."""
+    dec = model.decoder
+    assert dec.fused_layers() is not None
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42, 7, 1, 2, 3]])
+    out = {}
+    with torch.inference_mode():
+        for fused in (True, False):
+            dec.use_fused = fused
+            cache = _prefilled(dec, ids[0, :6].tolist())
+            out[fused] = (dec(ids[:, 6:7], None, None, cache, 6), dec(ids[:, 7:10], None, None, cache, 7))
+    dec.use_fused = True
+    for a, b in zip(out[True], out[False]):
+        scale = float(b.abs().max())
+        assert float((a - b).abs().max()) <= 2e-5 * scale
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_block_rows_get_the_one_token_steps_bits(model):
+    dec = model.decoder
+    prompt, block = [5, 9, 2, 7, 1], [11, 12, 13, 14, 15, 16, 17]
+    with torch.inference_mode():
+        c1 = _prefilled(dec, prompt)
+        together = dec(torch.tensor([block]), None, None, c1, len(prompt))
+        c2 = _prefilled(dec, prompt)
+        alone = [dec(torch.tensor([[t]]), None, None, c2, len(prompt) + j) for j, t in enumerate(block)]
+    for j in range(len(block)):
+        assert torch.equal(together[0, j], alone[j][0, 0]), j
+    assert torch.equal(c1.keys[:, :, :, :12], c2.keys[:, :, :, :12])
+
+
+def test_a_batched_round_gives_each_sequence_its_own_bits(model):
+    """A chain, a tree with its mask and an early-exit block resuming at layer 2, in one ragged pass: each equals
+    its sequence run alone, hidden states and KV caches bit for bit."""
+    dec = model.decoder
+    with torch.inference_mode():
+        caches = [_prefilled(dec, p, 32) for p in ([5, 9, 2, 7], [1, 2, 3, 4, 5, 6], [8, 8])]
+        tree = DraftTree()
+        a = tree.add(-1, 3)
+        tree.add(-1, 4)
+        tree.add(a, 5)
+        n1 = caches[1].length
+        blocks = [RaggedBlock(dec.embed(torch.tensor([[11, 12, 13]])), 0, torch.arange(4, 7), None, caches[0], 4),
+                  RaggedBlock(dec.embed(tree.block_tokens(6)[None]), 0, tree.block_positions(n1),
+                              tree.attention_mask(n1), caches[1], n1),
+                  RaggedBlock(torch.randn(1, 2, dec.config.hidden_size), 2, torch.arange(2, 4), None, caches[2], 2)]
+        alone_caches = [copy.deepcopy(c) for c in caches]
+        alone = [dec.run_layers(b.hidden, b.start_layer, dec.num_layers, b.positions, b.mask, c, b.cache_position)
+                 for b, c in zip(blocks, alone_caches)]
+        counts = list(dec.layer_token_counts)
+        together = ragged_run_layers(dec, blocks)
+    assert [n - c for n, c in zip(dec.layer_token_counts, counts)] == [3 + 4, 3 + 4, 3 + 4 + 2, 3 + 4 + 2]
+    for x, y in zip(together, alone):
+        assert torch.equal(x, y)
+    for c, d in zip(caches, alone_caches):
+        assert torch.equal(c.keys, d.keys) and torch.equal(c.values, d.values)
+
+
+def test_where_it_does_not_apply(model):
+    fp32 = tiny_model(seed=7, vocab=96, layers=4).decoder
+    assert fp32.fused_layers() is None and "not w4a8" in decode_step.why_not(fp32)
+    dec = model.decoder
+    dec.use_fused = False
+    assert dec.fused_layers() is None
+    dec.use_fused = True
+    with pytest.raises(ValueError, match="not w4a8"):
+        decode_step.FusedLayers(fp32)
+    with pytest.raises(ValueError, match="rows = 3"):
+        plan_cache = _prefilled(dec, [1, 2])
+        from speculant.kernels.attention import RaggedPlan
+        plan = RaggedPlan([3], [2], [plan_cache], [torch.ones(3, 5, dtype=torch.bool)])
+        dec.fused_layers().run(torch.zeros(2, dec.config.hidden_size), 0, 4, torch.zeros(2, 16), torch.zeros(2, 16),
+                               plan)
+
+
+def test_a_copy_points_into_its_own_tensors(model):
+    """``copy.deepcopy`` (the truncated draft model) drops the fused step; the copy builds one over its own
+    weights, so changing the copy's weights changes only the copy's outputs."""
+    dec = model.decoder
+    assert dec.fused_layers() is not None
+    twin = copy.deepcopy(dec)
+    assert twin._fused is None
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.inference_mode():
+        before = dec(ids[:, 4:], None, None, _prefilled(dec, ids[0, :4].tolist()), 4)
+        twin.layers[1].mlp.down_proj.scales.mul_(2.0)
+        assert twin.fused_layers() is not dec.fused_layers()
+        changed = twin(ids[:, 4:], None, None, _prefilled(twin, ids[0, :4].tolist()), 4)
+        after = dec(ids[:, 4:], None, None, _prefilled(dec, ids[0, :4].tolist()), 4)
+    assert torch.equal(before, after) and not torch.equal(before, changed)
+
+
+def test_the_loader_runs_w4a8_fused_without_torch_compile(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+    path = save_hf_dir(tiny_model(seed=3, vocab=64, layers=2, eos=63), tmp_path / "hf")
+    loaded = load_model(str(path), weights="w4a8")
+    assert loaded.fused and not loaded.compiled and loaded.decoder.fused_layers() is not None
+    loaded = load_model(str(path), weights="int8", compile=False)
+    assert not loaded.fused and loaded.decoder.fused_layers() is None
