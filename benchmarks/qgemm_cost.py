@@ -6,7 +6,9 @@ fused gate/up 576 -> 3072, down 1536 -> 576, LM head 576 -> 49152), each packed 
 ``_weight_int8pack_mm``) and ``w4a8``/``w8a8`` (ours, :mod:`speculant.kernels.qgemm`); best of ``--repeats``
 timings of ``--calls`` calls each, formats interleaved, the call as the model makes it (module forward).
 
-    python benchmarks/qgemm_cost.py [--rows 1,2,4,5,8,16,64,800] [--repeats 5]
+    python benchmarks/qgemm_cost.py [--rows 1,2,4,5,8,16,64,800] [--repeats 5] [--only w4a8]
+
+``--only`` keeps the kernels whose name contains one of its comma-separated words (``--only w4a8,w8a8``: ours alone).
 
 A last row times ``torch._int_mm`` (torch's int8 x int8 -> int32 product, the integer part alone) on the gate/up
 shape for up to 8 rows: on CPU it is a reference loop, one reason for a kernel of our own.
@@ -30,8 +32,11 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,5,8,16,64,800")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--only", default="", help="comma-separated words; keep the kernels whose name contains one")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
+    only = [w for w in args.only.split(",") if w]
+    keep = lambda kernel: not only or any(w in kernel for w in only)      # noqa: E731
     g = torch.Generator().manual_seed(0)
     cpu = cpu_description()
     print(f"CPU: {cpu['model']} ({', '.join(cpu['isa'])}), torch {torch.__version__}, {torch.get_num_threads()} threads; "
@@ -44,6 +49,7 @@ def main() -> None:
             head = name == "lm_head"
             mods = {"torch int8" if head else "torch int4": pack_linear("int8" if head else "int4", w),
                     "ours w8a8" if head else "ours w4a8": pack_linear("w8a8" if head else "w4a8", w)}
+            mods = {k: m for k, m in mods.items() if keep(k)}
             best = {k: {} for k in mods}
             for r in rows:
                 x = torch.randn(r, i, generator=g)
@@ -58,6 +64,8 @@ def main() -> None:
                         best[k][r] = min(best[k].get(r, us), us)
             for k in mods:
                 print(f"| {name} {i}->{o} | {k} | " + " | ".join(f"{best[k][r]:.0f}" for r in rows) + " |")
+        if not keep("torch._int_mm"):
+            return
         o, i = SHAPES["gate_up"]
         b = torch.randint(-127, 128, (o, i), dtype=torch.int8, generator=g).t()      # [I, O], column-major
         cells = []

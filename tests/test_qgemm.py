@@ -82,6 +82,25 @@ def test_gguf_codes_are_used_as_stored():
 
 
 @needs_kernel
+def test_interleaved_layout_round_trips_and_every_output_is_computed_alike():
+    """float16 scales, rows interleaved by groups of 8 outputs (the last N % 8 row by row): ``group_quantized`` gives
+    the codes back, and an output gets the same bits in a group of 8 as among the last N % 8 (regrouped by select_rows)."""
+    g = torch.Generator().manual_seed(4)
+    w, x = torch.randn(21, 96, generator=g), torch.randn(5, 96, generator=g)
+    for codes, cls in ((quantize_q4(w), W4A8Linear), (quantize_q8(w), W8A8Linear)):
+        lin = cls(codes)
+        assert lin.scales.dtype == torch.float16 and lin.codes.shape[0] == 21
+        back = lin.group_quantized()
+        assert torch.equal(back.codes, codes.codes) and torch.equal(back.scale, codes.scale)
+        assert (back.offset is None) == (codes.offset is None)
+        assert codes.offset is None or torch.equal(back.offset, codes.offset)
+        full = lin(x)
+        for index in ([3, 20, 0], [16, 17, 18, 19, 20, 5, 6, 7, 1], list(range(21))[::-1]):
+            rows = lin.select_rows(torch.tensor(index))
+            assert torch.equal(rows(x), full[:, index]), (cls.__name__, index)
+
+
+@needs_kernel
 def test_shapes_the_kernel_cannot_take_fall_back():
     lin = pack_linear("w4a8", torch.randn(8, 40))                  # 40 inputs: not blocks of 32
     assert lin.format == "int8"

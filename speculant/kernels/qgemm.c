@@ -1,26 +1,56 @@
-/* Weight-quantized matrix products on int8 activations (AVX2), the dot products llama.cpp's CPU backend uses.
+/* Weight-quantized matrix products on int8 activations (AVX2 + F16C), llama.cpp's block dot products.
  *
  *   y[m, n] = sum_g  wd[n, g] * xd[m, g] * (sum_{i<32} q[n, g, i] * xq[m, g, i])  +  wm[n, g] * xs[m, g]
  *
- * Weights: blocks of 32 along the input dimension (GGUF Q4_0 / Q4_1 / Q8_0).  4-bit codes are packed two per
- * byte, byte j of a block holding code j (low nibble) and code j + 16 (high nibble), as in GGUF.
- * Activations: quantized per row and block of 32 to int8 (llama.cpp's Q8_1): xd = max|x| / 127,
- * xq = round(x / xd) (to nearest even), xs = xd * sum(xq).
+ * Weights: blocks of 32 along the input dimension (GGUF Q4_0 / Q4_1 / Q8_0), scale wd and min wm per block in fp16 (as
+ * GGUF stores them).  4-bit codes are packed two per byte, byte j of a block holding code j (low nibble) and code
+ * j + 16 (high nibble), as in GGUF.  Activations: quantized per row and block of 32 to int8 (llama.cpp's Q8_1):
+ * xd = max|x| / 127, xq = round(x / xd) (to nearest even), xs = xd * sum(xq), float32.
  *
- * Exactness: every output element is computed by one thread with the same sequence of operations whatever
- * M (rows) is and wherever the row falls in a block of rows: integer block sums are exact, the float
- * accumulation runs over the blocks in order, then a fixed horizontal sum.  So each row of a product gets the
- * bits it gets alone (batch invariance), which greedy speculative decoding's exactness rests on.
- * Build: cc -O3 -mavx2 -mfma -fopenmp (no -ffast-math: it would let the compiler reorder the sums).
+ * Layout: outputs in groups of 8 ("lanes"), the group's blocks interleaved so that one 256-bit vector holds 4
+ * consecutive codes of each of the 8 outputs (one 32-bit lane per output).  With the 4 matching activation bytes
+ * broadcast to every lane, vpmaddubsw + vpmaddwd leave in lane j the dot product of output n0 + j over those 4
+ * inputs, so a block's integer sum is built by vertical adds and no horizontal sum is ever needed; the float work
+ * (convert, scale, accumulate) is one vector operation per 8 outputs, row and block.  Per group of 8 outputs n0..n0+7
+ * and block g, in the rows n0..n0+7 of the buffers (which keep their [N, ...] shape):
+ *   Q4_1 codes: 128 bytes: for L = 0..3, for j = 0..7: GGUF bytes 4L..4L+3 of output n0+j's block g (codes
+ *               4L..4L+3 in the low nibbles, 16+4L..16+4L+3 in the high ones);
+ *   Q8_0 codes: 256 bytes: for c = 0..7, for j = 0..7: codes 4c..4c+3 of output n0+j's block g;
+ *   wd, wm:     8 fp16: output n0+j's value for block g at j.
+ * The last N % 8 outputs (a reduced-vocabulary LM head's, say) are stored as they are in GGUF, row by row.
+ *
+ * Exactness: each output element y[m, n] is computed by one thread with this float sequence, whatever M is, wherever
+ * row m falls in a tile of rows and whether output n is in a group of 8 or among the last N % 8:
+ *     acc = 0;  for g = 0 .. G-1:  acc = fma((float)isum[g], wd[g] * xd[g], acc);  [Q4_1: acc = fma(wm[g], xs[g], acc)]
+ *     y[m, n] = acc
+ * where isum[g] is the block's exact integer dot product (|isum| < 2^24: exact in float; the int16 partial sums
+ * cannot saturate or wrap, see below), so each row of a product gets the bits it gets alone (batch invariance),
+ * which greedy speculative decoding's exactness rests on.  A vector lane does exactly what the scalar code for the
+ * last N % 8 outputs does (fmaf, one float multiply), so a reduced-vocabulary head's rows get the bits they get in
+ * the full head.  No float multiply is ever followed by an add (GCC's default -ffp-contract=fast could fuse them,
+ * differently in differently unrolled copies).
+ * Build: cc -O3 -mavx2 -mfma -mf16c -fopenmp (no -ffast-math: it would let the compiler reorder the sums).
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "simd.h"
 
 #define QK 32
-#define MB 4
+#define LANES 8          /* outputs per interleaved group */
+#ifndef MB
+#define MB 5             /* rows per tile: a group's unpacked weights are reused from registers for MB rows (5: the
+                          * most whose sums and accumulators fit the 16 registers; 4 + 1 tiles cost 15% more at M = 5) */
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* An empty asm that "changes" v: keeps GCC from reassociating a row's integer sums into a tree over all of a block's
+ * products (which then spills them); the sums are exact in any order, this is for speed only. */
+#define PIN(v) __asm__("" : "+x"(v))
 
 
 /* x [M, K] float32 -> xq [M, K] int8, xd [M, K/32], xs [M, K/32] */
@@ -57,107 +87,158 @@ void spec_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float 
     }
 }
 
-static inline __m256i unpack_q4(const uint8_t *b) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)b);
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+/* 4 activation bytes at p in every 32-bit lane */
+INLINE __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
 }
 
-static inline __m256 block_dot_u(__m256i qu, const int8_t *y) {   /* unsigned codes x signed activations */
-    const __m256i p16 = _mm256_maddubs_epi16(qu, _mm256_loadu_si256((const __m256i *)y));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+/* 8 fp16 -> 8 float32 (exact) */
+INLINE __m256 load_h8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* Q4_1, one group of 8 outputs (codes wc, scales wd, mins wm of the group: G x 128 bytes, G x 8, G x 8) by R rows
+ * starting at row m0 (R <= MB, a constant after inlining); writes y[m0 + r, n0 .. n0+7].
+ * Int16 partial sums: each vpmaddubsw lane is 2 products of a code (0..15) and an activation (|xq| <= 127), so
+ * |.| <= 3810, and 8 of them (a lane's whole block) stay <= 30480 < 2^15. */
+INLINE void q4_group(const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, const int8_t *xq, const float *xd,
+                     const float *xs, int64_t m0, int R, int64_t K, int64_t G, float *y, int64_t N, int64_t n0) {
+    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[MB];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *b = wc + g * 128;
+        __m256i s16[MB];
+        for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
+        for (int L = 0; L < 4; L++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 32 * L));
+            const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+            for (int r = 0; r < R; r++) {
+                const int8_t *x = xq + (m0 + r) * K + g * QK;
+                const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x + 4 * L)),
+                                                   _mm256_maddubs_epi16(hi, bcast4(x + 16 + 4 * L)));
+                s16[r] = _mm256_add_epi16(s16[r], p);
+                PIN(s16[r]);
+            }
+        }
+        const __m256 dw = load_h8(wd + g * LANES), mw = load_h8(wm + g * LANES);
+        for (int r = 0; r < R; r++) {
+            const int64_t mg = (m0 + r) * G + g;
+            const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones));
+            acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, _mm256_set1_ps(xd[mg])), acc[r]);
+            acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[mg]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
 }
 
-static inline __m256 block_dot_s(__m256i w, const int8_t *y) {    /* signed codes x signed activations */
-    const __m256i yv = _mm256_loadu_si256((const __m256i *)y);
-    const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(yv, w));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+/* Q8_0, one group of 8 outputs (G x 256 bytes of codes, G x 8 scales) by R rows from m0.  Signed codes times signed
+ * activations as llama.cpp does: vpmaddubsw(|w|, sign(x, w)), each int16 lane <= 2 * 128 * 127 < 2^15. */
+INLINE void q8_group(const int8_t *wc, const uint16_t *wd, const int8_t *xq, const float *xd, int64_t m0, int R,
+                     int64_t K, int64_t G, float *y, int64_t N, int64_t n0) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MB];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const int8_t *b = wc + g * 256;
+        __m256i s32[MB];
+        for (int r = 0; r < R; r++) s32[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 32 * c)), aw = _mm256_sign_epi8(w, w);
+            for (int r = 0; r < R; r++) {
+                const __m256i xb = bcast4(xq + (m0 + r) * K + g * QK + 4 * c);
+                const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xb, w));
+                s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(p, ones));
+                PIN(s32[r]);
+            }
+        }
+        const __m256 dw = load_h8(wd + g * LANES);
+        for (int r = 0; r < R; r++) {
+            const __m256 isum = _mm256_cvtepi32_ps(s32[r]);
+            acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, _mm256_set1_ps(xd[(m0 + r) * G + g])), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
 }
 
-/* Outputs n0 .. n0+NB-1 by rows m0 .. m0+R-1: one float accumulator per output element, blocks in order, then
- * a fixed horizontal sum and the offset term; the operations on an element do not depend on NB, R or M. */
-#define TILE(N0, NB, R, LOAD, DOT, HAS_MIN)                                                          \
-    do {                                                                                         \
-        __m256 acc[NB][R];                                                                       \
-        for (int a = 0; a < (NB); a++)                                                           \
-            for (int r = 0; r < (R); r++) acc[a][r] = _mm256_setzero_ps();                       \
-        for (int64_t g = 0; g < G; g++) {                                                        \
-            for (int a = 0; a < (NB); a++) {                                                     \
-                const int64_t n = (N0) + a;                                                      \
-                const __m256i w = LOAD;                                                          \
-                const float dw = wd[n * G + g];                                                  \
-                for (int r = 0; r < (R); r++) {                                                  \
-                    const int64_t m = m0 + r;                                                    \
-                    const __m256 s = _mm256_set1_ps(dw * xd[m * G + g]);                         \
-                    acc[a][r] = _mm256_fmadd_ps(DOT(w, xq + m * K + g * QK), s, acc[a][r]);      \
-                }                                                                                \
-            }                                                                                    \
-        }                                                                                        \
-        for (int a = 0; a < (NB); a++)                                                           \
-            for (int r = 0; r < (R); r++) {                                                      \
-                const int64_t n = (N0) + a, m = m0 + r;                                          \
-                y[m * N + n] = hsum8(acc[a][r]) + (HAS_MIN ? offset_sum(wm + n * G, xs + m * G, G) : 0.0f); \
-            }                                                                                    \
+/* The exact integer dot product of a 32-code block (qu: unsigned codes, or w: signed) with 32 activations. */
+INLINE int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+INLINE int32_t block_isum_u(const uint8_t *b, const int8_t *x) {     /* GGUF Q4 block: 16 bytes */
+    const __m128i raw = _mm_loadu_si128((const __m128i *)b), mask = _mm_set1_epi8(0x0F);
+    const __m256i qu = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+    const __m256i p = _mm256_maddubs_epi16(qu, _mm256_loadu_si256((const __m256i *)x));
+    return hsum_epi32(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+INLINE int32_t block_isum_s(const int8_t *b, const int8_t *x) {      /* Q8_0 block: 32 codes */
+    const __m256i w = _mm256_loadu_si256((const __m256i *)b), xv = _mm256_loadu_si256((const __m256i *)x);
+    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
+    return hsum_epi32(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+/* The last N % 8 outputs (stored row by row), every row: the same float sequence as a vector lane. */
+static void tail_outputs(const uint8_t *c4, const int8_t *c8, const uint16_t *wd, const uint16_t *wm,
+                         const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, int64_t N, float *y) {
+    const int64_t G = K / QK;
+    for (int64_t n = N / LANES * LANES; n < N; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float acc = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                const int8_t *x = xq + m * K + g * QK;
+                const int32_t isum = c4 ? block_isum_u(c4 + n * (K / 2) + g * (QK / 2), x) : block_isum_s(c8 + n * K + g * QK, x);
+                const float s = _cvtsh_ss(wd[n * G + g]) * xd[m * G + g];
+                acc = fmaf((float)isum, s, acc);
+                if (wm) acc = fmaf(_cvtsh_ss(wm[n * G + g]), xs[m * G + g], acc);
+            }
+            y[m * N + n] = acc;
+        }
+}
+
+/* Groups of 8 outputs split between threads; within a group, rows in tiles of MB then one tile of the last 1..MB-1
+ * (tiling changes which registers hold an element, never its operations).  Unit N / 8 is the last N % 8 outputs. */
+#define FOR_GROUPS(GROUP_CALL, TAIL_CALL)                                                             \
+    do {                                                                                             \
+        const int64_t T = N / LANES;                                                                 \
+        _Pragma("omp parallel for schedule(static)")                                                 \
+        for (int64_t t = 0; t < T + (N % LANES != 0); t++) {                                         \
+            if (t == T) { TAIL_CALL; continue; }                                                     \
+            int64_t m0 = 0;                                                                          \
+            for (; m0 + MB <= M; m0 += MB) GROUP_CALL(MB);                                           \
+            switch (M - m0) {             /* MB <= 6 */                                              \
+                case 5: GROUP_CALL(5); break;                                                        \
+                case 4: GROUP_CALL(4); break;                                                        \
+                case 3: GROUP_CALL(3); break;                                                        \
+                case 2: GROUP_CALL(2); break;                                                        \
+                case 1: GROUP_CALL(1); break;                                                        \
+            }                                                                                        \
+        }                                                                                            \
     } while (0)
 
-/* sum_g wm[g] * xs[g] in a fixed order */
-static inline float offset_sum(const float *wm, const float *xs, int64_t G) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 8 <= G; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(wm + g), _mm256_loadu_ps(xs + g), acc);
-    float s = hsum8(acc);
-    for (; g < G; g++) s += wm[g] * xs[g];
-    return s;
-}
-
-/* All rows of x for outputs 4t .. 4t+3: tiles of 2 outputs x 4 rows, then the last 1-3 rows in one tile; outputs past a
- * multiple of 4 one by one.  Tiling changes which registers hold an element, never its operations. */
-#define ALL_ROWS(LOAD, DOT, HAS_MIN)                                                             \
-    do {                                                                                         \
-        const int64_t n0 = 4 * t;                                                                \
-        int64_t m0 = 0;                                                                          \
-        if (n0 + 4 <= N) {                                                                       \
-            for (; m0 + MB <= M; m0 += MB) {                                                     \
-                TILE(n0, 2, MB, LOAD, DOT, HAS_MIN);                                             \
-                TILE(n0 + 2, 2, MB, LOAD, DOT, HAS_MIN);                                         \
-            }                                                                                    \
-            if (M - m0 == 3) {                                                                   \
-                TILE(n0, 2, 3, LOAD, DOT, HAS_MIN);                                              \
-                TILE(n0 + 2, 2, 3, LOAD, DOT, HAS_MIN);                                          \
-            } else if (M - m0 == 2) {                                                            \
-                TILE(n0, 4, 2, LOAD, DOT, HAS_MIN);                                              \
-            } else if (M - m0 == 1) {                                                            \
-                TILE(n0, 4, 1, LOAD, DOT, HAS_MIN);                                              \
-            }                                                                                    \
-        } else {                                                                                 \
-            for (int64_t n1 = n0; n1 < N; n1++)                                                  \
-                for (m0 = 0; m0 < M; m0++) TILE(n1, 1, 1, LOAD, DOT, HAS_MIN);                   \
-        }                                                                                        \
-    } while (0)
-
-/* y [M, N] = dequant(codes [N, K/2] uint8, wd, wm [N, K/32]) applied to the quantized rows of x */
+/* y [M, N] = dequant(codes [N, K/2] uint8, wd, wm [N, K/32] fp16; the layout above) applied to the quantized rows */
 void spec_w4a8(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K,
-               const uint8_t *codes, const float *wd, const float *wm, int64_t N, float *y) {
+               const uint8_t *codes, const uint16_t *wd, const uint16_t *wm, int64_t N, float *y) {
     const int64_t G = K / QK;
-    #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < (N + 3) / 4; t++)
-        ALL_ROWS(unpack_q4(codes + n * (K / 2) + g * (QK / 2)), block_dot_u, 1);
+#define Q4_CALL(R) q4_group(codes + t * LANES * (K / 2), wd + t * LANES * G, wm + t * LANES * G, xq, xd, xs, m0, R, K, G, \
+                            y, N, t * LANES)
+    FOR_GROUPS(Q4_CALL, tail_outputs(codes, 0, wd, wm, xq, xd, xs, M, K, N, y));
+#undef Q4_CALL
 }
 
-/* y [M, N] = dequant(codes [N, K] int8, wd [N, K/32]) applied to the quantized rows of x */
+/* y [M, N] = dequant(codes [N, K] int8, wd [N, K/32] fp16; the layout above) applied to the quantized rows */
 void spec_w8a8(const int8_t *xq, const float *xd, int64_t M, int64_t K,
-               const int8_t *codes, const float *wd, int64_t N, float *y) {
+               const int8_t *codes, const uint16_t *wd, int64_t N, float *y) {
     const int64_t G = K / QK;
-    const float *wm = 0, *xs = 0;
-    #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < (N + 3) / 4; t++)
-        ALL_ROWS(_mm256_loadu_si256((const __m256i *)(codes + n * K + g * QK)), block_dot_s, 0);
-    (void)wm; (void)xs;
+#define Q8_CALL(R) q8_group(codes + t * LANES * K, wd + t * LANES * G, xq, xd, m0, R, K, G, y, N, t * LANES)
+    FOR_GROUPS(Q8_CALL, tail_outputs(0, codes, wd, 0, xq, xd, 0, M, K, N, y));
+#undef Q8_CALL
 }
 
 /* The same products on float32 rows x [M, K]: quantize (workspace of our own), then multiply. Returns 0, or -1 when
  * the workspace cannot be allocated (y is then untouched). */
-#include <stdlib.h>
 static int quantized_workspace(const float *x, int64_t M, int64_t K, int8_t **xq, float **xd, float **xs) {
     const int64_t G = K / QK;
     *xq = (int8_t *)malloc((size_t)(M * K));
@@ -168,7 +249,7 @@ static int quantized_workspace(const float *x, int64_t M, int64_t K, int8_t **xq
     return 0;
 }
 
-int spec_w4a8_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *wd, const float *wm,
+int spec_w4a8_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *wd, const uint16_t *wm,
                   int64_t N, float *y) {
     int8_t *xq; float *xd, *xs;
     if (quantized_workspace(x, M, K, &xq, &xd, &xs)) return -1;
@@ -177,7 +258,7 @@ int spec_w4a8_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, co
     return 0;
 }
 
-int spec_w8a8_f32(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *wd, int64_t N, float *y) {
+int spec_w8a8_f32(const float *x, int64_t M, int64_t K, const int8_t *codes, const uint16_t *wd, int64_t N, float *y) {
     int8_t *xq; float *xd, *xs;
     if (quantized_workspace(x, M, K, &xq, &xd, &xs)) return -1;
     spec_w8a8(xq, xd, M, K, codes, wd, N, y);

@@ -61,8 +61,9 @@ def _w4a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets
 
     The weight is ``w[n, k] = scales[n, g] * q[n, k] + offsets[n, g]`` (``g = k // 32``, ``q`` in 0..15), packed
     in ``codes`` ``[N, K/2]`` uint8 as GGUF does (byte j of a block: code j in the low nibble, code j+16 in the
-    high one); ``scales``/``offsets`` ``[N, K/32]`` float32.  ``x`` is quantized per block of 32 to int8 first
-    (:func:`quantize_rows`).
+    high one); ``scales``/``offsets`` ``[N, K/32]`` float16; the rows of all three interleaved by groups of 8
+    outputs (the layout in ``qgemm.c``'s header; :class:`~speculant.runtime.formats.W4A8Linear` makes it).
+    ``x`` is quantized per block of 32 to int8 first (:func:`quantize_rows`).
 
     Raises:
         SpeculantError: the kernel cannot run here.
@@ -77,7 +78,8 @@ def _w4a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets
 
 def _w8a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x`` ``[M, K]`` float32 times the transpose of the 8-bit weight ``w[n, k] = scales[n, k // 32] * codes[n, k]``
-    (``codes`` ``[N, K]`` int8, ``scales`` ``[N, K/32]`` float32; GGUF's Q8_0) -> ``[M, N]`` float32, on int8
+    (``codes`` ``[N, K]`` int8, ``scales`` ``[N, K/32]`` float16; GGUF's Q8_0; rows interleaved by groups of 8
+    outputs as for :func:`_w4a8_mm`, :class:`~speculant.runtime.formats.W8A8Linear`) -> ``[M, N]`` float32, on int8
     activations (:func:`quantize_rows`; ``torch.ops.speculant.w8a8_mm``).
 
     Raises:

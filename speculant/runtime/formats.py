@@ -10,9 +10,10 @@ int8     int8 per output channel, symmetric, bfloat16 scales       ``aten._weigh
 int4     int4 per group of 32, asymmetric (GGUF Q4_0/Q4_1 codes     ``aten._weight_int4pack_mm_for_cpu``
          as stored; other weights quantized like Q4_1),
          bfloat16 scales and offsets
-w4a8     the same 4-bit codes with float32 scales and offsets (as    ``speculant.w4a8_mm`` (our AVX2
-         the GGUF stores them); activations quantized to int8 per    kernel, :mod:`speculant.kernels.
-         block of 32 (llama.cpp's Q4 x Q8_1 dot product)             qgemm`)
+w4a8     the same 4-bit codes with float16 scales and offsets (as    ``speculant.w4a8_mm`` (our AVX2
+         the GGUF stores them; rows interleaved by 8 for the         kernel, :mod:`speculant.kernels.
+         kernel); activations quantized to int8 per block of 32      qgemm`)
+         (llama.cpp's Q4 x Q8_1 dot product)
 ======== ========================================================= ==============================
 
 Weight-only quantization: activations stay float32 between projections; the bf16/int8/int4 kernels
@@ -198,13 +199,63 @@ class Int4Linear(PackedLinear):
         return w.view(o, i)
 
 
-class W4A8Linear(PackedLinear):
+LANES = 8
+"""Outputs per interleaved group of the ``w4a8``/``w8a8`` layout (one 32-bit lane each of a 256-bit vector)."""
+
+
+def _interleave(x: torch.Tensor, blocks: int, inverse: bool = False) -> torch.Tensor:
+    """Rows ``[O, blocks * W * B]`` (each block ``W`` words of ``B`` elements; ``x`` shaped ``[O, blocks, W, B]``) in the
+    kernels' layout: per group of :data:`LANES` rows and block, word ``w`` of every row of the group, row after row
+    (``[O / 8, blocks, W, 8, B]``); the last ``O % 8`` rows as they are.  ``inverse``: back to row by row."""
+    o, _, w, b = x.shape
+    t = o // LANES * LANES
+    head = x[:t].view(t // LANES, LANES, blocks, w, b) if not inverse else x[:t].view(t // LANES, blocks, w, LANES, b)
+    head = head.permute(0, 2, 3, 1, 4) if not inverse else head.permute(0, 3, 1, 2, 4)
+    return torch.cat([head.reshape(t, blocks, w, b), x[t:]]).reshape(o, -1).contiguous()
+
+
+class _BlockLinear(PackedLinear):
+    """GGUF-style blocks of 32 on int8 activations, interleaved by groups of :data:`LANES` outputs for our kernel
+    (:mod:`speculant.kernels.qgemm`'s layout); subclasses say how a block's codes split into 32-bit words."""
+
+    _WORDS = 0           # 32-bit words of codes per block and output
+
+    def _store(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> None:
+        o, g = scale.shape
+        self.register_buffer("codes", _interleave(codes.contiguous().view(o, g, self._WORDS, 4), g))
+        for name, v in (("scales", scale), ("offsets", offset)):
+            if v is not None:
+                self.register_buffer(name, _interleave(v.to(torch.float16).view(o, g, 1, 1), g))
+
+    def _rows(self, name: str, words: int) -> torch.Tensor:
+        """Buffer ``name`` row by row ``[O, G, words * B]``."""
+        v = getattr(self, name)
+        o, g = self.out_features, self.in_features // INT4_GROUP
+        return _interleave(v.view(o, g, words, -1), g, inverse=True).view(o, g, -1)
+
+    def group_quantized(self) -> GroupQuantized:
+        """The stored weight as group-wise codes ``[O, I]`` (scales and offsets as stored, in float32)."""
+        raise NotImplementedError
+
+    def dequantized_weight(self):
+        return self.group_quantized().dequantize()
+
+    def select_rows(self, index: torch.Tensor) -> "PackedLinear":
+        """The projection restricted to output rows ``index`` (regrouped: the interleaved layout is not row-sliceable).
+        Its rows get the bits the full projection gives them (the kernel computes each output alike)."""
+        bias = None if self.bias is None else self.bias[index]
+        return type(self)(self.group_quantized().rows(index), bias)
+
+
+class W4A8Linear(_BlockLinear):
     """4-bit codes in blocks of 32 on int8 activations: ``W[o, i] = scales[o, g] * q[o, i] + offsets[o, g]``,
-    ``q`` in 0..15 packed two per byte as in GGUF, ``scales``/``offsets`` float32 (a GGUF's fp16 values exactly).
+    ``q`` in 0..15 packed two per byte as in GGUF, ``scales``/``offsets`` float16 (a GGUF's Q4_1 values exactly;
+    others are rounded to float16), the rows of ``codes`` ``[O, I/2]``, ``scales``, ``offsets`` ``[O, I/32]``
+    interleaved by groups of 8 outputs (:mod:`speculant.kernels.qgemm`'s layout; :meth:`group_quantized` undoes it).
     The input is quantized per row and block of 32 to int8 (llama.cpp's Q8_1) inside the kernel."""
 
     format = "w4a8"
-    _ROW_BUFFERS = ("codes", "scales", "offsets")
+    _WORDS = 4           # 16 bytes: byte j = code j | code j + 16 << 4
 
     def __init__(self, gq: GroupQuantized, bias: torch.Tensor | None = None):
         o, i = gq.shape
@@ -212,42 +263,42 @@ class W4A8Linear(PackedLinear):
         if gq.bits != 4 or gq.group != INT4_GROUP:
             raise SpeculantError(f"w4a8 takes 4-bit codes in groups of {INT4_GROUP}, got {gq.bits}-bit groups of {gq.group}")
         c = gq.codes.to(torch.uint8).view(o, i // INT4_GROUP, INT4_GROUP)
-        self.register_buffer("codes", (c[..., :16] | (c[..., 16:] << 4)).reshape(o, i // 2).contiguous())
-        self.register_buffer("scales", gq.scale.float().contiguous())
         offset = gq.offset if gq.offset is not None else torch.zeros_like(gq.scale)
-        self.register_buffer("offsets", offset.float().contiguous())
+        self._store(c[..., :16] | (c[..., 16:] << 4), gq.scale, offset)
 
     def matmul(self, x):
         return torch.ops.speculant.w4a8_mm(x.float(), self.codes, self.scales, self.offsets)
 
-    def dequantized_weight(self):
+    def group_quantized(self):
         o, i = self.out_features, self.in_features
-        b = self.codes.view(o, i // INT4_GROUP, 16)
-        q = torch.cat([b & 0x0F, b >> 4], -1).float()
-        return (q * self.scales[..., None] + self.offsets[..., None]).view(o, i)
+        b = self._rows("codes", self._WORDS)
+        q = torch.cat([b & 0x0F, b >> 4], -1).reshape(o, i)
+        return GroupQuantized(q, self._rows("scales", 1).view(o, -1).float(), self._rows("offsets", 1).view(o, -1).float(),
+                              4, INT4_GROUP)
 
 
-class W8A8Linear(PackedLinear):
-    """8-bit codes in blocks of 32 on int8 activations: ``W[o, i] = scales[o, i // 32] * codes[o, i]`` (GGUF's Q8_0);
+class W8A8Linear(_BlockLinear):
+    """8-bit codes in blocks of 32 on int8 activations: ``W[o, i] = scales[o, i // 32] * codes[o, i]`` (GGUF's Q8_0;
+    ``scales`` float16, a GGUF's values exactly), rows interleaved by groups of 8 outputs as in :class:`W4A8Linear`;
     the LM head of ``w4a8``."""
 
     format = "w8a8"
-    _ROW_BUFFERS = ("codes", "scales")
+    _WORDS = 8           # 32 codes
 
     def __init__(self, gq: GroupQuantized, bias: torch.Tensor | None = None):
         o, i = gq.shape
         super().__init__(i, o, bias)
         if gq.bits != 8 or gq.group != INT4_GROUP or gq.offset is not None:
             raise SpeculantError(f"w8a8 takes symmetric 8-bit codes in groups of {INT4_GROUP}")
-        self.register_buffer("codes", gq.codes.to(torch.int8).contiguous())
-        self.register_buffer("scales", gq.scale.float().contiguous())
+        self._store(gq.codes.to(torch.int8).view(o, i // INT4_GROUP, INT4_GROUP), gq.scale, None)
 
     def matmul(self, x):
         return torch.ops.speculant.w8a8_mm(x.float(), self.codes, self.scales)
 
-    def dequantized_weight(self):
+    def group_quantized(self):
         o, i = self.out_features, self.in_features
-        return (self.codes.float().view(o, i // INT4_GROUP, INT4_GROUP) * self.scales[..., None]).view(o, i)
+        return GroupQuantized(self._rows("codes", self._WORDS).reshape(o, i), self._rows("scales", 1).view(o, -1).float(),
+                              None, 8, INT4_GROUP)
 
 
 PACKED_CLASSES = {cls.__name__: cls for cls in (Bf16Linear, Int8Linear, Int4Linear, W4A8Linear, W8A8Linear)}
@@ -297,11 +348,12 @@ def int4_fits(out_features: int, in_features: int) -> bool:
 
 def quantize_q4(weight: torch.Tensor) -> GroupQuantized:
     """Float weight ``[O, I]`` -> 4-bit group-wise codes the way llama.cpp's Q4_1 makes them
-    (per group of 32: ``scale = (max - min) / 15``, ``offset = min``, ``q = round((w - min) / scale)``)."""
+    (per group of 32: ``scale = (max - min) / 15``, ``offset = min``, ``q = round((w - min) / scale)``), the scale
+    and offset rounded to float16 as a GGUF stores them (and the codes made with the rounded values)."""
     o, i = weight.shape
     w = weight.detach().float().view(o, i // INT4_GROUP, INT4_GROUP)
-    lo, hi = w.amin(-1), w.amax(-1)
-    scale = ((hi - lo) / 15.0)
+    lo, hi = w.amin(-1).half().float(), w.amax(-1)
+    scale = ((hi - lo) / 15.0).half().float()
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round((w - lo[..., None]) / safe[..., None]).clamp(0, 15).to(torch.uint8).view(o, i)
     return GroupQuantized(q, scale, lo, 4, INT4_GROUP)
@@ -309,10 +361,10 @@ def quantize_q4(weight: torch.Tensor) -> GroupQuantized:
 
 def quantize_q8(weight: torch.Tensor) -> GroupQuantized:
     """Float weight ``[O, I]`` -> symmetric 8-bit codes per group of 32, as llama.cpp's Q8_0 makes them
-    (``scale = max|w| / 127``, ``q = round(w / scale)``)."""
+    (``scale = max|w| / 127`` rounded to float16 as a GGUF stores it, ``q = round(w / scale)``)."""
     o, i = weight.shape
     w = weight.detach().float().view(o, i // INT4_GROUP, INT4_GROUP)
-    scale = w.abs().amax(-1) / 127.0
+    scale = (w.abs().amax(-1) / 127.0).half().float()
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(w / safe[..., None]).clamp(-127, 127).to(torch.int8).view(o, i)
     return GroupQuantized(q, scale, None, 8, INT4_GROUP)

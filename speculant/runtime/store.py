@@ -20,7 +20,7 @@ from ..models.llama import LlamaDecoder
 from ..models.rope import rope_tables
 from .formats import PACKED_CLASSES, PackedLinear
 
-SCHEMA = "speculant-packed-1"
+SCHEMA = "speculant-packed-2"      # 2: w4a8/w8a8 rows interleaved by 8, float16 scales
 
 
 def packed_path(model_dir: Path, fmt: str) -> Path:
