@@ -13,6 +13,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
 #include "simd.h"
 #include <stdlib.h>
 

@@ -28,8 +28,8 @@
 typedef struct {
     int64_t bits;                  /* 4: Q4_1 codes [N, K/2] uint8 + scales, offsets [N, K/32]; 8: Q8_0 codes [N, K] */
     int64_t in_features, out_features;
-    const void *codes;
-    const float *scales, *offsets; /* offsets: 4-bit only */
+    const void *codes;             /* in qgemm.c's layout (outputs interleaved by 8) */
+    const uint16_t *scales, *offsets; /* float16; offsets: 4-bit only */
     const float *bias;             /* [N] or NULL */
 } spec_projection;
 
