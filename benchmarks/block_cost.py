@@ -48,7 +48,9 @@ def main() -> None:
                     m.decoder(ids, None, None, caches[w], ctx)
                     if rep:
                         times[w][rows].append(time.perf_counter() - t0)
-    print(f"threads {torch.get_num_threads()}, context {ctx}, compiled {not args.no_compile}; "
+    runtime = ", ".join(f"{w}: " + ("fused step" if m.fused else "compiled" if m.compiled else "eager")
+                        for w, m in models.items())
+    print(f"threads {torch.get_num_threads()}, context {ctx}, runtime ({runtime}); "
           "cost of a T-token forward in one-token steps of the same format\n")
     print("| weights | one step [ms] | " + " | ".join(f"T={r}" for r in rows_list) + " |")
     print("|---|---|" + "---|" * len(rows_list))

@@ -58,7 +58,7 @@ def main() -> None:
     agree = {}
     if args.agreement:
         agree = {int(k): v for k, v in json.loads(open(args.agreement).read())["layers"].items()}
-    print(f"weights {model.weights}, compiled {model.compiled}; AR step {shared.ar_step_s * 1e3:.1f} ms "
+    print(f"weights {model.weights}, compiled {model.compiled}, fused {model.fused}; AR step {shared.ar_step_s * 1e3:.1f} ms "
           f"(context {args.context}, threads {shared.threads})\n")
     print("| E | c_draft shared head | c_draft adapter head | " + " | ".join(f"c_verify K={k}" for k in ks)
           + f" | best K | alpha needed for {args.target}x | agreement (shared head) | expected speed-up at it |")

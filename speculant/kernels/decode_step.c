@@ -123,6 +123,7 @@ int spec_run_layers(const spec_model *m, int64_t first, int64_t last, int64_t ns
     const int64_t QKV = (H + 2 * HKV) * Dh;
     int64_t R = 0;
     for (int64_t j = 0; j < nseq; j++) R += rows[j];
+    if (R == 0 || first >= last) return 0;
     const int64_t widest_in = D > I ? (D > H * Dh ? D : H * Dh) : (I > H * Dh ? I : H * Dh);
     const int64_t widest_out = QKV > 2 * I ? QKV : 2 * I;
     float *h = malloc(sizeof(float) * (size_t)(R * (D > H * Dh ? D : H * Dh)));
