@@ -16,6 +16,7 @@ The file is read through the ``gguf`` package's reader (memory-mapped).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,8 +112,40 @@ def _unpermute(gq: GroupQuantized, n_head: int) -> GroupQuantized:
     return gq.rows(index)
 
 
-def read_group_quantized(gguf_path: Path, cfg: ModelConfig) -> dict[str, GroupQuantized]:
-    """Group-quantized projections of a Llama-family GGUF, keyed by our module names.
+_KINDS = {"Q4_0": (4, False), "Q4_1": (4, False), "Q8_0": (8, True)}
+"""Block types read as codes: (bits, symmetric)."""
+
+
+class GGUFCodes(Mapping):
+    """The group-quantized projections of a GGUF file, keyed by our module names, decoded when asked for.
+
+    A read-only mapping over the memory-mapped file: each ``codes[name]`` decodes (and unpermutes, fuses) that
+    projection afresh and keeps nothing, so that packing a model one projection at a time never holds all its
+    unpacked codes (~1 byte per weight) at once.  Keys are known without decoding (from the block types)."""
+
+    def __init__(self, reader, specs: dict[str, list[tuple[str, int | None]]]):
+        self._reader = reader                       # keeps the memory map open
+        self._tensors = {t.name: t for t in reader.tensors}
+        kinds = {n: _KINDS.get(t.tensor_type.name) for n, t in self._tensors.items()}
+        self._specs = {k: parts for k, parts in specs.items()
+                       if all(kinds.get(n) is not None for n, _ in parts) and len({kinds[n] for n, _ in parts}) == 1}
+
+    def __getitem__(self, key: str) -> GroupQuantized:
+        parts = self._specs[key]                    # KeyError for what the file does not hold as codes
+        decoded = [_decode(self._tensors[n]) for n, _ in parts]
+        decoded = [p if h is None else _unpermute(p, h) for p, (_, h) in zip(decoded, parts)]
+        return decoded[0] if len(decoded) == 1 else GroupQuantized.cat(decoded)
+
+    def __iter__(self):
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+
+def read_group_quantized(gguf_path: Path, cfg: ModelConfig) -> GGUFCodes:
+    """Group-quantized projections of a Llama-family GGUF, keyed by our module names (a :class:`GGUFCodes`
+    mapping: each decoded when it is looked up).
 
     Keys: ``layers.{i}.self_attn.qkv_proj``, ``layers.{i}.self_attn.o_proj``, ``layers.{i}.mlp.gate_up_proj``,
     ``layers.{i}.mlp.down_proj`` and ``lm_head_proj`` (the ``output`` tensor, or ``token_embd`` when tied).
@@ -127,33 +160,15 @@ def read_group_quantized(gguf_path: Path, cfg: ModelConfig) -> dict[str, GroupQu
         reader = GGUFReader(str(gguf_path))
     except Exception as e:  # noqa: BLE001 - the reader raises many kinds
         raise SpeculantError(f"cannot read GGUF file {str(gguf_path)!r}: {e}") from None
-    tensors = {t.name: t for t in reader.tensors}
-
-    def get(name: str) -> GroupQuantized | None:
-        t = tensors.get(name)
-        return None if t is None else _decode(t)
-
-    def fused(names: list[str], heads: list[int | None]) -> GroupQuantized | None:
-        parts = [get(n) for n in names]
-        if any(p is None for p in parts):
-            return None
-        parts = [p if h is None else _unpermute(p, h) for p, h in zip(parts, heads)]
-        if len({(p.bits, p.offset is None) for p in parts}) != 1:
-            return None
-        return GroupQuantized.cat(parts)
-
-    out: dict[str, GroupQuantized] = {}
+    names = {t.name for t in reader.tensors}
+    specs: dict[str, list[tuple[str, int | None]]] = {}
     for i in range(cfg.num_hidden_layers):
         b = f"blk.{i}."
-        entries = {
-            f"layers.{i}.self_attn.qkv_proj": fused([b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"],
-                                                    [cfg.num_attention_heads, cfg.num_key_value_heads, None]),
-            f"layers.{i}.self_attn.o_proj": fused([b + "attn_output.weight"], [None]),
-            f"layers.{i}.mlp.gate_up_proj": fused([b + "ffn_gate.weight", b + "ffn_up.weight"], [None, None]),
-            f"layers.{i}.mlp.down_proj": fused([b + "ffn_down.weight"], [None]),
-        }
-        out.update({k: v for k, v in entries.items() if v is not None})
-    head = get("output.weight") if "output.weight" in tensors else get("token_embd.weight")
-    if head is not None:
-        out["lm_head_proj"] = head
-    return out
+        specs[f"layers.{i}.self_attn.qkv_proj"] = [(b + "attn_q.weight", cfg.num_attention_heads),
+                                                   (b + "attn_k.weight", cfg.num_key_value_heads),
+                                                   (b + "attn_v.weight", None)]
+        specs[f"layers.{i}.self_attn.o_proj"] = [(b + "attn_output.weight", None)]
+        specs[f"layers.{i}.mlp.gate_up_proj"] = [(b + "ffn_gate.weight", None), (b + "ffn_up.weight", None)]
+        specs[f"layers.{i}.mlp.down_proj"] = [(b + "ffn_down.weight", None)]
+    specs["lm_head_proj"] = [("output.weight" if "output.weight" in names else "token_embd.weight", None)]
+    return GGUFCodes(reader, specs)

@@ -8,6 +8,8 @@ the safetensors file (seconds).  Nothing is ever downloaded from a model hub.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import importlib.util
 import json
 import os
@@ -48,6 +50,24 @@ DEFAULT_MODEL = "smollm2-135m"
 def cache_root() -> Path:
     """The weight cache directory: ``$SPECULANT_CACHE`` or ``~/.cache/speculant``."""
     return Path(os.environ.get("SPECULANT_CACHE") or Path.home() / ".cache" / "speculant")
+
+
+def release_memory() -> None:
+    """Collect garbage and hand the C heap's free pages back to the system (glibc ``malloc_trim``; elsewhere only the
+    collection): after a large model copy is dropped, so that the next large allocation does not add to a peak of
+    memory the process keeps but no longer uses."""
+    gc.collect()
+    global _TRIM
+    if _TRIM is None:
+        try:
+            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM = None
 
 
 def find_gguf(source: GGUFSource) -> Path:
@@ -96,6 +116,30 @@ class LoadedModel:
         return sorted(ids)
 
 
+def convert_gguf_in_child(name: str, out_dir: Path) -> Path:
+    """:func:`convert_gguf` of the known model ``name`` in a child process (same interpreter and ``speculant``):
+    this process then never holds transformers' model classes, the GGUF reader's tables or the heap the
+    dequantization leaves fragmented (~0.3 GB that would otherwise stay under everything loaded after).
+
+    Raises:
+        SpeculantError: the package is missing (checked here first), or the conversion failed (its exit status;
+            its messages went to stderr).
+    """
+    import subprocess
+    import sys
+
+    find_gguf(KNOWN_MODELS[name])
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    code = ("import sys; from pathlib import Path; from speculant.models.loading import KNOWN_MODELS, convert_gguf; "
+            "convert_gguf(KNOWN_MODELS[sys.argv[1]], Path(sys.argv[2]))")
+    proc = subprocess.run([sys.executable, "-c", code, name, str(out_dir)], env=env, stdout=subprocess.DEVNULL)
+    if proc.returncode != 0 or not (out_dir / "model.safetensors").is_file():
+        raise SpeculantError(f"converting {KNOWN_MODELS[name].filename} to {str(out_dir)!r} failed "
+                             f"(exit status {proc.returncode}; its error is printed above)")
+    return out_dir
+
+
 def config_from_gguf_load(conf: dict) -> ModelConfig:
     """Our config of a model transformers' GGUF loader built (``model.config.to_dict()``), read as strictly
     as a ``config.json``; its ``quantization_config`` (``quant_method: gguf``) is dropped because that loader
@@ -111,20 +155,75 @@ def config_from_gguf_load(conf: dict) -> ModelConfig:
     return ModelConfig.from_hf_dict(conf)
 
 
+def _gguf_float_tensors(gguf: Path, meta_model):
+    """``(HF name, float32 tensor)`` of every weight of ``gguf``, one at a time, exactly as transformers' GGUF loader
+    makes them (``load_gguf_checkpoint(return_tensors=True)``: ``gguf.dequantize``, the architecture's tensor
+    processor, e.g. the q/k row order, and its name map) without holding them all: its loop, tensor by tensor.
+    ``meta_model``: the transformers model of the file's config (on the meta device), for the name map."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map,
+                                                          load_gguf_checkpoint, read_field)
+
+    parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+    reader = GGUFReader(str(gguf))
+    architecture = read_field(reader, "general.architecture")[0]
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed.get("config", {}))
+    names = get_gguf_hf_weights_map(meta_model, processor)
+    for tensor in reader.tensors:
+        result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
+                                   tensor_key_mapping=names, parsed_parameters=parsed)
+        if result.name in names:
+            yield names[result.name], torch.from_numpy(np.copy(result.weights)).to(torch.float32)
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def write_safetensors_stream(path: Path, tensors, count: int) -> None:
+    """Write ``tensors`` (an iterable of ``(name, tensor)``, at most ``count`` of them) as a safetensors file, each
+    tensor written as it comes and then dropped (the whole state is never in memory at once).  The header is
+    reserved in front (JSON padded with spaces, as the format allows) and filled in at the end."""
+    reserve = (256 * count + 4096 + 7) // 8 * 8
+    header, offset = {}, 0
+    with open(path, "wb") as f:
+        f.seek(8 + reserve)
+        for name, t in tensors:
+            t = t.contiguous()
+            data = t.view(torch.uint8).reshape(-1).numpy() if t.numel() else b""
+            f.write(data)
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                            "data_offsets": [offset, offset + t.numel() * t.element_size()]}
+            offset += t.numel() * t.element_size()
+            del t, data
+        text = json.dumps(header, separators=(",", ":")).encode()
+        if len(text) > reserve:
+            raise RuntimeError(f"safetensors header of {len(text)} bytes exceeds the {reserve} reserved")
+        f.seek(0)
+        f.write(reserve.to_bytes(8, "little") + text + b" " * (reserve - len(text)))
+
+
 def convert_gguf(source: GGUFSource, out_dir: Path) -> Path:
-    """Dequantize ``source`` into an HF-format directory ``out_dir`` (written atomically)."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Dequantize ``source`` into an HF-format directory ``out_dir`` (written atomically).
+
+    The weights are transformers' GGUF dequantization (bit for bit what ``AutoModelForCausalLM.from_pretrained``
+    with ``gguf_file`` holds), streamed tensor by tensor into ``model.safetensors``: peak memory is one tensor's
+    dequantization, not the model twice (the state that loader builds plus the model it loads it into)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     gguf = find_gguf(source)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    cfg = config_from_gguf_load(hf.config.to_dict())
-    state = {k: v.contiguous() for k, v in hf.state_dict().items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    hf_config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    cfg = config_from_gguf_load(hf_config.to_dict())
+    with torch.device("meta"):
+        meta_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    tensors = ((k, v) for k, v in _gguf_float_tensors(gguf, meta_model)
+               if not (cfg.tie_word_embeddings and k == "lm_head.weight"))
+    count = len(meta_model.state_dict()) + 8
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
-        save_file(state, str(tmp / "model.safetensors"))
+        write_safetensors_stream(tmp / "model.safetensors", tensors, count)
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
         tokenizer.save_pretrained(str(tmp))
         if out_dir.exists() and not (out_dir / "model.safetensors").is_file():
@@ -138,6 +237,9 @@ def convert_gguf(source: GGUFSource, out_dir: Path) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        del tensors, meta_model
+        release_memory()                       # before the converted weights are read back
     return out_dir
 
 
@@ -202,26 +304,30 @@ def check_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
     return state
 
 
-def hf_state_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Map Hugging Face Llama/Mistral/Qwen2 parameter names to ours (fusing q/k/v and gate/up, biases alike)."""
-    out = {"embed_tokens.weight": state["model.embed_tokens.weight"], "norm.weight": state["model.norm.weight"]}
+def hf_state_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig, consume: bool = False) -> dict[str, torch.Tensor]:
+    """Map Hugging Face Llama/Mistral/Qwen2 parameter names to ours (fusing q/k/v and gate/up, biases alike).
+
+    ``consume``: remove each entry from ``state`` once mapped, so that the unfused parts of a fused weight are freed
+    as it is made (no second copy of the model when ``state`` held the only references)."""
+    take = state.pop if consume else state.__getitem__
+    out = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     if not cfg.tie_word_embeddings:
-        out["lm_head_proj.weight"] = state["lm_head.weight"]
+        out["lm_head_proj.weight"] = take("lm_head.weight")
     kinds = ["weight"] + (["bias"] if cfg.qkv_bias else [])
     mlp_kinds = ["weight"] + (["bias"] if cfg.mlp_bias else [])
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         q = f"layers.{i}."
         for kind in kinds:
-            out[q + f"self_attn.qkv_proj.{kind}"] = torch.cat([state[p + f"self_attn.{n}_proj.{kind}"] for n in "qkv"], dim=0)
+            out[q + f"self_attn.qkv_proj.{kind}"] = torch.cat([take(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"], dim=0)
         for kind in ["weight"] + (["bias"] if cfg.o_bias else []):
-            out[q + f"self_attn.o_proj.{kind}"] = state[p + f"self_attn.o_proj.{kind}"]
+            out[q + f"self_attn.o_proj.{kind}"] = take(p + f"self_attn.o_proj.{kind}")
         for kind in mlp_kinds:
             out[q + f"mlp.gate_up_proj.{kind}"] = torch.cat(
-                [state[p + f"mlp.gate_proj.{kind}"], state[p + f"mlp.up_proj.{kind}"]], dim=0)
-            out[q + f"mlp.down_proj.{kind}"] = state[p + f"mlp.down_proj.{kind}"]
-        out[q + "input_layernorm.weight"] = state[p + "input_layernorm.weight"]
-        out[q + "post_attention_layernorm.weight"] = state[p + "post_attention_layernorm.weight"]
+                [take(p + f"mlp.gate_proj.{kind}"), take(p + f"mlp.up_proj.{kind}")], dim=0)
+            out[q + f"mlp.down_proj.{kind}"] = take(p + f"mlp.down_proj.{kind}")
+        out[q + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
+        out[q + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
     return out
 
 
@@ -268,17 +374,24 @@ def save_hf_dir(model: LoadedModel | LlamaDecoder, path: Path, tokenizer=None) -
     return path
 
 
-def decoder_from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype=torch.float32) -> LlamaDecoder:
+def decoder_from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype=torch.float32,
+                          consume: bool = False) -> LlamaDecoder:
     """Build our decoder from an HF-named state dict, strictly: every weight of ``cfg`` present with its
     shape, nothing left over (:func:`check_hf_state`).
+
+    ``consume``: empty ``state`` once checked and free each unfused weight as the fused one is made (the caller
+    gives its weights away; peak memory stays one model plus one layer's fused weights instead of ~1.5 models).
 
     Raises:
         SpeculantError: a missing, unexpected or wrongly shaped weight (named).
     """
-    state = check_hf_state(state, cfg)
+    checked = check_hf_state(state, cfg)
+    if consume:
+        state.clear()
     with torch.device("meta"):
         dec = LlamaDecoder(cfg)
-    ours = hf_state_to_ours(state, cfg)
+    ours = hf_state_to_ours(checked, cfg, consume=consume)
+    del checked
     shapes = {k: v.shape for k, v in dec.state_dict().items()}
     bad = [f"{k} {tuple(v.shape)} (expected {tuple(shapes[k])})" for k, v in ours.items() if v.shape != shapes[k]]
     if bad:
@@ -344,14 +457,15 @@ def load_hf_dir(path: Path, dtype=torch.float32, name: str | None = None) -> Loa
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            part = load_file(str(f))
+            part = load_file(str(f), backend="pread")   # read, not mapped: no file pages in the RSS besides the copy
         except Exception as e:              # safetensors raises its own error types for corrupt files
             raise SpeculantError(f"cannot read weights {str(f)!r} ({type(e).__name__}: {e})") from None
         dup = sorted(set(part) & set(state))
         if dup:
             raise SpeculantError(f"weight {dup[0]} is stored in more than one *.safetensors file in {str(path)!r}")
         state.update(part)
-    decoder = decoder_from_hf_state(cfg, state, dtype)
+        del part                            # state holds the only references (consumed below)
+    decoder = decoder_from_hf_state(cfg, state, dtype, consume=True)
     try:
         tokenizer = load_tokenizer(path)
     except (OSError, ValueError) as e:
@@ -387,7 +501,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = tor
         source = KNOWN_MODELS[name_or_path]
         out = cache_root() / name_or_path
         if not (out / "model.safetensors").is_file():
-            convert_gguf(source, out)
+            convert_gguf_in_child(name_or_path, out)
         return load_hf_dir(out, dtype, name_or_path)
     if os.path.isdir(name_or_path):
         return load_hf_dir(Path(name_or_path), dtype)

@@ -153,10 +153,13 @@ class Int8Linear(PackedLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(weight.shape[1], weight.shape[0], bias)
-        w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        self.register_buffer("qweight", q.contiguous())
+        o, i = weight.shape
+        q, scale = torch.empty(o, i, dtype=torch.int8), torch.empty(o)
+        for rows in _row_chunks(o, i):          # row by row: float temporaries of a chunk only (an LM head is 113 MB)
+            w = weight.detach()[rows].float()
+            scale[rows] = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+            q[rows] = torch.round(w / scale[rows, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("qweight", q)
         self.register_buffer("scales", scale.to(torch.bfloat16))
 
     def matmul(self, x):
@@ -341,6 +344,13 @@ def lm_head_rows_weight(decoder, index: torch.Tensor | None = None) -> torch.Ten
     return w if index is None else w[index]
 
 
+def _row_chunks(rows: int, cols: int, elements: int = 1 << 21) -> list[slice]:
+    """Slices of ``rows`` rows of ``cols`` elements, ~``elements`` per slice: quantizing a large weight a chunk at a
+    time (every step is per row or per group, so the result is the same bits) keeps its float temporaries small."""
+    step = max(1, elements // max(cols, 1))
+    return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
 def int4_fits(out_features: int, in_features: int) -> bool:
     """Whether torch's int4 kernel takes an ``[O, I]`` weight."""
     return out_features % 16 == 0 and in_features % INT4_GROUP == 0
@@ -351,23 +361,29 @@ def quantize_q4(weight: torch.Tensor) -> GroupQuantized:
     (per group of 32: ``scale = (max - min) / 15``, ``offset = min``, ``q = round((w - min) / scale)``), the scale
     and offset rounded to float16 as a GGUF stores them (and the codes made with the rounded values)."""
     o, i = weight.shape
-    w = weight.detach().float().view(o, i // INT4_GROUP, INT4_GROUP)
-    lo, hi = w.amin(-1).half().float(), w.amax(-1)
-    scale = ((hi - lo) / 15.0).half().float()
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round((w - lo[..., None]) / safe[..., None]).clamp(0, 15).to(torch.uint8).view(o, i)
-    return GroupQuantized(q, scale, lo, 4, INT4_GROUP)
+    q, scales, los = torch.empty(o, i, dtype=torch.uint8), torch.empty(o, i // INT4_GROUP), torch.empty(o, i // INT4_GROUP)
+    for rows in _row_chunks(o, i):
+        w = weight.detach()[rows].float().view(-1, i // INT4_GROUP, INT4_GROUP)
+        lo, hi = w.amin(-1).half().float(), w.amax(-1)
+        scale = ((hi - lo) / 15.0).half().float()
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q[rows] = torch.round((w - lo[..., None]) / safe[..., None]).clamp(0, 15).to(torch.uint8).view(-1, i)
+        scales[rows], los[rows] = scale, lo
+    return GroupQuantized(q, scales, los, 4, INT4_GROUP)
 
 
 def quantize_q8(weight: torch.Tensor) -> GroupQuantized:
     """Float weight ``[O, I]`` -> symmetric 8-bit codes per group of 32, as llama.cpp's Q8_0 makes them
     (``scale = max|w| / 127`` rounded to float16 as a GGUF stores it, ``q = round(w / scale)``)."""
     o, i = weight.shape
-    w = weight.detach().float().view(o, i // INT4_GROUP, INT4_GROUP)
-    scale = (w.abs().amax(-1) / 127.0).half().float()
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(w / safe[..., None]).clamp(-127, 127).to(torch.int8).view(o, i)
-    return GroupQuantized(q, scale, None, 8, INT4_GROUP)
+    q, scales = torch.empty(o, i, dtype=torch.int8), torch.empty(o, i // INT4_GROUP)
+    for rows in _row_chunks(o, i):
+        w = weight.detach()[rows].float().view(-1, i // INT4_GROUP, INT4_GROUP)
+        scale = (w.abs().amax(-1) / 127.0).half().float()
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q[rows] = torch.round(w / safe[..., None]).clamp(-127, 127).to(torch.int8).view(-1, i)
+        scales[rows] = scale
+    return GroupQuantized(q, scales, None, 8, INT4_GROUP)
 
 
 def pack_linear(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -105,10 +105,13 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
         model = loading.load_model(name_or_path, dtype)
         if result is None and dtype == torch.float32:
             result = tune.load_or_measure(model.decoder, threads, log=log)
+            loading.release_memory()            # the tuner's packed copies, before the model is packed
         fmt = "fp32" if result is None else (result.weights if weights == "auto" else check_format(weights))
         if fmt != "fp32":
             codes = _gguf_codes(name_or_path, model.config) if fmt in ("int4", "w4a8") else None
             apply_weight_format(model.decoder, fmt, codes)
+            del codes
+            loading.release_memory()            # the float32 projections and the GGUF's unpacked codes
             if name_or_path in KNOWN_MODELS:
                 save_packed(model.decoder, packed_path(model.path, fmt))
     if result is not None:

@@ -5,17 +5,21 @@ float32 one-row route by 2x) and so does what is *exact*: greedy speculative dec
 token-identical to autoregressive decoding only if a projection gives each row the same bits whether
 it runs alone (a decoding step) or inside a block (a verification).  So :func:`measure`:
 
-1. packs the model's projections in every weight format that runs here (:mod:`speculant.runtime.formats`;
-   ``w4a8`` needs AVX2 and a C compiler);
+1. packs the projections of a sample of the layers (:func:`sample_layers`: up to :data:`SAMPLE_LAYERS`, evenly
+   spaced, the first and last included) and the LM head in every weight format that runs here
+   (:mod:`speculant.runtime.formats`; ``w4a8`` needs AVX2 and a C compiler): every layer runs the same kernels
+   on the same shapes, and packing all formats of the whole model at once would need ~1 GB more memory;
 2. checks each format's kernel for batch invariance: rows of a 2..16-row product must equal, bit for
    bit, the same rows computed one at a time (for ``fp32``, each route: plain ``F.linear``,
    ``(W x^T)^T`` for 2..16 rows, a one-row product padded to two columns); and records up to which of
    32 and 64 rows that still holds (the blocks of a batch of sequences, ``speculant serve``);
-3. times one pass over every projection of the model (all layers and the LM head, so the weights come
-   from DRAM as in decoding) for 1, 2, 4, 5, 8 and 16 rows, formats interleaved, best of the repeats
-   (the minimum is the figure least disturbed by other work on a shared machine); a variant that failed the
+3. times one pass over the sampled layers and, separately, the LM head for 1, 2, 4, 5, 8 and 16 rows, formats
+   interleaved (so each format's weights come from DRAM, as in decoding), and reports a pass over the whole model:
+   the sampled layers' time scaled by ``layers / sampled layers`` plus the LM head's, best of the repeats (the
+   minimum is the figure least disturbed by other work on a shared machine); a variant that failed the
    invariance check is timed once after the warm-up (it is never the default; the figure ranks it in the table);
-4. times the chosen format's one-row pass with 1..N torch threads;
+4. times the chosen format's one-row pass (the same whole-model estimate) with 1..N torch threads, each timed pass
+   after a pass over another format's weights (out of the caches again);
 5. times a one-token step's attention (every layer, 256 and 1024 cached tokens) through our float32 row-by-row
    kernel and through float64 SDPA, both batch-invariant, and picks the faster as the KV cache's dtype
    (``attention``; only float64 where our kernels do not run).
@@ -51,6 +55,8 @@ FP32_ROUTES = {"linear": Routes("linear", "linear"), "transposed": Routes("linea
 BATCH_ROWS = (32, 64)
 """Row counts a batch of sequences reaches (one verification block per sequence, one forward): checked for
 batch invariance only (the ``invariant_rows`` column), so the one-sequence choice of format is unchanged."""
+SAMPLE_LAYERS = 6
+"""Decoder layers whose projections are packed and timed (evenly spaced; every layer when the model has no more)."""
 ATTENTION_CONTEXTS = (256, 1024)
 """Cached tokens at which the one-token step's attention is timed."""
 SCHEMA = 2
@@ -66,7 +72,7 @@ class TuneResult:
         fp32_route: name of the float32 route chosen (a key of :data:`FP32_ROUTES`).
         threads: torch threads chosen (fastest one-row pass of ``weights``).
         table: one row per (format, route): ``ms`` per row count [milliseconds per pass over all
-            projections], ``batch_invariant`` [bool] (at :data:`ROWS`), ``invariant_rows`` [rows] (the
+            projections, estimated from :func:`sample_layers` and the LM head], ``batch_invariant`` [bool] (at :data:`ROWS`), ``invariant_rows`` [rows] (the
             largest checked row count up to which it stays invariant, :func:`invariant_rows`).
         thread_ms: one-row pass of ``weights`` per thread count [milliseconds].
         attention: the KV cache's dtype, ``float32`` (our row-by-row kernel) or ``float64`` (SDPA).
@@ -148,6 +154,14 @@ def _get(layer: nn.Module, dotted: str) -> nn.Module:
     return getattr(getattr(layer, a), b)
 
 
+def sample_layers(num_layers: int, n: int = SAMPLE_LAYERS) -> list[int]:
+    """Indices of the layers :func:`measure` times: ``n`` evenly spaced ones, the first and last included (all
+    when ``num_layers <= n``)."""
+    if num_layers <= n:
+        return list(range(num_layers))
+    return sorted({round(i * (num_layers - 1) / (n - 1)) for i in range(n)})
+
+
 def _projections(decoder) -> list[nn.Module]:
     return [_get(layer, p) for layer in decoder.layers for p in PROJECTIONS] + [decoder.lm_head_proj]
 
@@ -159,14 +173,17 @@ def invariance_sample(decoder) -> list[nn.Module]:
     return mods[:len(PROJECTIONS)] + mods[-1:]
 
 
-def _packed(modules: list[nn.Module], fmt: str) -> list[nn.Module]:
+def _packed(modules: list[nn.Module], fmt: str, heads: dict | None = None) -> list[nn.Module]:
+    """``modules`` (projections, the LM head last) packed in ``fmt``; ``heads`` (head format -> packed head) shares
+    one packed LM head between formats whose heads are alike (``int4``'s is ``int8``)."""
     if fmt == "fp32":
         return modules
-    out = []
-    for i, m in enumerate(modules):
-        head = i == len(modules) - 1
-        out.append(pack_linear(head_format(fmt) if head else fmt, m.weight, m.bias))
-    return out
+    heads = {} if heads is None else heads
+    out = [pack_linear(fmt, m.weight, m.bias) for m in modules[:-1]]
+    head, hfmt = modules[-1], head_format(fmt)
+    if hfmt not in heads:
+        heads[hfmt] = pack_linear(hfmt, head.weight, head.bias)
+    return out + [heads[hfmt]]
 
 
 def _pass(modules: list[nn.Module], inputs: dict[int, torch.Tensor]) -> None:
@@ -174,12 +191,17 @@ def _pass(modules: list[nn.Module], inputs: dict[int, torch.Tensor]) -> None:
         m(inputs[m.in_features])
 
 
-def _time_pass(modules, inputs, routes: Routes | None) -> float:
+def _time_pass(modules, inputs, routes: Routes | None, scale: float = 1.0) -> float:
+    """Seconds of a pass over ``modules`` (the LM head last) with the layers' part multiplied by ``scale``
+    (layers of the model per layer in ``modules``): the whole model's pass estimated from a sample of its layers."""
     if routes is not None:
         fp32_linear.ROUTES = routes
     t = time.perf_counter()
-    _pass(modules, inputs)
-    return time.perf_counter() - t
+    _pass(modules[:-1], inputs)
+    t_head = time.perf_counter()
+    _pass(modules[-1:], inputs)
+    end = time.perf_counter()
+    return (t_head - t) * scale + (end - t_head)
 
 
 def batch_invariant(modules: list[nn.Module], rows=ROWS, seed: int = 0) -> bool:
@@ -221,24 +243,30 @@ def invariant_rows(modules: list[nn.Module], limits=BATCH_ROWS, seed: int = 0) -
 def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> TuneResult:
     """Measure the kernel table on this machine for ``decoder`` (float32 :class:`DecodeLinear` projections).
 
-    Takes ~5-20 s for SmolLM2-135M on 2 cores (progress on ``log``, default stderr).
+    Takes ~5-20 s for SmolLM2-135M on 2 cores (progress on ``log``, default stderr).  Only the layers of
+    :func:`sample_layers` and the LM head are packed (all formats held at once for them, ~0.25 GB for SmolLM2);
+    the table's figures are whole-model passes estimated from them (step 3 of the module docstring).
     """
     log = log or sys.stderr
     t0 = time.perf_counter()
     threads = threads or torch.get_num_threads()
     before_threads, before_routes = torch.get_num_threads(), fp32_linear.ROUTES
     torch.set_num_threads(threads)
-    base = _projections(decoder)
-    if not all(isinstance(m, DecodeLinear) for m in base):
+    if not all(isinstance(m, DecodeLinear) for m in _projections(decoder)):
         raise ValueError("measure() needs a float32 model (load it with weights='fp32')")
-    print(f"speculant: measuring kernels on this machine (once per machine; {len(base)} projections, "
-          f"{threads} thread{'s' if threads != 1 else ''}) ...", file=log, flush=True)
+    layers = sample_layers(len(decoder.layers))
+    scale = len(decoder.layers) / len(layers)
+    base = [_get(decoder.layers[i], p) for i in layers for p in PROJECTIONS] + [decoder.lm_head_proj]
+    print(f"speculant: measuring kernels on this machine (once per machine; {len(layers)} of "
+          f"{len(decoder.layers)} layers and the LM head, {threads} thread{'s' if threads != 1 else ''}) ...",
+          file=log, flush=True)
     variants: list[tuple[str, str, list, Routes | None]] = []
     with torch.inference_mode():
+        heads: dict = {}
         for fmt in FORMATS:
             if not format_available(fmt):       # our own kernel, where it cannot be built or run here
                 continue
-            mods = _packed(base, fmt)
+            mods = _packed(base, fmt, heads)
             if fmt == "fp32":
                 for name, routes in FP32_ROUTES.items():
                     variants.append((fmt, name, mods, routes))
@@ -262,7 +290,7 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
                 for fmt, route, mods, routes in order:
                     if rep > 1 and not sample[(fmt, route)]:
                         continue                  # never a default: one timed pass ranks it (saves ~7 s)
-                    ms = _time_pass(mods, inputs, routes) * 1e3
+                    ms = _time_pass(mods, inputs, routes, scale) * 1e3
                     if rep:                                   # the first round warms up
                         times[(fmt, route)][r].append(ms)
         table = [{"format": fmt, "route": route,
@@ -274,6 +302,7 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
         candidates = [row for row in table if row["format"] != "fp32" or row is fp32_pick]
         best = min(candidates, key=lambda row: (not row["batch_invariant"], row["ms"]["1"]))
         fmt_mods = next(m for f, rt, m, _ in variants if f == best["format"] and (f != "fp32" or rt == fp32_pick["route"]))
+        evict = next(m for f, _, m, _ in variants if f != best["format"])   # another format's weights
         fp32_linear.ROUTES = FP32_ROUTES[fp32_pick["route"]]
         thread_ms: dict[str, list[float]] = {}
         options = sorted({1, threads} | {n for n in (2, 4, 8) if n < threads})
@@ -282,8 +311,9 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
             for n in options:                     # a block of passes per count: switching threads costs a pass
                 torch.set_num_threads(n)
                 _pass(fmt_mods, inputs)
-                thread_ms.setdefault(str(n), []).extend(_time_pass(fmt_mods, inputs, None) * 1e3
-                                                        for _ in range(repeats))
+                for _ in range(repeats):
+                    _pass(evict, inputs)          # the sample is smaller than the model: evict it from the caches
+                    thread_ms.setdefault(str(n), []).append(_time_pass(fmt_mods, inputs, None, scale) * 1e3)
         thread_ms = {n: round(min(v), 3) for n, v in thread_ms.items()}
         best_threads = int(min(thread_ms, key=thread_ms.get))
         torch.set_num_threads(best_threads)
@@ -379,10 +409,16 @@ def apply_choices(result: TuneResult, set_threads: bool = True, decoder=None) ->
 
 
 def format_table(result: TuneResult) -> str:
-    """The measured table as Markdown (milliseconds per pass over all projections; step cost relative to 1 row)."""
+    """The measured table as Markdown (milliseconds per pass over all projections, estimated from the sampled
+    layers and the LM head; step cost relative to 1 row)."""
     k = result.key
+    layers = sample_layers(k["layers"])
+    covers = ("all layers timed" if len(layers) == k["layers"] else
+              f"layers {', '.join(map(str, layers))} timed, scaled by {k['layers']}/{len(layers)}")
     lines = [f"CPU: {k['cpu']} ({', '.join(k['isa']) or 'no AVX2/AVX-512 flags'}), torch {k['torch']}, "
              f"{k['threads']} threads; measured {result.measured_at} in {result.seconds} s", "",
+             f"[ms]: one pass over the projections of all {k['layers']} layers and the LM head ({covers}; "
+             "the LM head timed in full)", "",
              "| format | route | batch-invariant | invariant up to [rows] | "
              + " | ".join(f"{r} row{'s' if r > 1 else ''} [ms]" for r in ROWS)
              + " | 5 rows / 1 row |", "|" + "---|" * (5 + len(ROWS))]
