@@ -191,3 +191,19 @@ def test_loader_takes_the_measured_kv_cache_dtype(model_dir, tmp_path, monkeypat
     assert model.tune.attention == measured
     assert model.decoder.attention_dtype == getattr(torch, measured)
     assert model.decoder.new_cache(8).dtype == getattr(torch, measured)
+
+
+def test_streamed_safetensors_file_reads_back_with_safetensors(tmp_path):
+    """The GGUF conversion writes model.safetensors tensor by tensor (safetensors has no incremental writer); the
+    file is a safetensors file: safetensors' own reader gives back every tensor, dtype and shape exactly."""
+    from safetensors.torch import load_file
+
+    from speculant.models.loading import write_safetensors_stream
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a.weight": torch.randn(7, 5, generator=g), "b": torch.randn(3, generator=g).to(torch.bfloat16),
+               "c.empty": torch.zeros(0, 4), "d": torch.randn(2, 2, 2, generator=g).half()}
+    write_safetensors_stream(tmp_path / "m.safetensors", iter(tensors.items()), len(tensors))
+    back = load_file(str(tmp_path / "m.safetensors"))
+    assert set(back) == set(tensors)
+    for k, v in tensors.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
