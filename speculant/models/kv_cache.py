@@ -12,9 +12,19 @@ Design follows gpt-fast's static cache (index by position, no reallocation).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..errors import SpeculantError
+
+
+def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """``torch._dynamo.maybe_mark_dynamic(tensor, dim)`` (one compiled graph for every size of that dimension), only
+    once ``torch._dynamo`` is imported: without compiled steps (e.g. ``w4a8``'s fused step) there is nothing to
+    mark, and importing it costs ~2.5 s of a warm start."""
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 class KVCache:
@@ -38,7 +48,7 @@ class KVCache:
         # per-layer views [batch, kv_heads, max_length, head_dim], marked so one compiled step serves any max_length
         self.layer_keys, self.layer_values = list(self.keys.unbind(0)), list(self.values.unbind(0))
         for view in self.layer_keys + self.layer_values:
-            torch._dynamo.maybe_mark_dynamic(view, 2)
+            mark_dynamic(view, 2)
 
     @property
     def dtype(self) -> torch.dtype:

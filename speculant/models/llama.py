@@ -19,7 +19,7 @@ from torch import nn
 
 from ..kernels import attention as attention_kernel
 from .config import ModelConfig
-from .kv_cache import KVCache
+from .kv_cache import KVCache, mark_dynamic
 from ..errors import SpeculantError
 from .linear import DecodeLinear
 from .rope import rope_tables
@@ -191,7 +191,12 @@ class LlamaDecoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if torch.empty(0).device.type == "meta":     # a skeleton weights are loaded into (runtime.store): no random
+            # init, whose meta-device implementation imports torch._dynamo (~2.5 s of a warm start)
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                             _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        else:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head_proj = DecodeLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -205,7 +210,8 @@ class LlamaDecoder(nn.Module):
         self.use_fused = True                    # run w4a8 layers as one C call where it can (fused_layers)
         self._fused = None
         self.weight_format = "fp32"
-        cos, sin = rope_tables(cfg)
+        with torch.device("cpu"):     # real tables even in a meta-device skeleton (no torch._dynamo import)
+            cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -273,9 +279,9 @@ class LlamaDecoder(nn.Module):
         sin = self.rope_sin[positions].to(hidden.dtype).unsqueeze(-2)
         counts = self.layer_token_counts
         if t > 1:           # one compiled graph serves every block size 2..N (see speculant.runtime.compiled)
-            torch._dynamo.maybe_mark_dynamic(hidden, 1)
+            mark_dynamic(hidden, 1)
             for table in (cos, sin):
-                torch._dynamo.maybe_mark_dynamic(table, table.dim() - 3)
+                mark_dynamic(table, table.dim() - 3)
         if cache is not None and b == 1:      # decoding: one fused (compilable) step per layer
             visible = cache_position + t
             if visible > cache.max_length:
@@ -294,11 +300,11 @@ class LlamaDecoder(nn.Module):
                 for i in range(start, end):
                     counts[i] += t
                 return out.view(1, t, -1).to(hidden.dtype)
-            torch._dynamo.maybe_mark_dynamic(mask, 1)
+            mark_dynamic(mask, 1)
             slots = torch.arange(cache_position, visible, device=hidden.device)
             if t > 1:
-                torch._dynamo.maybe_mark_dynamic(slots, 0)
-                torch._dynamo.maybe_mark_dynamic(mask, 0)
+                mark_dynamic(slots, 0)
+                mark_dynamic(mask, 0)
             # prefills (an empty cache) and long blocks run eagerly: one compiled graph fewer to load
             step = self.layer_step if cache_position > 0 and t <= COMPILED_MAX_ROWS else decoder_layer_step
             for i in range(start, end):

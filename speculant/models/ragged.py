@@ -24,7 +24,7 @@ import torch
 
 from ..errors import SpeculantError
 from ..kernels import attention as attention_kernel
-from .kv_cache import KVCache
+from .kv_cache import KVCache, mark_dynamic
 from .llama import LlamaDecoder, _dense_mask, attend, attention_inputs, layer_output
 
 
@@ -112,9 +112,9 @@ def ragged_run_layers(decoder: LlamaDecoder, blocks: list[RaggedBlock], end: int
             continue
         layer = decoder.layers[i]
         if x.shape[1] > 1:            # one compiled graph for every row count 2..R
-            torch._dynamo.maybe_mark_dynamic(x, 1)
-            torch._dynamo.maybe_mark_dynamic(cos, 0)
-            torch._dynamo.maybe_mark_dynamic(sin, 0)
+            mark_dynamic(x, 1)
+            mark_dynamic(cos, 0)
+            mark_dynamic(sin, 0)
         q, k, v = first_half(layer, x, cos, sin)
         dtype, adtype = x.dtype, blocks[members[0]].cache.dtype
         if one_call:               # every sequence's attention (and KV write) in one kernel call
@@ -128,7 +128,7 @@ def ragged_run_layers(decoder: LlamaDecoder, blocks: list[RaggedBlock], end: int
             attended = torch.cat(attended, dim=1) if len(attended) > 1 else attended[0]
         attended = attended.to(dtype)
         if x.shape[1] > 1:
-            torch._dynamo.maybe_mark_dynamic(attended, 1)
+            mark_dynamic(attended, 1)
         x = second_half(layer, x, attended)
         decoder.layer_token_counts[i] += x.shape[1]
         i += 1
