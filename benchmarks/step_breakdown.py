@@ -15,23 +15,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 
+from speculant.bench.costs import timings
 from speculant.runtime.compiled import enable_compile
 from speculant.runtime.loader import load_model
 from speculant.runtime.tune import cpu_description
 
 
 def best_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
+    return min(timings(fn, repeats)) * 1e3
 
 
 def main() -> None:

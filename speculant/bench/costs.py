@@ -99,14 +99,19 @@ class StepCosts:
         return self.verify_s[(exit_layer, num_speculations)] / self.ar_step_s
 
 
-def _median_time(fn: Callable[[], object], repeats: int) -> float:
+def timings(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds of ``repeats`` calls of ``fn`` after one warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    return statistics.median(timings(fn, repeats))
 
 
 @torch.no_grad()
