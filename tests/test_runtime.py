@@ -185,10 +185,13 @@ def test_decoder_uses_small_batch_route(monkeypatch):
     calls = []
     real_mm = torch.mm
     monkeypatch.setattr(lin.torch, "mm", lambda a, b: calls.append(a.shape) or real_mm(a, b))
+    monkeypatch.setattr(lin, "ROUTES", lin.Routes("linear", "transposed"))   # whatever an earlier tune chose
     with torch.no_grad():
         fast = model(ids)
     assert calls, "the small-batch route was not taken"
-    monkeypatch.setattr(lin, "SMALL_BATCH_MAX_ROWS", 1)
+    monkeypatch.setattr(lin, "ROUTES", lin.Routes("linear", "linear"))
+    calls.clear()
     with torch.no_grad():
         plain = model(ids)
+    assert not calls
     torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
