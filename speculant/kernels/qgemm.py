@@ -50,9 +50,21 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return xq, xd, xs
 
 
-def _check(status: int) -> None:
+def _product(entry: str, x: torch.Tensor, codes: torch.Tensor, *weight_tensors: torch.Tensor) -> torch.Tensor:
+    """``y [M, N]`` of the C entry point ``entry(x, M, K, codes, *weight_tensors, N, y)`` on float32 rows ``x``.
+
+    Raises:
+        SpeculantError: the kernel cannot run here.
+        MemoryError: the quantized-activation workspace cannot be allocated.
+    """
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], codes.shape[0])
+    status = getattr(build._LIB or require(), entry)(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(),
+                                                     *(t.data_ptr() for t in weight_tensors), codes.shape[0],
+                                                     y.data_ptr())
     if status != 0:
         raise MemoryError("speculant qgemm: cannot allocate the quantized-activation workspace")
+    return y
 
 
 def _w4a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -69,11 +81,7 @@ def _w4a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets
         SpeculantError: the kernel cannot run here.
         MemoryError: the quantized-activation workspace cannot be allocated.
     """
-    x = x.contiguous()
-    y = torch.empty(x.shape[0], codes.shape[0])
-    _check((build._LIB or require()).spec_w4a8_f32(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(),
-                                                    scales.data_ptr(), offsets.data_ptr(), codes.shape[0], y.data_ptr()))
-    return y
+    return _product("spec_w4a8_f32", x, codes, scales, offsets)
 
 
 def _w8a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -86,11 +94,7 @@ def _w8a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torc
         SpeculantError: the kernel cannot run here.
         MemoryError: the quantized-activation workspace cannot be allocated.
     """
-    x = x.contiguous()
-    y = torch.empty(x.shape[0], codes.shape[0])
-    _check((build._LIB or require()).spec_w8a8_f32(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(),
-                                                    scales.data_ptr(), codes.shape[0], y.data_ptr()))
-    return y
+    return _product("spec_w8a8_f32", x, codes, scales)
 
 
 # Registered with the dispatcher directly (torch.library.custom_op's Python wrapper cost ~20 us a call, as

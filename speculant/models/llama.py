@@ -208,7 +208,7 @@ class LlamaDecoder(nn.Module):
                                              else torch.float64)
         self.layer_step = decoder_layer_step     # eager; speculant.runtime.compiled swaps in the compiled step
         self.use_fused = True                    # run w4a8 layers as one C call where it can (fused_layers)
-        self._fused = None
+        self._fused = None                       # (attention dtype it was decided for, FusedLayers or None)
         self.weight_format = "fp32"
         with torch.device("cpu"):     # real tables even in a meta-device skeleton (no torch._dynamo import)
             cos, sin = rope_tables(cfg)
@@ -228,12 +228,11 @@ class LlamaDecoder(nn.Module):
         first call, after the weights were packed (it points into them)."""
         if not self.use_fused or self.weight_format != "w4a8":
             return None
-        if self._fused is None:
+        if self._fused is None or self._fused[0] != self.attention_dtype:    # built (or refused) once per cache dtype
             from ..kernels import decode_step
-            if decode_step.why_not(self) is not None:
-                return None
-            self._fused = decode_step.FusedLayers(self)
-        return self._fused
+            fused = decode_step.FusedLayers(self) if decode_step.why_not(self) is None else None
+            self._fused = (self.attention_dtype, fused)
+        return self._fused[1]
 
     @property
     def num_layers(self) -> int:
