@@ -70,3 +70,25 @@ def test_broken_rule_fails(model, law, monkeypatch):
     monkeypatch.setattr(rules, "residual", lambda r, q: r)
     stat, threshold = chi_square(sample(model, METHODS["early-exit"]), law)
     assert stat > threshold, (stat, threshold)
+
+
+@pytest.fixture(scope="module")
+def fused_model():
+    """The same tiny model in ``w4a8``: its cached forwards run the fused step (speculant/kernels/decode_step.c)."""
+    from speculant.kernels import build
+    from speculant.runtime.formats import apply_weight_format
+    if not build.available():
+        pytest.skip(f"kernels: {build.unavailable_reason()}")
+    m = tiny_model(seed=5, scale=1.5, vocab=4, layers=2, hidden=32, heads=2, kv_heads=1, inter=64)
+    apply_weight_format(m.decoder, "w4a8")
+    assert m.decoder.fused_layers() is not None
+    return m
+
+
+@pytest.mark.parametrize("name", ["early-exit", "rsd-s"])
+def test_fused_step_emits_the_target_law(fused_model, name):
+    """A chain resuming at its exit layer and a tree, drafted and verified through the fused step, against the law
+    of the same w4a8 target."""
+    stat, threshold = chi_square(sample(fused_model, METHODS[name]), exact_law(fused_model, PROMPT,
+                                                                                 SamplingConfig(**SAMPLING)))
+    assert stat < threshold, (name, stat, threshold)
