@@ -132,5 +132,91 @@ def test_the_loader_runs_w4a8_fused_without_torch_compile(tmp_path, monkeypatch)
     path = save_hf_dir(tiny_model(seed=3, vocab=64, layers=2, eos=63), tmp_path / "hf")
     loaded = load_model(str(path), weights="w4a8")
     assert loaded.fused and not loaded.compiled and loaded.decoder.fused_layers() is not None
+    # the prompt route was timed once on the fused model and kept in the tune cache
+    assert loaded.tune.fused_prompt_tokens is not None and loaded.tune.prompt_ms
+    assert loaded.decoder.fused_prompt_tokens == loaded.tune.fused_prompt_tokens
+    again = load_model(str(path), weights="w4a8")
+    assert again.tune.prompt_ms == loaded.tune.prompt_ms
     loaded = load_model(str(path), weights="int8", compile=False)
     assert not loaded.fused and loaded.decoder.fused_layers() is None
+
+
+def test_a_prompt_on_the_fused_step_gets_the_bits_of_decoding_it_token_by_token(model):
+    """With ``fused_prompt_tokens`` covering it, a prompt runs through the fused step under a causal mask: each
+    row gets the bits it gets as a one-token step (so a prompt's last logits equal those of prefilling all but
+    its last token and decoding that one), close to the torch layer step's prompt forward."""
+    dec = model.decoder
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        dec.fused_prompt_tokens = 0
+        torch_route = dec(ids, None, None, dec.new_cache(16), 0)
+        dec.fused_prompt_tokens = 64
+        counts = list(dec.layer_token_counts)
+        fused_route = dec(ids, None, None, dec.new_cache(16), 0)
+        assert [b - a for a, b in zip(counts, dec.layer_token_counts)] == [len(prompt)] * dec.num_layers
+        cache = _prefilled(dec, prompt[:-1])
+        step = dec(ids[:, -1:], None, None, cache, len(prompt) - 1)
+    dec.fused_prompt_tokens = 0
+    assert torch.equal(fused_route[0, -1], step[0, 0])
+    assert float((fused_route - torch_route).abs().max()) <= 2e-5 * float(torch_route.abs().max())
+
+
+@pytest.mark.parametrize("method,kw", [("ar", {}), ("prompt-lookup", {}), ("early-exit", {"exit_layer": 2}),
+                                       ("rsd-s", {"exit_layer": 1, "beam_width": 2, "draft_length": 3})])
+def test_prompts_on_the_fused_step_keep_every_method_exact(model, method, kw):
+    from speculant import GenerationConfig, build_generator
+    from speculant.engine.methods import MethodSpec
+    model.decoder.fused_prompt_tokens = 64
+    try:
+        prompts = [[1 + (i * 5 + j) % 90 for j in range(2 + 3 * i)] for i in range(4)]
+        ar = build_generator(model, method="ar")
+        gen = build_generator(model, MethodSpec(method=method, **kw))
+        for p in prompts:
+            cfg = GenerationConfig(max_new_tokens=12)
+            assert gen.generate(p, cfg).token_ids == ar.generate(p, cfg).token_ids
+    finally:
+        model.decoder.fused_prompt_tokens = 0
+
+
+def test_start_many_prefills_prompts_together_with_the_bits_of_each_alone(model):
+    """``BatchedGenerator.start_many``: prompts within ``fused_prompt_tokens`` share ragged forwards of at most
+    that many rows; each sequence's KV cache and first token are those of ``start``; a prompt too long for the
+    fused route starts alone; a bad prompt gets its error and the others start."""
+    from speculant import GenerationConfig
+    from speculant.engine.batch import BatchedGenerator
+    from speculant.errors import SpeculantError
+    dec = model.decoder
+    dec.fused_prompt_tokens = 20
+    try:
+        prompts = [[7, 3, 9], [1 + j % 80 for j in range(12)], [], [5, 6, 7, 8, 9, 10, 11, 12], [2] * 25, [4, 4]]
+        cfg = GenerationConfig(max_new_tokens=6)
+        bg = BatchedGenerator(model)
+        forwards = bg.target_forwards
+        with torch.inference_mode():
+            many = bg.start_many([(p, cfg) for p in prompts])
+            # groups of <= 20 rows: [3, 12], [8, 2] -> 2 forwards; the 25-token prompt alone -> 1
+            assert bg.target_forwards - forwards == 3
+            assert isinstance(many[2], SpeculantError) and "empty" in str(many[2])
+            for p, seq in zip(prompts, many):
+                if not p:
+                    continue
+                alone = bg.start(p, cfg)
+                assert seq.last_block == alone.last_block and seq.state.tokens == alone.state.tokens
+                n = len(p)
+                assert seq.state.cache.length == alone.state.cache.length == n
+                assert torch.equal(seq.state.cache.keys[..., :n, :], alone.state.cache.keys[..., :n, :])
+                assert torch.equal(seq.state.cache.values[..., :n, :], alone.state.cache.values[..., :n, :])
+                assert seq.state.layer_tokens == alone.state.layer_tokens == [n] * dec.num_layers
+    finally:
+        dec.fused_prompt_tokens = 0
+
+
+def test_the_prompt_route_is_measured_and_kept(model):
+    from speculant.runtime import tune
+    limit, ms = tune.measure_prompt_route(model.decoder, lengths=(8, 24, 10_000))
+    assert set(ms) <= {"8", "24"} and "8" in ms                     # beyond the context: not timed
+    assert all(set(v) == {"fused", "layer step"} and min(v.values()) > 0 for v in ms.values())
+    assert limit in (0, 8, 24)
+    assert limit == 0 or ms[str(limit)]["fused"] <= ms[str(limit)]["layer step"]
+    assert model.decoder.fused_prompt_tokens == 0                 # restored

@@ -16,7 +16,6 @@ or later).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from ..errors import SpeculantError

@@ -36,7 +36,7 @@ from ..runtime.compiled import compiled_halves
 from ..trees.builders import IIDTreeBuilder, TreeBuilder
 from ..trees.tree import DraftTree
 from .generator import GenerationConfig
-from .rounds import accept_and_commit, draft_limits, prefill
+from .rounds import accept_and_commit, draft_limits, first_token
 from .stats import GenerationStats
 
 
@@ -77,6 +77,20 @@ class Sequence:
     def remaining(self) -> int:
         """Tokens it may still emit."""
         return self.max_new - self.emitted
+
+
+@dataclass
+class _Unstarted:
+    """A sequence between :meth:`BatchedGenerator._new_state` and its prefill: what :class:`Sequence` will hold."""
+
+    prompt_ids: list[int]
+    config: GenerationConfig
+    drafter: Drafter
+    builder: TreeBuilder | None
+    budget: int
+    max_new: int
+    generator: torch.Generator
+    state: DecodingState
 
 
 class BatchedGenerator:
@@ -123,6 +137,70 @@ class BatchedGenerator:
         Raises:
             SpeculantError: see :meth:`check_prompt`.
         """
+        new = self._new_state(prompt_ids, config)
+        t0 = time.perf_counter()
+        return self._started(new, new.drafter.prefill(new.state), t0)
+
+    @torch.inference_mode()
+    def start_many(self, requests: list[tuple[list[int], GenerationConfig]]) -> list[Sequence | SpeculantError]:
+        """Start several sequences (``(prompt_ids, config)`` each); returns per request its :class:`Sequence`, or
+        the :class:`SpeculantError` of :meth:`check_prompt` (the others start all the same).
+
+        The prompts whose prefill is the plain target forward (the drafter keeps :meth:`Drafter.prefill`) and runs
+        on the fused step (``len(prompt) <= decoder.fused_prompt_tokens``) share ragged target forwards of up to
+        that many rows in all, each prompt causal over itself in its own KV cache, then one LM-head pass over
+        their last positions; the others run alone, as :meth:`start` runs them.  The fused step gives each row
+        the bits it gets alone (:mod:`speculant.kernels.decode_step`), so every sequence's cache and first token
+        are those of :meth:`start`: a server's new requests join with one forward instead of one each (a batched
+        prefill, as vLLM's scheduler batches the prompts of a step).
+        """
+        target = self.model.decoder
+        new: list = []
+        for ids, config in requests:
+            try:
+                new.append(self._new_state(ids, config))
+            except SpeculantError as e:
+                new.append(e)
+        out: list = [None] * len(requests)
+        shared = [i for i, n in enumerate(new) if not isinstance(n, SpeculantError) and self._prefill_shares(n.state)]
+        groups, rows = [], 0
+        for i in shared:                          # consecutive groups of at most fused_prompt_tokens rows
+            t = len(requests[i][0])
+            if not groups or rows + t > target.fused_prompt_tokens:
+                groups.append([])
+                rows = 0
+            groups[-1].append(i)
+            rows += t
+        for group in groups:
+            t0 = time.perf_counter()
+            states = [new[i].state for i in group]
+            blocks = [RaggedBlock(target.embed(torch.tensor([st.tokens])), 0, torch.arange(len(st.tokens)), None,
+                                  st.cache, 0) for st in states]
+            hidden = ragged_run_layers(target, blocks)
+            logits = target.lm_head(target.final_norm(torch.cat([h[0, -1:] for h in hidden])))    # [G, V]
+            self.target_forwards += 1 - len(group)        # _started counts one per sequence
+            for k, (i, st) in enumerate(zip(group, states)):
+                for layer in range(target.num_layers):
+                    st.layer_tokens[layer] += len(st.tokens)
+                out[i] = self._started(new[i], logits[k:k + 1], t0)
+        for i, n in enumerate(new):
+            if out[i] is None:
+                if isinstance(n, SpeculantError):
+                    out[i] = n
+                else:
+                    t0 = time.perf_counter()
+                    out[i] = self._started(n, n.drafter.prefill(n.state), t0)
+        return out
+
+    def _prefill_shares(self, state: DecodingState) -> bool:
+        """Whether this sequence's prefill may share a ragged forward (see :meth:`start_many`)."""
+        target = self.model.decoder
+        return (type(self.drafter).prefill is Drafter.prefill and len(state.tokens) <= target.fused_prompt_tokens
+                and state.cache.dtype == torch.float32 and target.fused_layers() is not None)
+
+    def _new_state(self, prompt_ids: list[int], config: GenerationConfig) -> "_Unstarted":
+        """A new sequence before its prefill (an empty KV cache).  Raises :class:`SpeculantError` (see
+        :meth:`check_prompt`)."""
         self.check_prompt(prompt_ids)
         cfg = self.model.config
         drafter = self.drafter.fork()
@@ -130,15 +208,20 @@ class BatchedGenerator:
         budget = builder.budget() if builder is not None else 0
         max_new = min(config.max_new_tokens, cfg.context_length - len(prompt_ids))
         cache_length = min(cfg.context_length, len(prompt_ids) + max_new + budget + 2)
-        generator = config.sampling.generator()
+        target = self.model.decoder
+        state = DecodingState(target, target.new_cache(cache_length), list(prompt_ids), config.sampling)
+        return _Unstarted(list(prompt_ids), config, drafter, builder, budget, max_new, config.sampling.generator(),
+                          state)
+
+    def _started(self, new: "_Unstarted", logits: torch.Tensor, t0: float) -> Sequence:
+        """The :class:`Sequence` after its prompt's forward (``logits`` ``[1, V]`` of the last position)."""
         stats = GenerationStats()
-        t0 = time.perf_counter()
-        state = prefill(self.model.decoder, drafter, list(prompt_ids), cache_length, config.sampling, generator, stats)
+        first_token(new.state, new.drafter, logits, new.generator, stats)
         self.target_forwards += 1
         stats.time_to_first_token_s = stats.seconds = time.perf_counter() - t0
         stats.new_tokens = 1
-        seq = Sequence(list(prompt_ids), config, drafter, builder, generator, state, stats, max_new, budget,
-                       last_block=[state.tokens[-1]])
+        seq = Sequence(new.prompt_ids, new.config, new.drafter, new.builder, new.generator, new.state, stats,
+                       new.max_new, new.budget, last_block=[new.state.tokens[-1]])
         self._finish_if_done(seq)
         return seq
 

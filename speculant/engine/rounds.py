@@ -2,7 +2,7 @@
 
 One sequence (:class:`~speculant.engine.generator.SpeculativeGenerator`) and a batch of sequences
 (:class:`~speculant.engine.batch.BatchedGenerator`) run the same steps around their target forwards:
-prefill and the first token (:func:`prefill`), the draft limits (:func:`draft_limits`), and acceptance +
+prefill and the first token (:func:`prefill`, :func:`first_token`), the draft limits (:func:`draft_limits`), and acceptance +
 commit of the caches, drafter and tree builder (:func:`accept_and_commit`).
 """
 
@@ -38,10 +38,17 @@ def prefill(target: LlamaDecoder, drafter: Drafter, prompt_ids: list[int], cache
         ``stats.layer_token_evaluations`` is its per-layer token count (kept up to date as it decodes).
     """
     state = DecodingState(target, target.new_cache(cache_length), list(prompt_ids), sampling)
-    logits = drafter.prefill(state)
-    state.cache.crop(len(prompt_ids))
+    return first_token(state, drafter, drafter.prefill(state), generator, stats)
+
+
+def first_token(state: DecodingState, drafter: Drafter, logits: torch.Tensor, generator: torch.Generator | None,
+                stats: GenerationStats) -> DecodingState:
+    """After the prompt's forward (its KV in ``state.cache``, fp32 ``logits`` ``[1, V]`` of its last position):
+    keep the prompt's slots, pick the first token, start the drafter.  The second half of :func:`prefill`, also
+    run after a batched prefill (:meth:`~speculant.engine.batch.BatchedGenerator.start_many`)."""
+    state.cache.crop(len(state.tokens))
     stats.target_forwards += 1
-    state.tokens.append(pick_token(logits[0], sampling, generator))
+    state.tokens.append(pick_token(logits[0], state.sampling, generator))
     drafter.begin(state)
     stats.layer_token_evaluations = state.layer_tokens
     return state

@@ -209,6 +209,9 @@ class LlamaDecoder(nn.Module):
         self.layer_step = decoder_layer_step     # eager; speculant.runtime.compiled swaps in the compiled step
         self.use_fused = True                    # run w4a8 layers as one C call where it can (fused_layers)
         self._fused = None                       # (attention dtype it was decided for, FusedLayers or None)
+        # prompts of up to this many tokens run through the fused step (causal mask) instead of prefill_layer_step:
+        # chosen per machine by measurement (speculant.runtime.tune.measure_prompt_route); 0 = never
+        self.fused_prompt_tokens = 0
         self.weight_format = "fp32"
         with torch.device("cpu"):     # real tables even in a meta-device skeleton (no torch._dynamo import)
             cos, sin = rope_tables(cfg)
@@ -285,8 +288,9 @@ class LlamaDecoder(nn.Module):
             visible = cache_position + t
             if visible > cache.max_length:
                 raise SpeculantError(f"KV cache overflow: slot {visible} > max_length={cache.max_length}")
-            if cache_position == 0 and attention_mask is None and t > 1:      # a prompt: see prefill_layer_step
-                for i in range(start, end):
+            prompt = cache_position == 0 and attention_mask is None and t > 1
+            if prompt and (t > self.fused_prompt_tokens or cache.dtype != torch.float32 or self.fused_layers() is None):
+                for i in range(start, end):                                  # a prompt: see prefill_layer_step
                     hidden = prefill_layer_step(self.layers[i], hidden, cos, sin, cache.layer_keys[i],
                                                 cache.layer_values[i])
                     counts[i] += t

@@ -498,7 +498,6 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = tor
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
     if name_or_path in KNOWN_MODELS:
-        source = KNOWN_MODELS[name_or_path]
         out = cache_root() / name_or_path
         if not (out / "model.safetensors").is_file():
             convert_gguf_in_child(name_or_path, out)

@@ -120,6 +120,10 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
     model.tune = result
     # w4a8 layers run as one C call per forward (nothing left to compile); other formats through torch.compile
     model.fused = model.decoder.fused_layers() is not None
+    if model.fused and result is not None and result.fused_prompt_tokens is None:     # once per machine (tune)
+        result.fused_prompt_tokens, result.prompt_ms = tune.measure_prompt_route(model.decoder, log=log)
+        tune.save(result)
+        model.decoder.fused_prompt_tokens = result.fused_prompt_tokens
     model.compiled = bool(compile) and not model.fused and enable_compile(model.decoder, log=log, blocks=blocks)
     return model
 

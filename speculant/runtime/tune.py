@@ -22,7 +22,11 @@ it runs alone (a decoding step) or inside a block (a verification).  So :func:`m
    after a pass over another format's weights (out of the caches again);
 5. times a one-token step's attention (every layer, 256 and 1024 cached tokens) through our float32 row-by-row
    kernel and through float64 SDPA, both batch-invariant, and picks the faster as the KV cache's dtype
-   (``attention``; only float64 where our kernels do not run).
+   (``attention``; only float64 where our kernels do not run);
+6. once the model runs in a format with the fused step (``w4a8``), times a prompt's forward through the fused step
+   and through the torch layer step at :data:`PROMPT_LENGTHS` tokens on the model itself
+   (:func:`measure_prompt_route`, at the first load in that format) and keeps the fused step for prompts up to the
+   longest length at which it was not slower (``fused_prompt_tokens``).
 
 The default weight format is the fastest one-row pass among the batch-invariant formats.  The result is
 stored as JSON under ``$SPECULANT_CACHE/tune/`` keyed by CPU model and flags, torch version, thread
@@ -59,6 +63,8 @@ SAMPLE_LAYERS = 6
 """Decoder layers whose projections are packed and timed (evenly spaced; every layer when the model has no more)."""
 ATTENTION_CONTEXTS = (256, 1024)
 """Cached tokens at which the one-token step's attention is timed."""
+PROMPT_LENGTHS = (128, 1024)
+"""Prompt lengths at which the two prompt routes are timed (:func:`measure_prompt_route`) [tokens]."""
 SCHEMA = 2
 
 
@@ -79,6 +85,9 @@ class TuneResult:
         attention_us: a one-token step's attention over all layers per variant, summed over
             :data:`ATTENTION_CONTEXTS` [microseconds].
         seconds: time the measurement took [s].
+        fused_prompt_tokens: prompts of up to this many tokens run through the fused step (0: none; ``None``: not
+            measured yet, :func:`measure_prompt_route` runs once the model's fused step exists) [tokens].
+        prompt_ms: the two prompt routes' time per prompt length, ``{length: {"fused": ms, "layer step": ms}}``.
     """
 
     key: dict
@@ -90,6 +99,8 @@ class TuneResult:
     attention: str = "float64"
     attention_us: dict = field(default_factory=dict)
     seconds: float = 0.0
+    fused_prompt_tokens: int | None = None
+    prompt_ms: dict = field(default_factory=dict)
     measured_at: str = ""
     schema: int = SCHEMA
 
@@ -359,6 +370,46 @@ def measure_attention(cfg, repeats: int = 5) -> dict[str, float]:
     return out
 
 
+def measure_prompt_route(decoder, lengths=PROMPT_LENGTHS, log=None) -> tuple[int, dict]:
+    """Time a prompt's forward through all layers both ways on the model itself: the fused step over a causal mask
+    (:mod:`speculant.kernels.decode_step`: no per-op overhead, our row-by-row attention, quadratic in the length)
+    and the torch layer step (:func:`~speculant.models.llama.prefill_layer_step`: SDPA's causal flash attention).
+    Random tokens, each length below the context; best of 2 runs (1 above 256 tokens) after a warm-up.
+
+    Returns:
+        ``(limit, ms)``: the longest measured length up to which the fused step was never slower (0 when it was
+        slower at the shortest) [tokens], and ``{length: {"fused": ms, "layer step": ms}}`` [milliseconds].
+        ``(0, {})`` when the model has no fused step.
+    """
+    if decoder.fused_layers() is None:
+        return 0, {}
+    lengths = [n for n in lengths if 1 < n < decoder.config.context_length]
+    if log is not None:
+        print(f"speculant: timing the prompt routes ({', '.join(map(str, lengths))} tokens) ...", file=log, flush=True)
+    g = torch.Generator().manual_seed(3)
+    before, ms, limit = decoder.fused_prompt_tokens, {}, 0
+    try:
+        with torch.inference_mode():
+            for i, n in enumerate(lengths):
+                hidden = decoder.embed(torch.randint(decoder.config.vocab_size, (1, n), generator=g))
+                positions, cache = torch.arange(n), decoder.new_cache(n)
+                best = {}
+                for rep in range((3 if i == 0 else 2) if n <= 256 else 1):
+                    for name, tokens in (("fused", n), ("layer step", 0)):
+                        decoder.fused_prompt_tokens = tokens
+                        t = time.perf_counter()
+                        decoder.run_layers(hidden, 0, decoder.num_layers, positions, None, cache, 0)
+                        if rep or i:                                    # the first pass of all is a warm-up
+                            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
+                ms[str(n)] = {k: round(v * 1e3, 1) for k, v in best.items()}
+                if best["fused"] > best["layer step"]:
+                    break
+                limit = n
+    finally:
+        decoder.fused_prompt_tokens = before
+    return limit, ms
+
+
 def attention_dtype(result: TuneResult) -> torch.dtype:
     """The KV cache's dtype ``result`` chose (:attr:`TuneResult.attention`)."""
     return torch.float32 if result.attention == "float32" else torch.float64
@@ -400,10 +451,12 @@ def load_or_measure(decoder, threads: int | None = None, log=None, force: bool =
 
 def apply_choices(result: TuneResult, set_threads: bool = True, decoder=None) -> None:
     """Put ``result``'s float32 route (and, with ``set_threads``, its thread count) in force in this process, and
-    its KV-cache dtype on ``decoder`` (:attr:`~speculant.models.llama.LlamaDecoder.attention_dtype`) when given."""
+    its KV-cache dtype and prompt route on ``decoder`` (:attr:`~speculant.models.llama.LlamaDecoder.attention_dtype`,
+    ``fused_prompt_tokens``) when given."""
     fp32_linear.ROUTES = FP32_ROUTES[result.fp32_route]
     if decoder is not None:
         decoder.attention_dtype = attention_dtype(result)
+        decoder.fused_prompt_tokens = result.fused_prompt_tokens or 0
     if set_threads:
         torch.set_num_threads(result.threads)
 
@@ -436,4 +489,8 @@ def format_table(result: TuneResult) -> str:
         lines += [f"attention (KV cache): **{result.attention}** (a one-token step over {' and '.join(map(str, ATTENTION_CONTEXTS))} "
                   "cached tokens, all layers: " + ", ".join(f"{k} {v:.0f} us" for k, v in result.attention_us.items())
                   + ")"]
+    if result.prompt_ms:
+        lines += [f"prompts: fused step up to **{result.fused_prompt_tokens}** tokens, the torch layer step above ("
+                  + ", ".join(f"{n} tokens: fused {v['fused']:.0f} ms, layer step {v['layer step']:.0f} ms"
+                              for n, v in result.prompt_ms.items()) + ")"]
     return "\n".join(lines)

@@ -2,7 +2,8 @@
 
 Requests wait in a bounded FIFO queue (``max_queue``; a full queue refuses with :class:`QueueFull`).
 Before each round the thread admits waiting requests while fewer than ``max_batch`` sequences run
-(each gets its own prefill forward and first token), drops sequences whose client went away
+(their prompts prefilled together where the runtime allows, :meth:`BatchedGenerator.start_many`, each with its
+first token), drops sequences whose client went away
 (:meth:`Submission.cancel`), then runs one batched round (:meth:`BatchedGenerator.step`) over all running
 sequences.  That is continuous batching: a request that arrives while others run joins at the next round,
 and a finished one leaves at once, freeing its slot (Yu et al. 2022, "Orca", iteration-level scheduling).
@@ -216,17 +217,20 @@ class Scheduler:
                 self._running = []
 
     def _iteration(self, admitted: list[Submission]) -> None:
+        starting = []
         for sub in admitted:
             if sub.cancelled.is_set():
                 self.metrics.labels(self.metrics.request_success, finished_reason="abort").inc()
-                continue
-            try:
-                seq = self.batched.start(sub.prompt_ids, sub.config)
-            except SpeculantError as e:          # checked before submission; kept as a guard for this request only
-                self._send(sub, Event("error", error=str(e), status=400))
+            else:
+                starting.append(sub)
+        forwards = self.batched.target_forwards
+        started = self.batched.start_many([(sub.prompt_ids, sub.config) for sub in starting]) if starting else []
+        self.metrics.labels(self.metrics.target_forwards).inc(self.batched.target_forwards - forwards)
+        for sub, seq in zip(starting, started):
+            if isinstance(seq, SpeculantError):  # checked before submission; kept as a guard for this request only
+                self._send(sub, Event("error", error=str(seq), status=400))
                 continue
             now = time.perf_counter()
-            self.metrics.labels(self.metrics.target_forwards).inc()
             self.metrics.labels(self.metrics.prompt_tokens).inc(len(sub.prompt_ids))
             self.metrics.labels(self.metrics.ttft).observe(now - sub.arrival)
             item = _Running(sub, seq, StopStringText(self.tokenizer, sub.config.stop), now, now)
