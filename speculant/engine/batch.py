@@ -243,13 +243,22 @@ class BatchedGenerator:
             max_nodes, max_depth = draft_limits(s.state, s.builder, s.budget, s.remaining)
             trees.append(s.drafter.draft(s.state, s.builder, s.generator, max_nodes, max_depth))
             s.stats.draft_forwards = s.state.draft_forwards
-        logits = self._verify(seqs, trees) if self.batched_verification else \
-            [s.drafter.verify_logits(s.state, tree) for s, tree in zip(seqs, trees)]
+        argmax: list = [None] * len(seqs)
+        if self.batched_verification:
+            every, logits = self._verify(seqs, trees)
+            if any(s.state.sampling.greedy for s in seqs):      # one argmax call for the round's rows
+                rows = every.argmax(-1).tolist()
+                starts = [0]
+                for lg in logits:
+                    starts.append(starts[-1] + lg.shape[0])
+                argmax = [rows[a:b] for a, b in zip(starts, starts[1:])]
+        else:
+            logits = [s.drafter.verify_logits(s.state, tree) for s, tree in zip(seqs, trees)]
         self.target_forwards += 1 if self.batched_verification else len(seqs)
-        for s, tree, lg in zip(seqs, trees, logits):
+        for s, tree, lg, am in zip(seqs, trees, logits, argmax):
             s.stats.target_forwards += 1
             block = accept_and_commit(s.state, s.drafter, s.builder, tree, lg, s.generator, self.without_replacement,
-                                      s.remaining, self.eos, s.stats)
+                                      s.remaining, self.eos, s.stats, am)
             s.emitted += len(block)
             s.stats.new_tokens = s.emitted
             s.last_block = block
@@ -284,8 +293,9 @@ class BatchedGenerator:
             same &= torch.equal(alone, logits)
         return bool(same)
 
-    def _verify(self, seqs: list[Sequence], trees: list[DraftTree]) -> list[torch.Tensor]:
-        """Every sequence's tree in one ragged target forward; returns per sequence fp32 logits ``[N_i + 1, V]``."""
+    def _verify(self, seqs: list[Sequence], trees: list[DraftTree]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Every sequence's tree in one ragged target forward; returns the fp32 logits of all rows ``[R, V]`` and
+        their views per sequence ``[N_i + 1, V]``."""
         target = self.model.decoder
         blocks = []
         for s, tree in zip(seqs, trees):
@@ -296,4 +306,4 @@ class BatchedGenerator:
             s.drafter.verification_hidden(s.state, tree, h[0])
         sizes = [h.shape[1] for h in hidden]
         logits = target.lm_head(target.final_norm(torch.cat(hidden, dim=1)))[0]    # one LM-head pass: [R, V]
-        return list(logits.split(sizes))
+        return logits, list(logits.split(sizes))

@@ -11,7 +11,10 @@ to trace or load.
 
 Every row is computed on its own with a fixed sequence of operations, so a row's result does not depend on how
 many rows or sequences share the call: verification blocks, tree frontiers and batched rounds give each row the
-one-token step's bits (tested in ``tests/test_decode_step.py``).  Prompts (an empty cache) keep the torch path
+one-token step's bits (tested in ``tests/test_decode_step.py``).  Prompts (an empty cache) run here under a causal
+mask up to ``LlamaDecoder.fused_prompt_tokens`` tokens (measured per machine by
+:func:`speculant.runtime.tune.measure_prompt_route`; each prompt row then gets the bits of a one-token step, and a
+server's new prompts can share one call), longer ones through the torch path
 (:func:`speculant.models.llama.prefill_layer_step`), the same for every method.
 """
 
