@@ -1,0 +1,73 @@
+"""A/B of two builds of our kernels in one process: the same SmolLM2 w4a8 forward, libraries alternated per repeat.
+
+Not a test.  Builds the kernels of ``--baseline`` (a checkout of another commit, e.g. ``git worktree add /tmp/base
+HEAD~1``) with that checkout's own build script, loads both shared libraries, and times the decoder forward over
+T = 1 and 5 new tokens (``--context`` cached tokens) with the fused step calling one library, then the other,
+``--repeats`` times: the machine's drift hits both alike, which separate runs on a shared VM do not give.  Valid
+while the two builds share ``spec_run_layers``'s argument layout.
+
+    python benchmarks/step_ab.py --baseline /tmp/base [--context 300] [--repeats 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from speculant.kernels import build
+from speculant.runtime.loader import load_model
+from speculant.runtime.tune import cpu_description
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--baseline", required=True, help="a checkout of the other commit")
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=60)
+    args = ap.parse_args()
+    here = build.load()
+    if here is None:
+        raise SystemExit(f"our kernels do not run here: {build.unavailable_reason()}")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from speculant.kernels import build; "
+            "print(build._build(build._compiler()))")
+    path = subprocess.run([sys.executable, "-c", code, args.baseline], capture_output=True, text=True,
+                          check=True).stdout.strip().splitlines()[-1]
+    other = ctypes.CDLL(path)
+    other.spec_run_layers.argtypes = here.spec_run_layers.argtypes
+    other.spec_run_layers.restype = ctypes.c_int
+    model = load_model(weights="w4a8")
+    dec, ctx = model.decoder, args.context
+    fused = dec.fused_layers()
+    g = torch.Generator().manual_seed(0)
+    times = {(name, t): [] for name in ("baseline", "this build") for t in (1, 5)}
+    with torch.inference_mode():
+        cache = dec.new_cache(ctx + 16)
+        dec(torch.randint(0, model.config.vocab_size, (1, ctx), generator=g), None, None, cache, 0)
+        for _ in range(args.repeats):
+            for name, lib in (("baseline", other), ("this build", here)):
+                fused.lib = lib
+                for t in (1, 5):
+                    ids = torch.randint(0, model.config.vocab_size, (1, t), generator=g)
+                    t0 = time.perf_counter()
+                    dec(ids, None, None, cache, ctx)
+                    times[name, t].append(time.perf_counter() - t0)
+    fused.lib = here
+    print(f"CPU: {cpu_description()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; "
+          f"context {ctx}, {args.repeats} alternated repeats; baseline: {args.baseline}\n")
+    print("| build | T=1 min / median [ms] | T=5 min / median [ms] | T=5 / T=1 (min) |")
+    print("|---|---|---|---|")
+    for name in ("baseline", "this build"):
+        one, five = times[name, 1], times[name, 5]
+        print(f"| {name} | {min(one) * 1e3:.2f} / {statistics.median(one) * 1e3:.2f} | "
+              f"{min(five) * 1e3:.2f} / {statistics.median(five) * 1e3:.2f} | {min(five) / min(one):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
