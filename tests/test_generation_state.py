@@ -72,7 +72,7 @@ def test_adaptive_threshold_restarts_each_call(model):
 
     def observe(self, accepted, depth):
         real_observe(self, accepted, depth)
-        seen.append((id(self), self.current_threshold))
+        seen.append((self, self.current_threshold))       # the object itself: its id stays unique while kept
     ChainBuilder.observe = observe
     try:
         gen.generate(PROMPT, config(123))
@@ -81,8 +81,8 @@ def test_adaptive_threshold_restarts_each_call(model):
         ChainBuilder.observe = real_observe
     assert len({t for _, t in seen}) > 1                  # it did adapt
     assert builder.current_threshold == builder.threshold == 0.4
-    ids = [i for i, _ in seen]
-    assert id(builder) not in ids and len(set(ids)) == 2      # one fresh copy per call
+    copies = {id(b): b for b, _ in seen}
+    assert id(builder) not in copies and len(copies) == 2      # one fresh copy per call
 
 
 # ---------------------------------------------------------------- torch state and interleaving

@@ -10,7 +10,7 @@ and a finished one leaves at once, freeing its slot (Yu et al. 2022, "Orca", ite
 
 Per request the thread also runs the text layer (:class:`~speculant.engine.text.StopStringText`:
 incremental detokenization, stop strings), so a stop string ends the sequence at that round, and hands
-text pieces to the request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``.
+text pieces to the requests' ``asyncio.Queue`` objects, a round's events in one ``loop.call_soon_threadsafe``.
 
 Shutdown (:meth:`Scheduler.begin_shutdown`): no new request is accepted (:class:`ShuttingDown`), waiting
 ones are refused, running ones go on until they finish or ``drain_timeout`` seconds pass (then they end with
@@ -35,6 +35,17 @@ from ..errors import SpeculantError
 from .metrics import ServerMetrics
 
 log = logging.getLogger("speculant.serving")
+
+
+def _deliver_soon(loop: asyncio.AbstractEventLoop, items: list) -> None:
+    """Put each ``(submission, event)`` of ``items`` into its queue, in ``loop``'s thread (thread-safe)."""
+    def deliver():
+        for sub, event in items:
+            sub.events.put_nowait(event)
+    try:
+        loop.call_soon_threadsafe(deliver)
+    except RuntimeError:          # the event loop is closed: nobody is listening any more
+        pass
 
 
 class QueueFull(Exception):
@@ -121,6 +132,7 @@ class Scheduler:
         self._stopped = False
         self._abort_all = False
         self._thread: threading.Thread | None = None
+        self._outbox: list[tuple[Submission, Event]] = []      # the current round's events (compute thread)
 
     # ---------------------------------------------------------------- event-loop side (any thread)
     @property
@@ -188,10 +200,21 @@ class Scheduler:
 
     # ---------------------------------------------------------------- compute thread
     def _send(self, sub: Submission, event: Event) -> None:
-        try:
-            sub.loop.call_soon_threadsafe(sub.events.put_nowait, event)
-        except RuntimeError:          # the event loop is closed: nobody is listening any more
-            pass
+        """Hand ``event`` to ``sub``'s event loop now (any thread)."""
+        _deliver_soon(sub.loop, [(sub, event)])
+
+    def _post(self, sub: Submission, event: Event) -> None:
+        """Queue ``event`` for ``sub`` (compute thread): :meth:`_flush` hands a round's events over together,
+        one event-loop wake-up per round instead of one per sequence (the HTTP side shares the cores)."""
+        self._outbox.append((sub, event))
+
+    def _flush(self) -> None:
+        by_loop: dict = {}
+        for sub, event in self._outbox:
+            by_loop.setdefault(sub.loop, []).append((sub, event))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            _deliver_soon(loop, items)
 
     def _run(self) -> None:
         while True:
@@ -207,14 +230,16 @@ class Scheduler:
                 self.metrics.labels(self.metrics.waiting).set(len(self._waiting))
             try:
                 self._iteration(admitted)
+                self._flush()
             except Exception as e:       # a bug: fail the requests involved, keep serving the others
                 log.error("scheduler round failed: %s", traceback.format_exc())
                 for item in list(self._running):
                     self._finish(item, None, error=f"internal error: {type(e).__name__}: {e}")
                 for sub in admitted:
                     if not any(r.sub is sub for r in self._running):
-                        self._send(sub, Event("error", error=f"internal error: {type(e).__name__}: {e}"))
+                        self._post(sub, Event("error", error=f"internal error: {type(e).__name__}: {e}"))
                 self._running = []
+                self._flush()
 
     def _iteration(self, admitted: list[Submission]) -> None:
         starting = []
@@ -228,7 +253,7 @@ class Scheduler:
         self.metrics.labels(self.metrics.target_forwards).inc(self.batched.target_forwards - forwards)
         for sub, seq in zip(starting, started):
             if isinstance(seq, SpeculantError):  # checked before submission; kept as a guard for this request only
-                self._send(sub, Event("error", error=str(seq), status=400))
+                self._post(sub, Event("error", error=str(seq), status=400))
                 continue
             now = time.perf_counter()
             self.metrics.labels(self.metrics.prompt_tokens).inc(len(sub.prompt_ids))
@@ -236,6 +261,7 @@ class Scheduler:
             item = _Running(sub, seq, StopStringText(self.tokenizer, sub.config.stop), now, now)
             self._running.append(item)
             self._emit(item, seq.last_block, first=True)
+        self._flush()                 # first tokens now, not after the round
         overdue = self.draining and (self._abort_all or time.perf_counter() - self._draining_since > self.drain_timeout)
         for item in list(self._running):
             if item.sub.cancelled.is_set() or overdue:
@@ -264,7 +290,7 @@ class Scheduler:
             ("length" if item.seq.finished == "length" else None)
         if reason is None:
             if piece:
-                self._send(item.sub, Event("text", piece, completion_tokens=len(item.text.token_ids)))
+                self._post(item.sub, Event("text", piece, completion_tokens=len(item.text.token_ids)))
             return
         self._finish(item, reason, piece)
 
@@ -274,7 +300,7 @@ class Scheduler:
         m, seq, now = self.metrics, item.seq, time.perf_counter()
         tokens = len(item.text.token_ids)
         if error:
-            self._send(item.sub, Event("error", error=error))
+            self._post(item.sub, Event("error", error=error))
             return
         if reason != "abort":
             piece += item.text.finish()
@@ -284,7 +310,7 @@ class Scheduler:
         if tokens > 1:
             m.labels(m.tpot).observe((now - item.first_token_at) / (tokens - 1))
         stats = seq.stats
-        self._send(item.sub, Event("done", piece, finish_reason=reason, completion_tokens=tokens,
+        self._post(item.sub, Event("done", piece, finish_reason=reason, completion_tokens=tokens,
                                    stats={"rounds": stats.rounds, "drafted_tokens": stats.drafted_tokens,
                                           "accepted_tokens": stats.accepted_tokens,
                                           "acceptance_rate": stats.acceptance_rate,
