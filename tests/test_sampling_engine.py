@@ -12,7 +12,6 @@ law is computed by running the target on every prefix.  Logits processing
 
 
 import pytest
-import torch
 from helpers import tiny_model
 from stats_helpers import chi_square, exact_law
 
@@ -81,6 +80,7 @@ def fused_model():
         pytest.skip(f"kernels: {build.unavailable_reason()}")
     m = tiny_model(seed=5, scale=1.5, vocab=4, layers=2, hidden=32, heads=2, kv_heads=1, inter=64)
     apply_weight_format(m.decoder, "w4a8")
+    m.decoder.fused_prompt_tokens = 64          # the prompt's forward through the fused step as well
     assert m.decoder.fused_layers() is not None
     return m
 

@@ -57,9 +57,14 @@ class DecodingState:
         """Target layers ``start .. end-1`` over ``hidden`` ``[1, T, D]`` with this generation's cache
         (:meth:`LlamaDecoder.run_layers`), counting ``T`` tokens for each layer in :attr:`layer_tokens`."""
         out = self.target.run_layers(hidden, start, end, positions, mask, self.cache, cache_position)
-        for i in range(start, end):
-            self.layer_tokens[i] += hidden.shape[1]
+        self.count_layers(start, end, hidden.shape[1])
         return out
+
+    def count_layers(self, start: int, end: int, tokens: int) -> None:
+        """Count ``tokens`` for target layers ``start .. end-1`` in :attr:`layer_tokens` (a forward run elsewhere,
+        e.g. a batched prefill)."""
+        for i in range(start, end):
+            self.layer_tokens[i] += tokens
 
 
 @dataclass

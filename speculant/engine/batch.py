@@ -23,6 +23,7 @@ through :meth:`~speculant.drafters.base.Drafter.verification_hidden`) are batche
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -139,6 +140,7 @@ class BatchedGenerator:
         """
         new = self._new_state(prompt_ids, config)
         t0 = time.perf_counter()
+        self.target_forwards += 1
         return self._started(new, new.drafter.prefill(new.state), t0)
 
     @torch.inference_mode()
@@ -178,10 +180,9 @@ class BatchedGenerator:
                                   st.cache, 0) for st in states]
             hidden = ragged_run_layers(target, blocks)
             logits = target.lm_head(target.final_norm(torch.cat([h[0, -1:] for h in hidden])))    # [G, V]
-            self.target_forwards += 1 - len(group)        # _started counts one per sequence
+            self.target_forwards += 1
             for k, (i, st) in enumerate(zip(group, states)):
-                for layer in range(target.num_layers):
-                    st.layer_tokens[layer] += len(st.tokens)
+                st.count_layers(0, target.num_layers, len(st.tokens))
                 out[i] = self._started(new[i], logits[k:k + 1], t0)
         for i, n in enumerate(new):
             if out[i] is None:
@@ -189,6 +190,7 @@ class BatchedGenerator:
                     out[i] = n
                 else:
                     t0 = time.perf_counter()
+                    self.target_forwards += 1
                     out[i] = self._started(n, n.drafter.prefill(n.state), t0)
         return out
 
@@ -214,10 +216,10 @@ class BatchedGenerator:
                           state)
 
     def _started(self, new: "_Unstarted", logits: torch.Tensor, t0: float) -> Sequence:
-        """The :class:`Sequence` after its prompt's forward (``logits`` ``[1, V]`` of the last position)."""
+        """The :class:`Sequence` after its prompt's forward (``logits`` ``[1, V]`` of the last position; the caller
+        counts that forward in :attr:`target_forwards`)."""
         stats = GenerationStats()
         first_token(new.state, new.drafter, logits, new.generator, stats)
-        self.target_forwards += 1
         stats.time_to_first_token_s = stats.seconds = time.perf_counter() - t0
         stats.new_tokens = 1
         seq = Sequence(new.prompt_ids, new.config, new.drafter, new.builder, new.generator, new.state, stats,
@@ -248,10 +250,8 @@ class BatchedGenerator:
             every, logits = self._verify(seqs, trees)
             if any(s.state.sampling.greedy for s in seqs):      # one argmax call for the round's rows
                 rows = every.argmax(-1).tolist()
-                starts = [0]
-                for lg in logits:
-                    starts.append(starts[-1] + lg.shape[0])
-                argmax = [rows[a:b] for a, b in zip(starts, starts[1:])]
+                ends = list(itertools.accumulate(lg.shape[0] for lg in logits))
+                argmax = [rows[a:b] for a, b in zip([0] + ends, ends)]
         else:
             logits = [s.drafter.verify_logits(s.state, tree) for s, tree in zip(seqs, trees)]
         self.target_forwards += 1 if self.batched_verification else len(seqs)
