@@ -34,8 +34,10 @@ class ServerThread:
         self.engine.scheduler.stop()
 
 
-def serve_engine(model, spec, max_batch=8, max_queue=64, name="tiny"):
-    return build_engine(model, spec, name, max_batch, max_queue, drain_timeout=5.0)
+def serve_engine(model, spec, max_batch=8, max_queue=64, name="tiny", prefix_cache_tokens=2048, speculation="goodput"):
+    """The engine `speculant serve` builds (its defaults: prefix cache budget, speculation by goodput)."""
+    return build_engine(model, spec, name, max_batch, max_queue, drain_timeout=5.0,
+                        prefix_cache_tokens=prefix_cache_tokens, speculation=speculation)
 
 
 METRIC = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$')

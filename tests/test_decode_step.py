@@ -212,6 +212,84 @@ def test_start_many_prefills_prompts_together_with_the_bits_of_each_alone(model)
         dec.fused_prompt_tokens = 0
 
 
+def test_start_many_from_a_prefix_cache_gets_the_bits_of_a_full_prefill(model):
+    """Prompts that share a prefix with cached ones prefill only the rest, and get the KV cache, first token and
+    later tokens of ``start`` without a cache; a repeated prompt recomputes its last position only."""
+    from speculant import GenerationConfig
+    from speculant.engine.batch import BatchedGenerator
+    from speculant.engine.prefix_cache import PrefixCache
+    dec = model.decoder
+    dec.fused_prompt_tokens = 64
+    try:
+        system = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+        first = [system + [30, 31], system + [40]]
+        later = [system + [30, 31, 32, 33],          # extends a cached prompt: 11 slots reused
+                 system + [50, 51, 52],              # shares the system part: 9
+                 system + [30, 31],                  # a repeat: all but its last position (10)
+                 [70, 71, 72, 73]]                   # nothing in common: 0
+        cfg = GenerationConfig(max_new_tokens=5)
+        pc = PrefixCache(max_tokens=64)
+        bg, plain = BatchedGenerator(model, prefix_cache=pc), BatchedGenerator(model)
+        with torch.inference_mode():
+            bg.start_many([(p, cfg) for p in first])
+            assert pc.hits == 0 and pc.queries == 21 and len(pc) == 2
+            seqs = bg.start_many([(p, cfg) for p in later])
+            assert pc.hits == 11 + 9 + 10 + 0 and pc.queries == 21 + 13 + 12 + 11 + 4
+            for p, seq, reused in zip(later, seqs, (11, 9, 10, 0)):
+                alone = plain.start(p, cfg)
+                n = len(p)
+                assert seq.last_block == alone.last_block
+                assert torch.equal(seq.state.cache.keys[..., :n, :], alone.state.cache.keys[..., :n, :])
+                assert torch.equal(seq.state.cache.values[..., :n, :], alone.state.cache.values[..., :n, :])
+                assert seq.state.layer_tokens == [n - reused] * dec.num_layers
+                bg.step([seq])
+                plain.step([alone])
+                assert seq.last_block == alone.last_block
+            # the extended prompt replaced the one it extends; everything fits the budget
+            assert tuple(system + [30, 31]) not in pc._entries and pc.tokens <= 64
+    finally:
+        dec.fused_prompt_tokens = 0
+
+
+@pytest.mark.parametrize("method", ["ar", "prompt-lookup", "early-exit"])
+def test_a_released_sequence_caches_its_turn_for_the_next_one(model, method):
+    """``release``: with ``ar`` and prompt lookup a finished sequence's committed tokens (prompt + answer) are
+    cached, and a next turn that repeats them prefills only its new tokens, with the bits of a full prefill;
+    a drafter that runs layers of its own (early exit) caches nothing at release."""
+    from speculant import GenerationConfig
+    from speculant.engine.batch import BatchedGenerator
+    from speculant.engine.methods import MethodSpec, build_generator
+    from speculant.engine.prefix_cache import PrefixCache
+    dec = model.decoder
+    dec.fused_prompt_tokens = 64
+    try:
+        spec = {"ar": MethodSpec(method="ar"), "prompt-lookup": MethodSpec(method="prompt-lookup"),
+                "early-exit": MethodSpec(method="early-exit", exit_layer=2, num_speculations=2)}[method]
+        gen = build_generator(model, spec)
+        pc = PrefixCache(max_tokens=128)
+        bg = BatchedGenerator(model, gen.drafter, gen.builder, prefix_cache=pc)
+        plain = BatchedGenerator(model, gen.drafter, gen.builder)
+        cfg = GenerationConfig(max_new_tokens=8)
+        with torch.inference_mode():
+            [seq] = bg.start_many([([5, 9, 2, 7, 5, 9], cfg)])
+            while seq.finished is None:
+                bg.step([seq])
+            bg.release(seq)
+            committed = seq.state.cache.length
+            assert committed == len(seq.state.tokens) - 1          # the last emitted token has no KV yet
+            turn = seq.state.tokens + [40, 41]
+            [nxt] = bg.start_many([(turn, cfg)])
+            alone = plain.start(turn, cfg)
+        reused = committed if method != "early-exit" else 6        # early exit: the prompt only (cached at its prefill)
+        assert nxt.state.layer_tokens == [len(turn) - reused] * dec.num_layers
+        n = len(turn)
+        assert nxt.last_block == alone.last_block
+        assert torch.equal(nxt.state.cache.keys[..., :n, :], alone.state.cache.keys[..., :n, :])
+        assert torch.equal(nxt.state.cache.values[..., :n, :], alone.state.cache.values[..., :n, :])
+    finally:
+        dec.fused_prompt_tokens = 0
+
+
 def test_the_prompt_route_is_measured_and_kept(model):
     from speculant.runtime import tune
     limit, ms = tune.measure_prompt_route(model.decoder, lengths=(8, 24, 10_000))

@@ -18,7 +18,9 @@ from serving_helpers import ServerThread, parse_metrics, serve_engine
 
 from speculant import GenerationConfig, SamplingConfig, build_generator
 from speculant.engine.methods import MethodSpec
+from speculant.kernels import build
 from speculant.models.loading import save_hf_dir
+from speculant.runtime.formats import apply_weight_format
 from speculant.runtime.loader import load_model
 
 SPEC = MethodSpec(method="rsd-c", exit_layer=2, branching="2,2")     # self-speculative trees, batched verification
@@ -173,6 +175,34 @@ def test_metrics_counters_move(server):
     assert 0 <= accepted <= drafted and per_pos == accepted
 
 
+@pytest.mark.skipif(not build.available(), reason=f"kernels: {build.unavailable_reason()}")
+@pytest.mark.parametrize("method", ["rsd-c", "ar"])
+def test_chats_sharing_a_prefix_reuse_its_kv_and_keep_their_output(method):
+    """With prompts on the fused step (w4a8), later chats prefill only what follows the prefix they share with
+    earlier ones (``prefix_cache_hits`` counts the reused tokens) and still return what each returns alone; with
+    ``ar`` a finished request's answer is cached too (for a next turn)."""
+    tiny = tiny_model(seed=11, scale=2.5, vocab=64, layers=4, ctx=1024)
+    tiny.tokenizer.chat_template = CHAT_TEMPLATE
+    apply_weight_format(tiny.decoder, "w4a8")
+    tiny.decoder.fused_prompt_tokens = 256
+    system = "t1 t2 t3 t4 t5 t6 t7 t8"
+    engine = serve_engine(tiny, SPEC if method == "rsd-c" else MethodSpec(method="ar"), prefix_cache_tokens=256)
+    with ServerThread(engine) as s:
+        c = client(s)
+        for user in ("t9 t10", "t11 t12 t13", "t9 t10", "t20"):
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+            r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+            assert r.choices[0].message.content == alone(tiny, f"{system} {user} ", 12, method=method), user
+        m = metrics(s)
+    # prompts of 10, 11, 10 and 9 tokens; with ar each is cached again at its end with its 11 committed answer tokens
+    longest = max(len(k) for k in engine.batched.prefix_cache._entries)
+    assert longest == (11 + 11 if method == "ar" else 11)
+    label = '{model_name="tiny"}'
+    # 10, 11, 10, 9 prompt tokens; reused: 0, then the 8 system tokens, 9 of the repeat (all but its last), 8
+    assert m[f"speculant:prefix_cache_queries_total{label}"] == 40
+    assert m[f"speculant:prefix_cache_hits_total{label}"] == 8 + 9 + 8
+
+
 def test_bad_requests_get_openai_errors(server):
     url = server.url + "/v1/completions"
     r = httpx.post(url, content=b'{"model": "tiny", "prompt": ', headers={"content-type": "application/json"})
@@ -240,7 +270,8 @@ def test_disconnect_mid_stream_frees_the_slot(model):
 
 
 @pytest.mark.parametrize("args,needle", [(["--max-batch", "0"], "--max-batch=0"), (["--port", "70000"], "--port=70000"),
-                                         (["--drain-timeout", "-1"], "--drain-timeout=-1.0")])
+                                         (["--drain-timeout", "-1"], "--drain-timeout=-1.0"),
+                                         (["--prefix-cache-tokens", "-1"], "--prefix-cache-tokens=-1")])
 def test_serve_cli_bad_options_are_one_line_errors(capsys, args, needle):
     from speculant.cli import main
     assert main(["serve", "--model", "no-such-model", *args]) == 2

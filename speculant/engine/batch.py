@@ -6,7 +6,9 @@ Each round drafts for every active sequence (each with its own drafter state, tr
 and the MLP, attention per sequence against its own cache and mask), then accepts and commits each sequence
 with its own accepted length (:func:`~speculant.engine.rounds.accept_and_commit`, the same code the
 one-sequence generator runs).  Sequences join (:meth:`BatchedGenerator.start`: their own prefill forward) and
-leave between rounds, which is continuous batching (Yu et al. 2022, "Orca", iteration-level scheduling).
+leave between rounds, which is continuous batching (Yu et al. 2022, "Orca", iteration-level scheduling); with a
+:class:`~speculant.engine.prefix_cache.PrefixCache`, a joining prompt prefills only what follows the longest
+prefix it shares with a cached one (:meth:`BatchedGenerator.start_many`, :meth:`BatchedGenerator.release`).
 
 Exactness: a sequence's logits in the batched forward are bit-identical to those of the same sequence
 decoded alone (per-row projections batch-invariant, measured: :func:`speculant.runtime.tune.invariant_rows`;
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..drafters.base import DecodingState, Drafter
+from ..drafters.base import DecodingState, Drafter, ModelDrafterBase
 from ..errors import SpeculantError
 from ..models.loading import LoadedModel
 from ..models.ragged import RaggedBlock, ragged_run_layers
@@ -37,6 +39,8 @@ from ..runtime.compiled import compiled_halves
 from ..trees.builders import IIDTreeBuilder, TreeBuilder
 from ..trees.tree import DraftTree
 from .generator import GenerationConfig
+from .goodput import GoodputPolicy
+from .prefix_cache import PrefixCache
 from .rounds import accept_and_commit, draft_limits, first_token
 from .stats import GenerationStats
 
@@ -103,10 +107,19 @@ class BatchedGenerator:
         model: the target.
         drafter: the drafter every sequence forks (``None``: autoregressive decoding).
         builder: the tree builder every sequence copies (``None`` with no drafter).
+        prefix_cache: where :meth:`start_many` keeps prompts' KV and looks up new prompts' prefixes
+            (``None``: no prefix caching).
+        policy: decides per round whether its greedy sequences draft (:mod:`speculant.engine.goodput`;
+            ``None``: every round drafts).
     """
 
-    def __init__(self, model: LoadedModel, drafter: Drafter | None = None, builder: TreeBuilder | None = None):
+    def __init__(self, model: LoadedModel, drafter: Drafter | None = None, builder: TreeBuilder | None = None,
+                 prefix_cache: PrefixCache | None = None, policy: GoodputPolicy | None = None):
         self.model = model
+        self.prefix_cache = prefix_cache
+        self.policy = policy
+        self._last_round: tuple | None = None     # (start [s], sequences, rows, draft seconds) for the policy
+        self._rounds = 0
         self.drafter = drafter or Drafter()
         self.builder = builder
         self.without_replacement = not isinstance(builder, IIDTreeBuilder)
@@ -155,8 +168,15 @@ class BatchedGenerator:
         the bits it gets alone (:mod:`speculant.kernels.decode_step`), so every sequence's cache and first token
         are those of :meth:`start`: a server's new requests join with one forward instead of one each (a batched
         prefill, as vLLM's scheduler batches the prompts of a step).
+
+        With a :attr:`prefix_cache`, such a prompt first takes the KV of the longest prefix it shares with a
+        cached prompt, and only its other tokens are prefilled (at least its last one); every prompt so
+        prefilled is then cached.  The cached slots hold the bits its own prefill computes (the fused step's
+        rows, see :mod:`speculant.engine.prefix_cache`), so the cache and first token are still those of
+        :meth:`start`.  ``state.layer_tokens`` counts the rows actually computed.
         """
         target = self.model.decoder
+        self._last_round = None                   # a prefill between two rounds is not a round's overhead
         new: list = []
         for ids, config in requests:
             try:
@@ -165,9 +185,10 @@ class BatchedGenerator:
                 new.append(e)
         out: list = [None] * len(requests)
         shared = [i for i, n in enumerate(new) if not isinstance(n, SpeculantError) and self._prefill_shares(n.state)]
+        cached = {i: self._load_prefix(new[i].state) for i in shared}      # slots taken from the prefix cache
         groups, rows = [], 0
         for i in shared:                          # consecutive groups of at most fused_prompt_tokens rows
-            t = len(requests[i][0])
+            t = len(requests[i][0]) - cached[i]
             if not groups or rows + t > target.fused_prompt_tokens:
                 groups.append([])
                 rows = 0
@@ -176,13 +197,16 @@ class BatchedGenerator:
         for group in groups:
             t0 = time.perf_counter()
             states = [new[i].state for i in group]
-            blocks = [RaggedBlock(target.embed(torch.tensor([st.tokens])), 0, torch.arange(len(st.tokens)), None,
-                                  st.cache, 0) for st in states]
+            blocks = [RaggedBlock(target.embed(torch.tensor([st.tokens[cached[i]:]])), 0,
+                                  torch.arange(cached[i], len(st.tokens)), None, st.cache, cached[i])
+                      for i, st in zip(group, states)]
             hidden = ragged_run_layers(target, blocks)
             logits = target.lm_head(target.final_norm(torch.cat([h[0, -1:] for h in hidden])))    # [G, V]
             self.target_forwards += 1
             for k, (i, st) in enumerate(zip(group, states)):
-                st.count_layers(0, target.num_layers, len(st.tokens))
+                st.count_layers(0, target.num_layers, len(st.tokens) - cached[i])
+                if self.prefix_cache is not None:
+                    self.prefix_cache.store(st.tokens, st.cache)
                 out[i] = self._started(new[i], logits[k:k + 1], t0)
         for i, n in enumerate(new):
             if out[i] is None:
@@ -194,10 +218,32 @@ class BatchedGenerator:
                     out[i] = self._started(n, n.drafter.prefill(n.state), t0)
         return out
 
-    def _prefill_shares(self, state: DecodingState) -> bool:
-        """Whether this sequence's prefill may share a ragged forward (see :meth:`start_many`)."""
+    def release(self, seq: Sequence) -> None:
+        """``seq`` leaves the batch (finished or dropped): with a :attr:`prefix_cache`, the KV of its committed
+        tokens (prompt and emitted ones) is cached, so a conversation's next turn, which repeats them, prefills
+        only its new tokens.  Only where every committed row came from the fused step and the target's own
+        verification forwards (``ar``, prompt lookup: drafters that run no network of their own), so the cached
+        slots hold the bits a prefill of those tokens computes."""
+        if (self.prefix_cache is None or isinstance(seq.drafter, ModelDrafterBase) or not self.batched_verification
+                or not self._prefill_shares(seq.state, len(seq.prompt_ids))):
+            return
+        self.prefix_cache.store(seq.state.tokens[:seq.state.cache.length], seq.state.cache)
+
+    def _load_prefix(self, state: DecodingState) -> int:
+        """Copy the longest cached prefix of ``state.tokens`` into its KV cache; returns its length [tokens]."""
+        if self.prefix_cache is None:
+            return 0
+        n, key = self.prefix_cache.match(state.tokens)
+        if n:
+            self.prefix_cache.load(key, n, state.cache)
+        return n
+
+    def _prefill_shares(self, state: DecodingState, prompt_length: int | None = None) -> bool:
+        """Whether this sequence's prefill (of ``prompt_length`` tokens, default all of ``state.tokens``) may share
+        a ragged forward, on the fused step (see :meth:`start_many`)."""
         target = self.model.decoder
-        return (type(self.drafter).prefill is Drafter.prefill and len(state.tokens) <= target.fused_prompt_tokens
+        n = len(state.tokens) if prompt_length is None else prompt_length
+        return (type(self.drafter).prefill is Drafter.prefill and n <= target.fused_prompt_tokens
                 and state.cache.dtype == torch.float32 and target.fused_layers() is not None)
 
     def _new_state(self, prompt_ids: list[int], config: GenerationConfig) -> "_Unstarted":
@@ -235,16 +281,28 @@ class BatchedGenerator:
 
     @torch.inference_mode()
     def step(self, seqs: list[Sequence]) -> None:
-        """One round for every sequence in ``seqs`` (all unfinished): draft each, verify all in one target
-        forward, accept and commit each.  Sets each sequence's ``last_block`` (its emitted tokens, ending at
+        """One round for every sequence in ``seqs`` (all unfinished): draft each (greedy ones only when the
+        :attr:`policy` says drafting pays at this batch size), verify all in one target forward, accept and
+        commit each.  Sets each sequence's ``last_block`` (its emitted tokens, ending at
         an EOS, at most ``remaining``), ``emitted`` and ``finished``."""
         if not seqs:
             return
         trees: list[DraftTree] = []
-        for s in seqs:
+        t0 = time.perf_counter()
+        if self.policy is not None and self._last_round is not None:
+            start, n, rows, drafting = self._last_round
+            self.policy.observe_period(n, rows, t0 - start, drafting)
+        n = len(seqs) if self.policy is None or self.builder is None else self.policy.drafting(len(seqs))
+        explorer = self._rounds % len(seqs) if n == 1 else -1    # the one that drafts when exploring (in turn)
+        self._rounds += 1
+        drafts = [n == len(seqs) or i == explorer or not s.state.sampling.greedy for i, s in enumerate(seqs)]
+        for s, d in zip(seqs, drafts):
             max_nodes, max_depth = draft_limits(s.state, s.builder, s.budget, s.remaining)
+            if not d:                                             # an ar round for it (same tokens)
+                max_nodes = max_depth = 0
             trees.append(s.drafter.draft(s.state, s.builder, s.generator, max_nodes, max_depth))
             s.stats.draft_forwards = s.state.draft_forwards
+        draft_seconds = time.perf_counter() - t0
         argmax: list = [None] * len(seqs)
         if self.batched_verification:
             every, logits = self._verify(seqs, trees)
@@ -263,6 +321,12 @@ class BatchedGenerator:
             s.stats.new_tokens = s.emitted
             s.last_block = block
             self._finish_if_done(s)
+        rows = sum(len(t) + 1 for t in trees)
+        if self.policy is not None and self.builder is not None and any(drafts):
+            mine = [i for i, d in enumerate(drafts) if d]
+            self.policy.observe(len(mine), sum(len(trees[i]) + 1 for i in mine),
+                                sum(len(seqs[i].last_block) for i in mine), draft_seconds)
+        self._last_round = (t0, len(seqs), rows, draft_seconds)
 
     @torch.inference_mode()
     def matches_single_sequence(self, with_neighbours: bool = True, seed: int = 0) -> bool:

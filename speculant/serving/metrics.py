@@ -6,6 +6,8 @@ its *draft tokens* are the tree's nodes; *accepted tokens* the drafted tokens th
 (position 0 = the first drafted token); *emitted tokens* are the tokens rounds emit (accepted + the
 target's own).  Acceptance rate = accepted / draft tokens; per position = per_pos[p] / drafts.
 ``target_forwards`` counts target forwards: one per batched verification round, one per prefill.
+Prefix caching (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``): prompt tokens looked up, and those whose
+KV was reused instead of prefilled; hit rate = hits / queries.
 
 Latencies [seconds]: time to first token (arrival to the first token), inter-token latency (between
 consecutive emissions of a request; a speculative round emits several tokens at once, as in vLLM),
@@ -41,6 +43,13 @@ class ServerMetrics:
                                           "verification rounds (accepted + the target's token).", label, registry=r)
         self.target_forwards = Counter("speculant:target_forwards", "Target forwards (one per batched "
                                        "verification round, one per prefill).", label, registry=r)
+        self.rounds_without_drafts = Counter("speculant:rounds_without_drafts", "Rounds whose greedy sequences did "
+                                             "not draft (--speculation goodput: drafting would not pay at that "
+                                             "batch size).", label, registry=r)
+        self.prefix_cache_queries = Counter("speculant:prefix_cache_queries", "Prompt tokens looked up in the "
+                                            "prefix cache.", label, registry=r)
+        self.prefix_cache_hits = Counter("speculant:prefix_cache_hits", "Prompt tokens whose KV came from the "
+                                         "prefix cache (not prefilled).", label, registry=r)
         self.prompt_tokens = Counter("speculant:prompt_tokens", "Prompt tokens prefilled.", label, registry=r)
         self.generation_tokens = Counter("speculant:generation_tokens", "Tokens generated (returned to clients).",
                                          label, registry=r)

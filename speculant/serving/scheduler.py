@@ -3,9 +3,10 @@
 Requests wait in a bounded FIFO queue (``max_queue``; a full queue refuses with :class:`QueueFull`).
 Before each round the thread admits waiting requests while fewer than ``max_batch`` sequences run
 (their prompts prefilled together where the runtime allows, :meth:`BatchedGenerator.start_many`, each with its
-first token), drops sequences whose client went away
+first token, from the longest prefix the batch's prefix cache holds), drops sequences whose client went away
 (:meth:`Submission.cancel`), then runs one batched round (:meth:`BatchedGenerator.step`) over all running
-sequences.  That is continuous batching: a request that arrives while others run joins at the next round,
+sequences; a sequence that ends is released (:meth:`BatchedGenerator.release`: its KV may go to the prefix
+cache).  That is continuous batching: a request that arrives while others run joins at the next round,
 and a finished one leaves at once, freeing its slot (Yu et al. 2022, "Orca", iteration-level scheduling).
 
 Per request the thread also runs the text layer (:class:`~speculant.engine.text.StopStringText`:
@@ -248,9 +249,13 @@ class Scheduler:
                 self.metrics.labels(self.metrics.request_success, finished_reason="abort").inc()
             else:
                 starting.append(sub)
-        forwards = self.batched.target_forwards
+        forwards, pc = self.batched.target_forwards, self.batched.prefix_cache
+        queries, hits = (pc.queries, pc.hits) if pc is not None else (0, 0)
         started = self.batched.start_many([(sub.prompt_ids, sub.config) for sub in starting]) if starting else []
         self.metrics.labels(self.metrics.target_forwards).inc(self.batched.target_forwards - forwards)
+        if pc is not None:
+            self.metrics.labels(self.metrics.prefix_cache_queries).inc(pc.queries - queries)
+            self.metrics.labels(self.metrics.prefix_cache_hits).inc(pc.hits - hits)
         for sub, seq in zip(starting, started):
             if isinstance(seq, SpeculantError):  # checked before submission; kept as a guard for this request only
                 self._post(sub, Event("error", error=str(seq), status=400))
@@ -271,7 +276,11 @@ class Scheduler:
             return
         seqs = [item.seq for item in self._running]
         before = [(s.stats.drafted_tokens, s.stats.accepted_tokens) for s in seqs]
+        policy = self.batched.policy
+        skipped = policy.rounds_skipped if policy is not None else 0
         self.batched.step(seqs)
+        if policy is not None and policy.rounds_skipped > skipped:
+            self.metrics.labels(self.metrics.rounds_without_drafts).inc()
         self.metrics.record_round(len(seqs), [s.stats.drafted_tokens - d for s, (d, _) in zip(seqs, before)],
                                   [s.stats.accepted_tokens - a for s, (_, a) in zip(seqs, before)],
                                   [len(s.last_block) for s in seqs])
@@ -297,6 +306,8 @@ class Scheduler:
     def _finish(self, item: _Running, reason: str | None, piece: str = "", error: str = "") -> None:
         if item in self._running:
             self._running.remove(item)
+            if not error:                # after a failed round its caches may be half-written
+                self.batched.release(item.seq)
         m, seq, now = self.metrics, item.seq, time.perf_counter()
         tokens = len(item.text.token_ids)
         if error:

@@ -12,7 +12,7 @@ import sys
 import threading
 
 from ..engine.batch import BatchedGenerator
-from ..errors import check_range
+from ..errors import SpeculantError, check_range
 from ..runtime import tune
 from .metrics import ServerMetrics
 from .scheduler import Scheduler
@@ -49,16 +49,36 @@ def exact_batch_limit(batched: BatchedGenerator, max_batch: int, log=None) -> in
     return fit
 
 
-def build_engine(model, spec, name: str, max_batch: int, max_queue: int, drain_timeout: float, log=None):
-    """A :class:`~speculant.serving.app.ServingEngine` for ``model`` decoding with method ``spec``."""
+SPECULATION = ("goodput", "always")
+"""``--speculation``: draft in a round only when that pays at its batch size (:mod:`speculant.engine.goodput`), or
+in every round."""
+
+
+def build_engine(model, spec, name: str, max_batch: int, max_queue: int, drain_timeout: float, log=None,
+                 prefix_cache_tokens: int = 0, speculation: str = "goodput"):
+    """A :class:`~speculant.serving.app.ServingEngine` for ``model`` decoding with method ``spec``, keeping the KV
+    of up to ``prefix_cache_tokens`` prompt tokens for reuse (:mod:`speculant.engine.prefix_cache`; 0: none);
+    ``speculation`` is one of :data:`SPECULATION` (``goodput`` times the target's forwards here, ~0.5 s).
+
+    Raises:
+        SpeculantError: a bad option value (named, with what is allowed).
+    """
+    from ..engine.goodput import GoodputPolicy
     from ..engine.methods import build_generator
+    from ..engine.prefix_cache import PrefixCache
     from .app import ServingEngine
     check_range("--max-batch", max_batch, 1)
     check_range("--max-queue", max_queue, 0)
     check_range("--drain-timeout", drain_timeout, 0.0)
+    check_range("--prefix-cache-tokens", prefix_cache_tokens, 0)
+    if speculation not in SPECULATION:
+        raise SpeculantError(f"--speculation={speculation!r} is unknown; allowed: {', '.join(SPECULATION)}")
     gen = build_generator(model, spec)
-    batched = BatchedGenerator(model, gen.drafter, gen.builder)
+    batched = BatchedGenerator(model, gen.drafter, gen.builder,
+                               PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None)
     max_batch = exact_batch_limit(batched, max_batch, log)
+    if speculation == "goodput" and gen.builder is not None:
+        batched.policy = GoodputPolicy.measure(model.decoder, min(max_batch * batched.rows_per_sequence, 128))
     if not batched.matches_single_sequence(with_neighbours=max_batch > 1):
         print("speculant: warning: batched rounds do not reproduce the one-sequence forward bit for bit on this "
               "machine (a compiled model's layer halves may round differently from its fused step; --no-compile "
@@ -115,6 +135,7 @@ def cmd_serve(args) -> int:
     check_range("--max-batch", args.max_batch, 1)
     check_range("--max-queue", args.max_queue, 0)
     check_range("--drain-timeout", args.drain_timeout, 0.0)
+    check_range("--prefix-cache-tokens", args.prefix_cache_tokens, 0)
     method_spec_from_args(args)                 # bad flag combinations fail before the model loads
     box, ready = {}, threading.Event()
 
@@ -124,7 +145,8 @@ def cmd_serve(args) -> int:
             model = load_for_decoding(args)
             spec = method_spec_from_args(args, model)
             name = args.served_model_name or model.name
-            box["engine"] = build_engine(model, spec, name, args.max_batch, args.max_queue, args.drain_timeout)
+            box["engine"] = build_engine(model, spec, name, args.max_batch, args.max_queue, args.drain_timeout,
+                                         prefix_cache_tokens=args.prefix_cache_tokens, speculation=args.speculation)
             box["about"] = (f"speculant: serving {name!r} (method {spec.method}, weights "
                             f"{getattr(model, 'weights', '?')}, max batch {box['engine'].scheduler.max_batch}, "
                             f"queue {args.max_queue})")
@@ -160,6 +182,13 @@ def register(sub, add_model_args, add_method_args) -> None:
                    help="most requests waiting to start; more get HTTP 429 (default: 64)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM (default: 30)")
+    p.add_argument("--prefix-cache-tokens", type=int, default=2048,
+                   help="prompt tokens whose KV is kept to prefill later prompts from their longest shared prefix "
+                        "(automatic prefix caching; 0 turns it off; default: 2048, ~94 MB for SmolLM2-135M)")
+    p.add_argument("--speculation", choices=SPECULATION, default="goodput",
+                   help="goodput (default): greedy requests draft in a round only when the expected tokens per "
+                        "second beat a round without drafts at that batch size (measured at startup and while "
+                        "serving; vLLM's disable-by-batch-size, decided by measurement); always: every round drafts")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default: warning)")
     add_method_args(p)

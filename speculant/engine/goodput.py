@@ -1,0 +1,166 @@
+"""Whether a batched round should draft at all: speculation by goodput.
+
+Speculative decoding turns idle compute into tokens; a batch of sequences leaves less compute idle.  At one
+sequence a verification block of ``1 + k`` rows costs little more than one row (the weights are read once), at 8
+sequences the round is compute-bound and ``8 (1 + k)`` rows cost several times ``8`` rows, so drafts whose
+acceptance does not pay for their rows make the server slower than plain batched decoding.  vLLM switches
+speculation off above a fixed batch size (``speculative_disable_by_batch_size``); SmartSpec (Liu et al. 2024,
+"Optimizing Speculative Decoding for Serving Large Language Models Using Goodput", arXiv:2406.14066) decides from
+the expected goodput, tokens per second of a round.  This policy does the latter, from measurements only:
+
+* ``cost(R)``: seconds of one target forward over ``R`` rows (one sequence, ``R`` new tokens), measured on this
+  machine at startup (:meth:`GoodputPolicy.measure`), linear in between;
+* per sequence and speculative round, running means (exponential, weight ``smoothing``) of the tokens it emitted
+  (block efficiency ``tau``), of the rows it added to the forward (``r = 1 +`` drafted tokens) and of the seconds
+  its drafting took (``d``), observed in the rounds that drafted;
+* per sequence and round, the running mean ``o`` of the time a round takes beyond its drafting and its forward's
+  ``cost`` (acceptance, the text layer, handing tokens to HTTP, all between the starts of consecutive rounds),
+  which a round pays whether it drafts or not, so that fewer, longer rounds save it.
+
+A round of ``N`` sequences drafts when ``N * tau / (cost(N * r) + N * (d + o)) > N / (cost(N) + N * o)``, i.e.
+when its expected tokens per second beat a round without drafts.  The means are learnt in the first ``warmup``
+rounds, which all draft, and kept current by exploring: when ``explore_every`` rounds in a row went without
+drafts, one sequence of the next round drafts (a drafter's acceptance changes with the text: prompt lookup finds
+nothing to copy in one answer and whole sentences in the next), which costs a batch a few rows, not a round.
+
+Exactness: a round without drafts is an ``ar`` round, so greedy outputs do not change.  A sampled sequence draws
+its random numbers in a different order in such a round, so its seeded output would then depend on what runs
+beside it; the engine applies the policy to greedy sequences only (sampled ones always draft).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import SpeculantError
+
+
+class GoodputPolicy:
+    """Decides per batched round whether its greedy sequences draft (see the module docstring).
+
+    Args:
+        forward_seconds: measured ``{rows: seconds}`` of one target forward (at least one entry, rows >= 1).
+        smoothing: weight of a new observation in the running means (0 < smoothing <= 1).
+        warmup: rounds that draft before the policy decides [count].
+        explore_every: at most this many rounds in a row go without drafts [count, >= 1].
+
+    Attributes:
+        tokens_per_sequence: running block efficiency ``tau`` [tokens per sequence and round], ``None`` before
+            the first observation.
+        rows_per_sequence: running rows ``r`` a drafting sequence adds to the forward [tokens].
+        draft_seconds_per_sequence: running drafting time ``d`` [s].
+        overhead_seconds_per_sequence: running time ``o`` of a round beyond drafting and forward [s].
+        rounds_drafted, rounds_skipped: rounds the policy let draft / kept without drafts [count].
+
+    Raises:
+        SpeculantError: an empty or non-positive cost table, or ``smoothing`` outside (0, 1].
+    """
+
+    def __init__(self, forward_seconds: dict[int, float], smoothing: float = 0.1, warmup: int = 16,
+                 explore_every: int = 16):
+        if not forward_seconds or any(r < 1 or s <= 0 for r, s in forward_seconds.items()):
+            raise SpeculantError(f"forward_seconds={forward_seconds} is invalid; allowed: a non-empty "
+                                 "{rows >= 1: seconds > 0}")
+        if not 0.0 < smoothing <= 1.0:
+            raise SpeculantError(f"smoothing={smoothing} is out of range; allowed: (0, 1]")
+        if warmup < 0 or explore_every < 1:
+            raise SpeculantError(f"warmup={warmup}, explore_every={explore_every} are out of range; allowed: "
+                                 "warmup >= 0, explore_every >= 1")
+        self.warmup, self.explore_every = warmup, explore_every
+        self.observations = 0
+        self._without = 0            # rounds in a row without drafts
+        self.table = sorted(forward_seconds.items())
+        self.smoothing = smoothing
+        self.tokens_per_sequence: float | None = None
+        self.rows_per_sequence = 1.0
+        self.draft_seconds_per_sequence = 0.0
+        self.overhead_seconds_per_sequence = 0.0
+        self.rounds_drafted = 0
+        self.rounds_skipped = 0
+
+    @classmethod
+    @torch.inference_mode()
+    def measure(cls, decoder, max_rows: int, context: int = 64, repeats: int = 3, **kw) -> "GoodputPolicy":
+        """Time one forward of ``decoder`` over ``R`` new tokens after ``context`` cached ones, for ``R`` = 1, 2,
+        4, ... up to ``max_rows`` (and ``max_rows`` itself), best of ``repeats`` [s]; about 0.5 s for SmolLM2-135M
+        up to 64 rows on 2 cores.  Random tokens: the cost does not depend on them."""
+        if max_rows < 1:
+            raise SpeculantError(f"max_rows={max_rows} is out of range; allowed: >= 1")
+        rows = sorted({min(1 << i, max_rows) for i in range(max_rows.bit_length() + 1)})
+        g = torch.Generator().manual_seed(0)
+        vocab = decoder.config.vocab_size
+        cache = decoder.new_cache(context + max_rows)
+        decoder(torch.randint(vocab, (1, context), generator=g), None, None, cache, 0)
+        seconds = {}
+        for r in rows:
+            ids = torch.randint(vocab, (1, r), generator=g)
+            best = float("inf")
+            for _ in range(repeats + 1):                 # the first call of a shape may build or warm things
+                t0 = time.perf_counter()
+                decoder(ids, None, None, cache, context)
+                best = min(best, time.perf_counter() - t0)
+            seconds[r] = best
+        return cls(seconds, **kw)
+
+    def cost(self, rows: float) -> float:
+        """Seconds of a forward over ``rows`` rows: the measured table, linear in between and beyond [s]."""
+        table = self.table
+        if len(table) == 1:
+            r0, s0 = table[0]
+            return s0 * max(rows, 1.0) / r0 if rows > r0 else s0
+        if rows <= table[0][0]:
+            return table[0][1]
+        for (r0, s0), (r1, s1) in zip(table, table[1:]):
+            if rows <= r1:
+                return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+        (r0, s0), (r1, s1) = table[-2], table[-1]
+        return s1 + (s1 - s0) * (rows - r1) / (r1 - r0)
+
+    def pays(self, batch: int) -> bool:
+        """Whether drafting is expected to pay in a round of ``batch`` sequences (``True`` before any
+        observation)."""
+        if self.tokens_per_sequence is None:
+            return True
+        o = batch * self.overhead_seconds_per_sequence
+        return (self.tokens_per_sequence * (self.cost(batch) + o)
+                > self.cost(batch * self.rows_per_sequence) + batch * self.draft_seconds_per_sequence + o)
+
+    def drafting(self, batch: int) -> int:
+        """How many of a round's ``batch`` sequences draft: all (in the warm-up, or when it :meth:`pays`), one
+        (exploring, after ``explore_every`` rounds in a row without drafts) or none.  Counts the decision."""
+        if self.observations < self.warmup or self.pays(batch):
+            self.rounds_drafted += 1
+            self._without = 0
+            return batch
+        if self._without + 1 >= self.explore_every:
+            self.rounds_drafted += 1
+            self._without = 0
+            return 1
+        self.rounds_skipped += 1
+        self._without += 1
+        return 0
+
+    def observe(self, sequences: int, rows: int, emitted: int, draft_seconds: float) -> None:
+        """A round's ``sequences`` drafting sequences added ``rows`` rows [tokens], emitted ``emitted`` tokens and
+        drafted for ``draft_seconds`` seconds in all."""
+        if sequences < 1:
+            return
+        a = self.smoothing
+        self.observations += 1
+        tau, r, d = emitted / sequences, rows / sequences, draft_seconds / sequences
+        if self.tokens_per_sequence is None:
+            self.tokens_per_sequence, self.rows_per_sequence, self.draft_seconds_per_sequence = tau, r, d
+        else:
+            self.tokens_per_sequence += a * (tau - self.tokens_per_sequence)
+            self.rows_per_sequence += a * (r - self.rows_per_sequence)
+            self.draft_seconds_per_sequence += a * (d - self.draft_seconds_per_sequence)
+
+    def observe_period(self, sequences: int, rows: int, seconds: float, draft_seconds: float) -> None:
+        """A round of ``sequences`` sequences and ``rows`` forward rows [tokens] began ``seconds`` before the next
+        one did, and drafted for ``draft_seconds`` of them [s]: updates ``o``."""
+        if sequences < 1:
+            return
+        o = max(0.0, seconds - draft_seconds - self.cost(rows)) / sequences
+        self.overhead_seconds_per_sequence += self.smoothing * (o - self.overhead_seconds_per_sequence)
