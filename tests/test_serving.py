@@ -207,6 +207,7 @@ def test_bad_requests_get_openai_errors(server):
     url = server.url + "/v1/completions"
     r = httpx.post(url, content=b'{"model": "tiny", "prompt": ', headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["message"].startswith("malformed JSON body") and r.json()["error"]["param"] is None
     for bad in ({"prompt": "t1", "temperature": -1}, {"prompt": "t1", "max_tokens": 0}, {"prompt": "t1", "n": 2},
                 {"prompt": ""}, {"prompt": "t1", "stop": [""]}, {"max_tokens": 3}, {"prompt": [1, 999]}):
         r = httpx.post(url, json={"model": "tiny", **bad}, timeout=30)
@@ -271,7 +272,8 @@ def test_disconnect_mid_stream_frees_the_slot(model):
 
 @pytest.mark.parametrize("args,needle", [(["--max-batch", "0"], "--max-batch=0"), (["--port", "70000"], "--port=70000"),
                                          (["--drain-timeout", "-1"], "--drain-timeout=-1.0"),
-                                         (["--prefix-cache-tokens", "-1"], "--prefix-cache-tokens=-1")])
+                                         (["--prefix-cache-tokens", "-1"], "--prefix-cache-tokens=-1"),
+                                         (["--speculation", "sometimes"], "--speculation='sometimes'")])
 def test_serve_cli_bad_options_are_one_line_errors(capsys, args, needle):
     from speculant.cli import main
     assert main(["serve", "--model", "no-such-model", *args]) == 2

@@ -177,7 +177,10 @@ def create_app(engine: ServingEngine, start_scheduler: bool = True, drain_timeou
         first = errs[0] if errs else {}
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         msg = first.get("msg", "invalid request")
-        message = "malformed JSON body" if first.get("type") == "json_invalid" else f"{where}: {msg}" if where else msg
+        if first.get("type") == "json_invalid":      # its loc is a character offset, not a field
+            message, where = f"malformed JSON body: {first.get('ctx', {}).get('error', msg)}", ""
+        else:
+            message = f"{where}: {msg}" if where else msg
         return JSONResponse(P.error_body(message, 400, where or None), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

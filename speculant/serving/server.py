@@ -136,6 +136,8 @@ def cmd_serve(args) -> int:
     check_range("--max-queue", args.max_queue, 0)
     check_range("--drain-timeout", args.drain_timeout, 0.0)
     check_range("--prefix-cache-tokens", args.prefix_cache_tokens, 0)
+    if args.speculation not in SPECULATION:
+        raise SpeculantError(f"--speculation={args.speculation!r} is unknown; allowed: {', '.join(SPECULATION)}")
     method_spec_from_args(args)                 # bad flag combinations fail before the model loads
     box, ready = {}, threading.Event()
 
@@ -185,7 +187,7 @@ def register(sub, add_model_args, add_method_args) -> None:
     p.add_argument("--prefix-cache-tokens", type=int, default=2048,
                    help="prompt tokens whose KV is kept to prefill later prompts from their longest shared prefix "
                         "(automatic prefix caching; 0 turns it off; default: 2048, ~94 MB for SmolLM2-135M)")
-    p.add_argument("--speculation", choices=SPECULATION, default="goodput",
+    p.add_argument("--speculation", default="goodput", metavar="{goodput,always}",
                    help="goodput (default): greedy requests draft in a round only when the expected tokens per "
                         "second beat a round without drafts at that batch size (measured at startup and while "
                         "serving; vLLM's disable-by-batch-size, decided by measurement); always: every round drafts")
