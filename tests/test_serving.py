@@ -38,7 +38,9 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model):
-    with ServerThread(serve_engine(model, SPEC, max_batch=8)) as s:
+    # every round drafts (the goodput policy could decide that this tiny model's rounds gain nothing from drafts,
+    # and the tests below check the speculative counters and batched speculative rounds)
+    with ServerThread(serve_engine(model, SPEC, max_batch=8, speculation="always")) as s:
         yield s
 
 
