@@ -289,13 +289,7 @@ class BatchedGenerator:
             return
         trees: list[DraftTree] = []
         t0 = time.perf_counter()
-        if self.policy is not None and self._last_round is not None:
-            start, n, rows, drafting = self._last_round
-            self.policy.observe_period(n, rows, t0 - start, drafting)
-        n = len(seqs) if self.policy is None or self.builder is None else self.policy.drafting(len(seqs))
-        explorer = self._rounds % len(seqs) if n == 1 else -1    # the one that drafts when exploring (in turn)
-        self._rounds += 1
-        drafts = [n == len(seqs) or i == explorer or not s.state.sampling.greedy for i, s in enumerate(seqs)]
+        drafts = self._who_drafts(seqs, t0)
         for s, d in zip(seqs, drafts):
             max_nodes, max_depth = draft_limits(s.state, s.builder, s.budget, s.remaining)
             if not d:                                             # an ar round for it (same tokens)
@@ -307,9 +301,9 @@ class BatchedGenerator:
         if self.batched_verification:
             every, logits = self._verify(seqs, trees)
             if any(s.state.sampling.greedy for s in seqs):      # one argmax call for the round's rows
-                rows = every.argmax(-1).tolist()
+                best = every.argmax(-1).tolist()
                 ends = list(itertools.accumulate(lg.shape[0] for lg in logits))
-                argmax = [rows[a:b] for a, b in zip([0] + ends, ends)]
+                argmax = [best[a:b] for a, b in zip([0] + ends, ends)]
         else:
             logits = [s.drafter.verify_logits(s.state, tree) for s, tree in zip(seqs, trees)]
         self.target_forwards += 1 if self.batched_verification else len(seqs)
@@ -321,12 +315,27 @@ class BatchedGenerator:
             s.stats.new_tokens = s.emitted
             s.last_block = block
             self._finish_if_done(s)
-        rows = sum(len(t) + 1 for t in trees)
-        if self.policy is not None and self.builder is not None and any(drafts):
+        if self.policy is not None:
+            rows = [len(t) + 1 for t in trees]
             mine = [i for i, d in enumerate(drafts) if d]
-            self.policy.observe(len(mine), sum(len(trees[i]) + 1 for i in mine),
-                                sum(len(seqs[i].last_block) for i in mine), draft_seconds)
-        self._last_round = (t0, len(seqs), rows, draft_seconds)
+            if self.builder is not None and mine:
+                self.policy.observe(len(mine), sum(rows[i] for i in mine), sum(len(seqs[i].last_block) for i in mine),
+                                    draft_seconds)
+            self._last_round = (t0, len(seqs), sum(rows), draft_seconds)
+
+    def _who_drafts(self, seqs: list[Sequence], now: float) -> list[bool]:
+        """Per sequence of the round starting at ``now`` [s], whether it drafts: all of them without a
+        :attr:`policy`; with one, the sampled ones and the greedy ones the policy lets draft (all, or one in turn
+        when it explores).  Also hands the policy the previous round's period."""
+        if self.policy is None or self.builder is None:
+            return [True] * len(seqs)
+        if self._last_round is not None:
+            start, sequences, rows, drafting = self._last_round
+            self.policy.observe_period(sequences, rows, now - start, drafting)
+        n = self.policy.drafting(len(seqs))
+        explorer = self._rounds % len(seqs) if n == 1 else -1    # the one that drafts when exploring (in turn)
+        self._rounds += 1
+        return [n == len(seqs) or i == explorer or not s.state.sampling.greedy for i, s in enumerate(seqs)]
 
     @torch.inference_mode()
     def matches_single_sequence(self, with_neighbours: bool = True, seed: int = 0) -> bool:

@@ -54,6 +54,12 @@ SPECULATION = ("goodput", "always")
 in every round."""
 
 
+def check_speculation(value: str) -> None:
+    """Raises :class:`SpeculantError` naming ``value`` unless it is one of :data:`SPECULATION`."""
+    if value not in SPECULATION:
+        raise SpeculantError(f"--speculation={value!r} is unknown; allowed: {', '.join(SPECULATION)}")
+
+
 def build_engine(model, spec, name: str, max_batch: int, max_queue: int, drain_timeout: float, log=None,
                  prefix_cache_tokens: int = 0, speculation: str = "goodput"):
     """A :class:`~speculant.serving.app.ServingEngine` for ``model`` decoding with method ``spec``, keeping the KV
@@ -71,8 +77,7 @@ def build_engine(model, spec, name: str, max_batch: int, max_queue: int, drain_t
     check_range("--max-queue", max_queue, 0)
     check_range("--drain-timeout", drain_timeout, 0.0)
     check_range("--prefix-cache-tokens", prefix_cache_tokens, 0)
-    if speculation not in SPECULATION:
-        raise SpeculantError(f"--speculation={speculation!r} is unknown; allowed: {', '.join(SPECULATION)}")
+    check_speculation(speculation)
     gen = build_generator(model, spec)
     batched = BatchedGenerator(model, gen.drafter, gen.builder,
                                PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None)
@@ -136,8 +141,7 @@ def cmd_serve(args) -> int:
     check_range("--max-queue", args.max_queue, 0)
     check_range("--drain-timeout", args.drain_timeout, 0.0)
     check_range("--prefix-cache-tokens", args.prefix_cache_tokens, 0)
-    if args.speculation not in SPECULATION:
-        raise SpeculantError(f"--speculation={args.speculation!r} is unknown; allowed: {', '.join(SPECULATION)}")
+    check_speculation(args.speculation)
     method_spec_from_args(args)                 # bad flag combinations fail before the model loads
     box, ready = {}, threading.Event()
 
