@@ -7,6 +7,8 @@ assumes the T-token forward costs about one 1-token step (Leviathan et al. 2023,
 quantized kernels become compute-bound after a few rows, which this table shows.
 
     python benchmarks/block_cost.py --weights fp32,bf16,int8,int4
+
+The C kernels' variant (``$SPECULANT_KERNEL_ISA``, :mod:`speculant.kernels.build`) is printed with the table.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 
 import torch
 
+from speculant.kernels import build
 from speculant.runtime.loader import load_model
 
 
@@ -50,7 +53,7 @@ def main() -> None:
                         times[w][rows].append(time.perf_counter() - t0)
     runtime = ", ".join(f"{w}: " + ("fused step" if m.fused else "compiled" if m.compiled else "eager")
                         for w, m in models.items())
-    print(f"threads {torch.get_num_threads()}, context {ctx}, runtime ({runtime}); "
+    print(f"threads {torch.get_num_threads()}, context {ctx}, runtime ({runtime}), kernels {build.loaded_isa()}; "
           "cost of a T-token forward in one-token steps of the same format\n")
     print("| weights | one step [ms] | " + " | ".join(f"T={r}" for r in rows_list) + " |")
     print("|---|---|" + "---|" * len(rows_list))

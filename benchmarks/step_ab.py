@@ -7,6 +7,8 @@ T = 1 and 5 new tokens (``--context`` cached tokens) with the fused step calling
 while the two builds share ``spec_run_layers``'s argument layout.
 
     python benchmarks/step_ab.py --baseline /tmp/base [--context 300] [--repeats 60]
+    python benchmarks/step_ab.py --variant avx2        # this checkout's kernels in another ISA variant
+                                                       # (speculant.kernels.build.ISA_VARIANTS) as the baseline
 """
 
 from __future__ import annotations
@@ -28,20 +30,26 @@ from speculant.runtime.tune import cpu_description
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--baseline", required=True, help="a checkout of the other commit")
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--baseline", help="a checkout of the other commit")
+    which.add_argument("--variant", choices=list(build.ISA_VARIANTS),
+                       help="this checkout's kernels built in another variant")
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=60)
     args = ap.parse_args()
     here = build.load()
     if here is None:
         raise SystemExit(f"our kernels do not run here: {build.unavailable_reason()}")
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from speculant.kernels import build; "
-            "print(build._build(build._compiler()))")
-    path = subprocess.run([sys.executable, "-c", code, args.baseline], capture_output=True, text=True,
-                          check=True).stdout.strip().splitlines()[-1]
-    other = ctypes.CDLL(path)
-    other.spec_run_layers.argtypes = here.spec_run_layers.argtypes
-    other.spec_run_layers.restype = ctypes.c_int
+    if args.variant:
+        other = build.load_variant(args.variant)
+    else:
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); from speculant.kernels import build; "
+                "print(build._build(build._compiler()))")
+        path = subprocess.run([sys.executable, "-c", code, args.baseline], capture_output=True, text=True,
+                              check=True).stdout.strip().splitlines()[-1]
+        other = ctypes.CDLL(path)
+        other.spec_run_layers.argtypes = here.spec_run_layers.argtypes
+        other.spec_run_layers.restype = ctypes.c_int
     model = load_model(weights="w4a8")
     dec, ctx = model.decoder, args.context
     fused = dec.fused_layers()
@@ -53,14 +61,17 @@ def main() -> None:
         for _ in range(args.repeats):
             for name, lib in (("baseline", other), ("this build", here)):
                 fused.lib = lib
+                if args.variant:                    # the LM head too (a baseline checkout's covers the layers)
+                    build._LIB = lib
                 for t in (1, 5):
                     ids = torch.randint(0, model.config.vocab_size, (1, t), generator=g)
                     t0 = time.perf_counter()
                     dec(ids, None, None, cache, ctx)
                     times[name, t].append(time.perf_counter() - t0)
-    fused.lib = here
+    fused.lib = build._LIB = here
     print(f"CPU: {cpu_description()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; "
-          f"context {ctx}, {args.repeats} alternated repeats; baseline: {args.baseline}\n")
+          f"context {ctx}, {args.repeats} alternated repeats; this build: kernels {build.loaded_isa()}; baseline: "
+          f"{args.baseline or 'kernels ' + args.variant}\n")
     print("| build | T=1 min / median [ms] | T=5 min / median [ms] | T=5 / T=1 (min) |")
     print("|---|---|---|---|")
     for name in ("baseline", "this build"):

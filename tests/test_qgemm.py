@@ -100,6 +100,132 @@ def test_interleaved_layout_round_trips_and_every_output_is_computed_alike():
             assert torch.equal(rows(x), full[:, index]), (cls.__name__, index)
 
 
+def _product_with(lib, lin, x):
+    """``lin``'s product on ``x`` through the library ``lib`` (a kernel variant) instead of the one in use."""
+    y = torch.empty(x.shape[0], lin.codes.shape[0])
+    weights = (lin.codes, lin.scales) + ((lin.offsets,) if isinstance(lin, W4A8Linear) else ())
+    entry = lib.spec_w4a8_f32 if isinstance(lin, W4A8Linear) else lib.spec_w8a8_f32
+    assert entry(x.data_ptr(), x.shape[0], x.shape[1], *(t.data_ptr() for t in weights), lin.codes.shape[0],
+                 y.data_ptr()) == 0
+    return y
+
+
+@needs_kernel
+def test_vnni_code_gives_the_avx2_bits(monkeypatch):
+    """The VNNI variants' code (int32 sums by vpdpbusd; 512-bit products of two groups of 8 outputs) run with
+    vpdpbusd and 512-bit vectors emulated exactly by AVX2 instructions: every product, and a model's whole w4a8
+    forward (fused layers, LM head), bit for bit what the AVX2 variant gives.  The variant in use is compared too:
+    on a CPU with VNNI, that is the real instruction against AVX2."""
+    from helpers import tiny_model
+    in_use = build.load()
+    libs = {"in use": in_use, **{isa: build.load_variant(isa) for isa in ("vnni-emulated", "zmm-emulated")}}
+    avx2 = build.load_variant("avx2")
+    g = torch.Generator().manual_seed(5)
+    for n in (8, 29, 48):                                 # 1 group; 1 pair, 1 group, 5 outputs; 3 pairs
+        w = torch.randn(n, 96, generator=g) * 3.0
+        w[0, :32] = -w[0, :32].abs().max()                # a block of Q8 codes -127 (the largest products)
+        w[1, 32:64] = 0.0                                 # and of codes 0
+        x = torch.randn(9, 96, generator=g) * 10.0
+        for lin in (W4A8Linear(quantize_q4(w)), W8A8Linear(quantize_q8(w))):
+            for rows in (1, 2, 5, 6, 9):
+                want = _product_with(avx2, lin, x[:rows])
+                for name, lib in libs.items():
+                    assert torch.equal(_product_with(lib, lin, x[:rows]), want), (name, type(lin).__name__, n, rows)
+    model = tiny_model(seed=11, scale=2.0, vocab=96, layers=3)
+    formats.apply_weight_format(model.decoder, "w4a8")
+    dec, ids = model.decoder, torch.tensor([[4, 8, 15, 16, 23, 42, 7, 1, 2, 3, 9, 9, 5]])
+    fused = dec.fused_layers()
+    assert fused is not None
+    logits = {}
+    with torch.inference_mode():
+        for name, lib in (("avx2", avx2), *libs.items()):
+            monkeypatch.setattr(build, "_LIB", lib)
+            fused.lib = lib
+            cache = dec.new_cache(32)
+            logits[name] = torch.cat([dec(ids[:, :8], None, None, cache, 0), dec(ids[:, 8:], None, None, cache, 8)], 1)
+    fused.lib = in_use
+    for name in libs:
+        assert torch.equal(logits[name], logits["avx2"]), name
+
+
+@needs_kernel
+def test_the_fastest_variant_is_measured_once_per_machine(monkeypatch, tmp_path):
+    """Where the CPU has several variants, the first load times them and keeps the pick; later loads build and
+    time nothing; another thread count is another measurement."""
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECULANT_KERNEL_ISA", raising=False)
+    monkeypatch.setattr(build, "TEST_VARIANTS", frozenset())          # the emulated variants count as this CPU's
+    timed = []
+
+    def fake_times(libs, repeats=30):
+        timed.append(sorted(libs))
+        return {isa: (0.5 if isa == "zmm-emulated" else 1.0) for isa in libs}
+    monkeypatch.setattr(build, "time_variants", fake_times)
+
+    def fresh_load():
+        for name, value in (("_LIB", None), ("_WHY_NOT", None), ("_ISA", None)):
+            monkeypatch.setattr(build, name, value)
+        return build.load()
+    assert fresh_load() is not None and build.loaded_isa() == "zmm-emulated"
+    assert timed == [["avx2", "vnni-emulated", "zmm-emulated"]]
+    picks = list((tmp_path / "kernels").glob("pick-*.json"))
+    assert len(picks) == 1 and '"variant": "zmm-emulated"' in picks[0].read_text()
+    for so in (tmp_path / "kernels").glob("*avx2*.so"):
+        so.unlink()                                                    # a later load needs only the pick
+    assert fresh_load() is not None and build.loaded_isa() == "zmm-emulated" and len(timed) == 1
+    assert not list((tmp_path / "kernels").glob("*avx2*.so"))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        fresh_load()
+    finally:
+        torch.set_num_threads(threads)
+    assert len(timed) == 2 and len(list((tmp_path / "kernels").glob("pick-*.json"))) == 2
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["avx512-vnni", "avx512-vnni-ymm", "avx-vnni"])
+def test_every_vnni_variant_compiles_here(isa):
+    """Built, not run (this CPU may lack the instructions): a compiler error shows on any machine, not only on
+    the first one with VNNI."""
+    assert build._build(build._compiler(), isa).is_file()
+
+
+def test_kernel_variant_is_chosen_from_the_cpu_flags_and_checked(monkeypatch):
+    monkeypatch.delenv("SPECULANT_KERNEL_ISA", raising=False)
+    base = {"avx2", "fma", "f16c"}
+    assert build.isa_candidates(base) == ["avx2"]
+    assert build.isa_candidates(base | {"avx_vnni"}) == ["avx-vnni", "avx2"]
+    assert build.isa_candidates(base | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni"}) == [
+        "avx512-vnni", "avx512-vnni-ymm", "avx-vnni", "avx2"]
+    assert build.isa_candidates(base | {"avx512f", "avx512_vnni"}) == ["avx2"]      # no AVX512VL: no 256-bit vpdpbusd
+    monkeypatch.setenv("SPECULANT_KERNEL_ISA", "vnni-emulated")
+    assert build.isa_candidates(base) == ["vnni-emulated"]
+    monkeypatch.setenv("SPECULANT_KERNEL_ISA", "avx-vnni")
+    with pytest.raises(SpeculantError, match="'avx-vnni' needs the CPU flags avx_vnni"):
+        build.isa_candidates(base)
+    monkeypatch.setenv("SPECULANT_KERNEL_ISA", "sse2")
+    with pytest.raises(SpeculantError, match="'sse2' is not a kernel variant; allowed: auto, avx512-vnni"):
+        build.isa_candidates(base)
+
+
+@needs_kernel
+def test_a_variant_that_does_not_build_falls_back_to_the_next(monkeypatch, tmp_path):
+    """A compiler without -mavxvnni (say) on a CPU with AVX-VNNI: the AVX2 variant is built and used."""
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECULANT_KERNEL_ISA", raising=False)
+    for name, value in (("_LIB", None), ("_WHY_NOT", None), ("_ISA", None)):
+        monkeypatch.setattr(build, name, value)
+    monkeypatch.setattr(build, "_cpu_flags", lambda: {"avx2", "fma", "f16c", "avx_vnni"})
+    monkeypatch.setitem(build.ISA_VARIANTS, "avx-vnni", (("--no-such-option-for-speculant",), frozenset({"avx_vnni"})))
+    assert build.load() is not None and build.loaded_isa() == "avx2" and build.unavailable_reason() is None
+    assert [p.name.split("-")[2] for p in (tmp_path / "kernels").glob("*.so")] == ["avx2"]
+    monkeypatch.setattr(build, "_LIB", None)
+    monkeypatch.setenv("SPECULANT_KERNEL_ISA", "avx512")
+    with pytest.raises(SpeculantError, match="SPECULANT_KERNEL_ISA='avx512' is not a kernel variant"):
+        build.load()                                      # a wrong setting is an error, not a silent fallback
+
+
 @needs_kernel
 def test_shapes_the_kernel_cannot_take_fall_back():
     lin = pack_linear("w4a8", torch.randn(8, 40))                  # 40 inputs: not blocks of 32

@@ -7,6 +7,15 @@ library under ``$SPECULANT_CACHE/kernels/`` (atomic rename; keyed by the sources
 and the CPU's feature flags) and loaded with :mod:`ctypes`.  The library links the OpenMP runtime torch already
 loaded (``libgomp.so.1``), so it runs on torch's thread pool with torch's thread count.
 
+The integer dot products of ``qgemm.c`` come in :data:`ISA_VARIANTS`: AVX2's ``vpmaddubsw``, and ``vpdpbusd`` where
+the CPU has AVX512-VNNI or AVX-VNNI (one instruction for what takes two or three on AVX2, as llama.cpp's
+``ggml-cpu`` quants use it), on 256-bit vectors or, with AVX-512, on 512-bit ones.  All variants compute the same
+bits (exact integer sums, the same float operations after them), so any of them keeps decoding exact; where the CPU
+has more than one, :func:`pick_variant` times them at the first load and keeps the fastest for that machine
+(whether 512-bit vectors pay differs between CPUs).  ``$SPECULANT_KERNEL_ISA`` (``auto``, the default, or a
+variant's name) forces one, to compare them (``benchmarks/step_ab.py --variant``) or to test the VNNI code with
+``vpdpbusd`` emulated exactly on AVX2.
+
 :func:`available` says whether the kernels can run here (x86-64 with AVX2 and FMA, a C compiler that builds
 them); what needs them is left out (weight format ``w4a8``) or falls back (float64 attention) otherwise.
 """
@@ -15,20 +24,40 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import platform
+import random
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 from ..errors import SpeculantError
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("qgemm.c", "attention.c", "decode_step.c"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("simd.h", "kernels.h"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("simd.h", "kernels.h", "qgemm_pairs.h"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mprefer-vector-width=256")
+ISA_VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "avx512-vnni": (_AVX512 + ("-DSPEC_DPBUSD=1", "-DSPEC_ZMM=1"),
+                    frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})),
+    "avx512-vnni-ymm": (_AVX512 + ("-DSPEC_DPBUSD=1",), frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})),
+    "avx-vnni": (("-mavxvnni", "-DSPEC_DPBUSD=2"), frozenset({"avx_vnni"})),
+    "avx2": ((), frozenset()),
+    "vnni-emulated": (("-DSPEC_DPBUSD=3",), frozenset()),
+    "zmm-emulated": (("-DSPEC_DPBUSD=3", "-DSPEC_ZMM=2"), frozenset()),
+}
+"""Kernel variant -> (extra compiler flags, CPU flags it needs besides AVX2/FMA/F16C).  ``avx512-vnni``: 512-bit
+products of two groups of 8 outputs (``qgemm_pairs.h``); ``avx512-vnni-ymm`` and ``avx-vnni``: ``vpdpbusd`` on
+256-bit vectors; ``avx2``: ``vpmaddubsw``.  The ``-emulated`` ones (:data:`TEST_VARIANTS`) run the VNNI code
+with ``vpdpbusd`` (and 512-bit vectors) emulated exactly by AVX2 instructions, for tests."""
+TEST_VARIANTS = frozenset({"vnni-emulated", "zmm-emulated"})
 _LIB: ctypes.CDLL | None = None
 _WHY_NOT: str | None = None
+_ISA: str | None = None
 
 
 def _cpu_flags() -> set[str]:
@@ -46,22 +75,67 @@ def _compiler() -> str | None:
     return next((shutil.which(n) for n in names + ["cc", "gcc", "clang"] if shutil.which(n)), None)
 
 
-def _build(cc: str) -> Path:
-    """Compile :data:`SOURCES` (once per sources, compiler, flags and CPU) and return the shared library's path."""
-    from ..models.loading import cache_root
+def requested_isa() -> str:
+    """The kernel variant asked for: ``$SPECULANT_KERNEL_ISA``, or ``auto`` when it is unset or empty.
+
+    Raises:
+        SpeculantError: the value is not ``auto`` or a key of :data:`ISA_VARIANTS`.
+    """
+    name = os.environ.get("SPECULANT_KERNEL_ISA", "").strip() or "auto"
+    if name != "auto" and name not in ISA_VARIANTS:
+        raise SpeculantError(f"SPECULANT_KERNEL_ISA={name!r} is not a kernel variant; allowed: auto, "
+                             + ", ".join(ISA_VARIANTS))
+    return name
+
+
+def isa_candidates(flags: set[str] | None = None) -> list[str]:
+    """The variants :func:`load` considers on a CPU with ``flags`` (default: this one's): under ``auto`` every
+    variant the CPU has (:func:`pick_variant` times those that build), else the one requested.
+
+    Raises:
+        SpeculantError: :func:`requested_isa`'s, or the requested variant needs CPU flags these lack.
+    """
+    flags = _cpu_flags() if flags is None else flags
+    name = requested_isa()
+    if name == "auto":
+        return [n for n in ISA_VARIANTS if n not in TEST_VARIANTS and ISA_VARIANTS[n][1] <= flags]
+    missing = ISA_VARIANTS[name][1] - flags
+    if missing:
+        raise SpeculantError(f"SPECULANT_KERNEL_ISA={name!r} needs the CPU flags {', '.join(sorted(missing))}, "
+                             "which this CPU lacks")
+    return [name]
+
+
+def loaded_isa() -> str | None:
+    """The variant of the loaded library (``None`` before :func:`load` or where the kernels cannot run)."""
+    return _ISA
+
+
+def _digest(cc: str, isa: str) -> str:
+    """What a build of variant ``isa`` depends on: the sources, the compiler's version, the flags, the CPU's flags."""
+    flags = FLAGS + ISA_VARIANTS[isa][0]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     cpu = " ".join(sorted(_cpu_flags()))
-    digest = hashlib.sha1(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + version.encode() + " ".join(FLAGS).encode()
-                          + cpu.encode()).hexdigest()[:16]
-    out = cache_root() / "kernels" / f"speculant-kernels-{digest}.so"
+    return hashlib.sha1(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + version.encode()
+                        + " ".join(flags).encode() + cpu.encode()).hexdigest()[:16]
+
+
+def _build(cc: str, isa: str = "avx2") -> Path:
+    """Compile :data:`SOURCES` in variant ``isa`` (once per :func:`_digest`) and return the shared library's path.
+
+    Raises:
+        SpeculantError: the compiler failed (its last error lines).
+    """
+    from ..models.loading import cache_root
+    out = cache_root() / "kernels" / f"speculant-kernels-{isa}-{_digest(cc, isa)}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
-                              timeout=300)
+        proc = subprocess.run([cc, *FLAGS, *ISA_VARIANTS[isa][0], *map(str, SOURCES), "-o", tmp], capture_output=True,
+                              text=True, timeout=300)
         if proc.returncode != 0:
             raise SpeculantError(f"{cc} could not build the kernels: {proc.stderr.strip()[-500:]}")
         os.replace(tmp, out)
@@ -72,23 +146,115 @@ def _build(cc: str) -> Path:
 
 
 def load() -> ctypes.CDLL | None:
-    """The loaded library (built on the first call), or ``None`` where it cannot run (see :func:`unavailable_reason`)."""
-    global _LIB, _WHY_NOT
+    """The loaded library (built on the first call, in the first variant of :func:`isa_candidates` that builds), or
+    ``None`` where it cannot run (see :func:`unavailable_reason`).
+
+    Raises:
+        SpeculantError: ``$SPECULANT_KERNEL_ISA`` is not a variant, or names one this CPU lacks.
+    """
+    global _LIB, _WHY_NOT, _ISA
     if _LIB is not None or _WHY_NOT is not None:
         return _LIB
     flags = _cpu_flags()
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= flags:
         _WHY_NOT = "needs an x86-64 CPU with AVX2 and FMA"
         return None
+    candidates = isa_candidates(flags)
     cc = _compiler()
     if cc is None:
         _WHY_NOT = "needs a C compiler (cc, gcc or clang; $CC)"
         return None
-    try:
-        lib = ctypes.CDLL(str(_build(cc)))
-    except (OSError, SpeculantError, subprocess.SubprocessError) as e:
-        _WHY_NOT = f"could not be built here: {e}"
+    picked = _cached_pick(cc, candidates) if len(candidates) > 1 else None
+    libs: dict[str, ctypes.CDLL] = {}
+    for isa in [picked] if picked else candidates:
+        try:
+            libs[isa] = load_variant(isa, cc)
+        except (OSError, SpeculantError, subprocess.SubprocessError) as e:
+            _WHY_NOT = f"could not be built here: {e}"
+    if not libs:
         return None
+    isa = next(iter(libs)) if len(libs) == 1 else pick_variant(libs, cc)
+    _LIB, _ISA, _WHY_NOT = libs[isa], isa, None
+    return _LIB
+
+
+PICK_SHAPES = (("spec_w4a8_f32", 576, 3072), ("spec_w8a8_f32", 576, 8192))
+"""Products timed by :func:`pick_variant` (entry point, inputs K, outputs N): a SmolLM2-sized fused gate/up
+projection in 4 bits and a slice of an LM head in 8 bits, each for 1 and 5 rows (a step and a verification block)."""
+
+
+def _pick_path(cc: str, candidates) -> Path:
+    """Where the pick among ``candidates`` is kept: keyed by their builds' :func:`_digest` and torch's thread count."""
+    import torch
+
+    from ..models.loading import cache_root
+    key = json.dumps({"variants": {isa: _digest(cc, isa) for isa in sorted(candidates)},
+                      "threads": torch.get_num_threads()}, sort_keys=True)
+    return cache_root() / "kernels" / f"pick-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+
+
+def _cached_pick(cc: str, candidates) -> str | None:
+    try:
+        pick = json.loads(_pick_path(cc, candidates).read_text())["variant"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return pick if pick in candidates else None
+
+
+def time_variants(libs: dict[str, ctypes.CDLL], repeats: int = 30) -> dict[str, float]:
+    """Seconds per pass over :data:`PICK_SHAPES` (1 and 5 rows each) for each loaded variant, the best of
+    ``repeats`` passes, variants alternated (random codes, float16 scales of 0.1, normal activations)."""
+    rng = random.Random(0)
+    data = {}
+    for entry, k, n in PICK_SHAPES:
+        nbytes = n * k // 2 if entry == "spec_w4a8_f32" else n * k
+        codes = (ctypes.c_uint8 * nbytes).from_buffer_copy(rng.randbytes(nbytes))
+        scales = (ctypes.c_uint16 * (n * k // 32))(*([0x2E66] * (n * k // 32)))
+        x = (ctypes.c_float * (5 * k))(*(rng.gauss(0.0, 1.0) for _ in range(5 * k)))
+        data[entry] = (k, n, codes, scales, x, (ctypes.c_float * (5 * n))())
+    best = {isa: float("inf") for isa in libs}
+    for _ in range(repeats):
+        for isa, lib in libs.items():
+            t0 = time.perf_counter()
+            for entry, (k, n, codes, scales, x, y) in data.items():
+                extra = (scales,) if entry == "spec_w4a8_f32" else ()
+                for m in (1, 5):
+                    getattr(lib, entry)(x, m, k, codes, scales, *extra, n, y)
+            best[isa] = min(best[isa], time.perf_counter() - t0)
+    return best
+
+
+def pick_variant(libs: dict[str, ctypes.CDLL], cc: str) -> str:
+    """The fastest of the loaded variants ``libs`` (:func:`time_variants`; they compute the same bits), measured
+    once per machine and kept as JSON beside the builds (atomic rename); progress on stderr."""
+    path = _pick_path(cc, libs)
+    print(f"speculant: timing the kernel variants {', '.join(libs)} (once for this machine) ...", file=sys.stderr,
+          flush=True)
+    seconds = time_variants(libs)
+    pick = min(seconds, key=seconds.get)
+    print("speculant: " + ", ".join(f"{isa} {s * 1e3:.2f} ms" for isa, s in seconds.items()) + f"; using {pick}",
+          file=sys.stderr, flush=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"variant": pick, "ms": {isa: round(s * 1e3, 3) for isa, s in seconds.items()},
+                   "shapes": PICK_SHAPES, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, f)
+    os.replace(tmp, path)
+    return pick
+
+
+def load_variant(isa: str, cc: str | None = None) -> ctypes.CDLL:
+    """Build (once per machine) and load the library in variant ``isa`` (a key of :data:`ISA_VARIANTS`), apart from
+    the one :func:`load` put in use: tests and benchmarks compare variants with it.
+
+    Raises:
+        SpeculantError: no C compiler, or it could not build the variant.
+        OSError: the library could not be loaded.
+    """
+    cc = cc or _compiler()
+    if cc is None:
+        raise SpeculantError("needs a C compiler (cc, gcc or clang; $CC)")
+    lib = ctypes.CDLL(str(_build(cc, isa)))
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.spec_quantize_rows.argtypes = [p, i, i, p, p, p]
     lib.spec_quantize_rows.restype = None
@@ -101,7 +267,6 @@ def load() -> ctypes.CDLL | None:
     lib.spec_attention_ragged.restype = ctypes.c_int
     lib.spec_run_layers.argtypes = [p, i, i, i, p, p, p, p, p, p, p, p, p, p]
     lib.spec_run_layers.restype = ctypes.c_int
-    _LIB = lib
     return lib
 
 

@@ -29,6 +29,11 @@
  * last N % 8 outputs does (fmaf, one float multiply), so a reduced-vocabulary head's rows get the bits they get in
  * the full head.  No float multiply is ever followed by an add (GCC's default -ffp-contract=fast could fuse them,
  * differently in differently unrolled copies).
+ * Integer sums on CPUs with VNNI (SPEC_DPBUSD, set by build.py from the CPU's flags): vpdpbusd adds 4 products of
+ * unsigned and signed bytes into each int32 lane in one instruction, where AVX2 needs vpmaddubsw + vpmaddwd (or
+ * vpaddw into int16, then one vpmaddwd per block).  The integer sums are exact either way (no partial sum can
+ * saturate, see the group functions), so every variant computes the same bits; SPEC_DPBUSD = 3 runs the VNNI code
+ * with vpdpbusd emulated exactly by AVX2 instructions, which is how machines without VNNI test that code.
  * Build: cc -O3 -mavx2 -mfma -mf16c -fopenmp (no -ffast-math: it would let the compiler reorder the sums).
  */
 #include <immintrin.h>
@@ -48,6 +53,21 @@
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
+
+#ifdef SPEC_DPBUSD
+/* acc + (in each int32 lane) the sum of the 4 products u[4j+i] * s[4j+i], u unsigned and s signed bytes: vpdpbusd
+ * (1: AVX512-VNNI on 256-bit vectors (AVX512VL), 2: AVX-VNNI), or (3) the same sum from AVX2 instructions, exact
+ * while each pair u0 s0 + u1 s1 fits int16 (|.| <= 2 * 128 * 127 < 2^15 for every operand this file passes). */
+INLINE __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+#if SPEC_DPBUSD == 1
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif SPEC_DPBUSD == 2
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+#endif
 
 /* An empty asm that "changes" v: keeps GCC from reassociating a row's integer sums into a tree over all of a block's
  * products (which then spills them); the sums are exact in any order, this is for speed only. */
@@ -105,27 +125,42 @@ INLINE __m256 load_h8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si12
 INLINE void q4_group(const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, const int8_t *xq, const float *xd,
                      const float *xs, int64_t m0, int R, int64_t K, int64_t G, float *y, int64_t N, int64_t n0) {
     const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    (void)ones;                       /* unused with VNNI */
     __m256 acc[MB];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *b = wc + g * 128;
-        __m256i s16[MB];
-        for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
+        __m256i s[MB];                /* the block's integer sums: int16 pairs (AVX2) or int32 lanes (VNNI) */
+        for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
+#ifdef SPEC_DPBUSD
+        __m256i s2[MB];               /* VNNI: the high nibbles' sums apart (two chains of vpdpbusd's latency) */
+        for (int r = 0; r < R; r++) s2[r] = _mm256_setzero_si256();
+#endif
         for (int L = 0; L < 4; L++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 32 * L));
             const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
             for (int r = 0; r < R; r++) {
                 const int8_t *x = xq + (m0 + r) * K + g * QK;
+#ifdef SPEC_DPBUSD
+                s[r] = dpbusd(s[r], lo, bcast4(x + 4 * L));
+                s2[r] = dpbusd(s2[r], hi, bcast4(x + 16 + 4 * L));
+                PIN(s2[r]);
+#else
                 const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x + 4 * L)),
                                                    _mm256_maddubs_epi16(hi, bcast4(x + 16 + 4 * L)));
-                s16[r] = _mm256_add_epi16(s16[r], p);
-                PIN(s16[r]);
+                s[r] = _mm256_add_epi16(s[r], p);
+#endif
+                PIN(s[r]);
             }
         }
         const __m256 dw = load_h8(wd + g * LANES), mw = load_h8(wm + g * LANES);
         for (int r = 0; r < R; r++) {
             const int64_t mg = (m0 + r) * G + g;
-            const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones));
+#ifdef SPEC_DPBUSD
+            const __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(s[r], s2[r]));
+#else
+            const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r], ones));
+#endif
             acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, _mm256_set1_ps(xd[mg])), acc[r]);
             acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[mg]), acc[r]);
         }
@@ -138,24 +173,38 @@ INLINE void q4_group(const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, 
 INLINE void q8_group(const int8_t *wc, const uint16_t *wd, const int8_t *xq, const float *xd, int64_t m0, int R,
                      int64_t K, int64_t G, float *y, int64_t N, int64_t n0) {
     const __m256i ones = _mm256_set1_epi16(1);
+    (void)ones;
     __m256 acc[MB];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const int8_t *b = wc + g * 256;
         __m256i s32[MB];
         for (int r = 0; r < R; r++) s32[r] = _mm256_setzero_si256();
+#ifdef SPEC_DPBUSD
+        __m256i s2[MB];               /* VNNI: odd c's sums apart (two chains of vpdpbusd's latency) */
+        for (int r = 0; r < R; r++) s2[r] = _mm256_setzero_si256();
+#endif
         for (int c = 0; c < 8; c++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 32 * c)), aw = _mm256_sign_epi8(w, w);
             for (int r = 0; r < R; r++) {
                 const __m256i xb = bcast4(xq + (m0 + r) * K + g * QK + 4 * c);
+#ifdef SPEC_DPBUSD
+                if (c % 2) s2[r] = dpbusd(s2[r], aw, _mm256_sign_epi8(xb, w));
+                else s32[r] = dpbusd(s32[r], aw, _mm256_sign_epi8(xb, w));
+#else
                 const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xb, w));
                 s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(p, ones));
+#endif
                 PIN(s32[r]);
             }
         }
         const __m256 dw = load_h8(wd + g * LANES);
         for (int r = 0; r < R; r++) {
+#ifdef SPEC_DPBUSD
+            const __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(s32[r], s2[r]));
+#else
             const __m256 isum = _mm256_cvtepi32_ps(s32[r]);
+#endif
             acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, _mm256_set1_ps(xd[(m0 + r) * G + g])), acc[r]);
         }
     }
@@ -199,23 +248,38 @@ static void tail_outputs(const uint8_t *c4, const int8_t *c8, const uint16_t *wd
         }
 }
 
-/* Groups of 8 outputs split between threads; within a group, rows in tiles of MB then one tile of the last 1..MB-1
- * (tiling changes which registers hold an element, never its operations).  Unit N / 8 is the last N % 8 outputs. */
-#define FOR_GROUPS(GROUP_CALL, TAIL_CALL)                                                             \
+#ifdef SPEC_ZMM
+#include "qgemm_pairs.h"
+#define PAIRS 1          /* groups t, t + 1 by one 512-bit product */
+#else
+#define PAIRS 0
+#endif
+
+/* Rows m0 = 0 .. M-1 in tiles of MB, then one tile of the last 1..MB-1 (tiling changes which registers hold an
+ * element, never its operations). */
+#define ROW_TILES(CALL)                                                                               \
     do {                                                                                             \
-        const int64_t T = N / LANES;                                                                 \
+        int64_t m0 = 0;                                                                              \
+        for (; m0 + MB <= M; m0 += MB) CALL(MB);                                                     \
+        switch (M - m0) {             /* MB <= 6 */                                                  \
+            case 5: CALL(5); break;                                                                  \
+            case 4: CALL(4); break;                                                                  \
+            case 3: CALL(3); break;                                                                  \
+            case 2: CALL(2); break;                                                                  \
+            case 1: CALL(1); break;                                                                  \
+        }                                                                                            \
+    } while (0)
+
+/* Units of work split between threads: P pairs of groups of 8 outputs (512-bit variants; none otherwise), then the
+ * groups left, one per unit, then the last N % 8 outputs as one unit. */
+#define FOR_GROUPS(GROUP_CALL, PAIR_CALL, TAIL_CALL)                                                  \
+    do {                                                                                             \
+        const int64_t T = N / LANES, P = PAIRS ? T / 2 : 0, U = T - P + (N % LANES != 0);             \
         _Pragma("omp parallel for schedule(static)")                                                 \
-        for (int64_t t = 0; t < T + (N % LANES != 0); t++) {                                         \
-            if (t == T) { TAIL_CALL; continue; }                                                     \
-            int64_t m0 = 0;                                                                          \
-            for (; m0 + MB <= M; m0 += MB) GROUP_CALL(MB);                                           \
-            switch (M - m0) {             /* MB <= 6 */                                              \
-                case 5: GROUP_CALL(5); break;                                                        \
-                case 4: GROUP_CALL(4); break;                                                        \
-                case 3: GROUP_CALL(3); break;                                                        \
-                case 2: GROUP_CALL(2); break;                                                        \
-                case 1: GROUP_CALL(1); break;                                                        \
-            }                                                                                        \
+        for (int64_t u = 0; u < U; u++) {                                                            \
+            if (u >= T - P) { TAIL_CALL; continue; }                                                 \
+            const int64_t t = u < P ? 2 * u : u + P;                                                 \
+            if (PAIRS && u < P) ROW_TILES(PAIR_CALL); else ROW_TILES(GROUP_CALL);                    \
         }                                                                                            \
     } while (0)
 
@@ -225,8 +289,16 @@ void spec_w4a8(const int8_t *xq, const float *xd, const float *xs, int64_t M, in
     const int64_t G = K / QK;
 #define Q4_CALL(R) q4_group(codes + t * LANES * (K / 2), wd + t * LANES * G, wm + t * LANES * G, xq, xd, xs, m0, R, K, G, \
                             y, N, t * LANES)
-    FOR_GROUPS(Q4_CALL, tail_outputs(codes, 0, wd, wm, xq, xd, xs, M, K, N, y));
+#ifdef SPEC_ZMM
+#define Q4_PAIR(R) q4_pair(codes + t * LANES * (K / 2), codes + (t + 1) * LANES * (K / 2), wd + t * LANES * G,      \
+                           wd + (t + 1) * LANES * G, wm + t * LANES * G, wm + (t + 1) * LANES * G, xq, xd, xs, m0, R, \
+                           K, G, y, N, t * LANES)
+#else
+#define Q4_PAIR Q4_CALL  /* never reached: no pairs */
+#endif
+    FOR_GROUPS(Q4_CALL, Q4_PAIR, tail_outputs(codes, 0, wd, wm, xq, xd, xs, M, K, N, y));
 #undef Q4_CALL
+#undef Q4_PAIR
 }
 
 /* y [M, N] = dequant(codes [N, K] int8, wd [N, K/32] fp16; the layout above) applied to the quantized rows */
@@ -234,8 +306,15 @@ void spec_w8a8(const int8_t *xq, const float *xd, int64_t M, int64_t K,
                const int8_t *codes, const uint16_t *wd, int64_t N, float *y) {
     const int64_t G = K / QK;
 #define Q8_CALL(R) q8_group(codes + t * LANES * K, wd + t * LANES * G, xq, xd, m0, R, K, G, y, N, t * LANES)
-    FOR_GROUPS(Q8_CALL, tail_outputs(0, codes, wd, 0, xq, xd, 0, M, K, N, y));
+#ifdef SPEC_ZMM
+#define Q8_PAIR(R) q8_pair(codes + t * LANES * K, codes + (t + 1) * LANES * K, wd + t * LANES * G,                \
+                           wd + (t + 1) * LANES * G, xq, xd, m0, R, K, G, y, N, t * LANES)
+#else
+#define Q8_PAIR Q8_CALL
+#endif
+    FOR_GROUPS(Q8_CALL, Q8_PAIR, tail_outputs(0, codes, wd, 0, xq, xd, 0, M, K, N, y));
 #undef Q8_CALL
+#undef Q8_PAIR
 }
 
 /* The same products on float32 rows x [M, K]: quantize (workspace of our own), then multiply. Returns 0, or -1 when

@@ -10,8 +10,8 @@ int8     int8 per output channel, symmetric, bfloat16 scales       ``aten._weigh
 int4     int4 per group of 32, asymmetric (GGUF Q4_0/Q4_1 codes     ``aten._weight_int4pack_mm_for_cpu``
          as stored; other weights quantized like Q4_1),
          bfloat16 scales and offsets
-w4a8     the same 4-bit codes with float16 scales and offsets (as    ``speculant.w4a8_mm`` (our AVX2
-         the GGUF stores them; rows interleaved by 8 for the         kernel, :mod:`speculant.kernels.
+w4a8     the same 4-bit codes with float16 scales and offsets (as    ``speculant.w4a8_mm`` (our AVX2 /
+         the GGUF stores them; rows interleaved by 8 for the         VNNI kernel, :mod:`speculant.kernels.
          kernel); activations quantized to int8 per block of 32      qgemm`)
          (llama.cpp's Q4 x Q8_1 dot product)
 ======== ========================================================= ==============================

@@ -146,9 +146,11 @@ def projection_shapes(cfg) -> list[tuple[int, int]]:
 
 def tune_key(cfg, threads: int) -> dict:
     """The measurement's validity key for a model config ``cfg`` (see :class:`TuneResult`)."""
+    from ..kernels import build
     cpu = cpu_description()
     return {"cpu": cpu["model"], "cpu_flags_sha1": cpu["flags_sha1"], "isa": cpu["isa"], "torch": torch.__version__,
-            "threads": threads, "layers": cfg.num_hidden_layers, "shapes": projection_shapes(cfg)}
+            "threads": threads, "layers": cfg.num_hidden_layers, "shapes": projection_shapes(cfg),
+            "kernels": build.requested_isa()}
 
 
 def _key_digest(key: dict) -> str:
@@ -461,6 +463,12 @@ def apply_choices(result: TuneResult, set_threads: bool = True, decoder=None) ->
         torch.set_num_threads(result.threads)
 
 
+def _kernel_variant(key: dict) -> str:
+    """The C kernels' variant for a table's header: the one loaded, else the one the key asked for."""
+    from ..kernels import build
+    return build.loaded_isa() or key.get("kernels", "auto")
+
+
 def format_table(result: TuneResult) -> str:
     """The measured table as Markdown (milliseconds per pass over all projections, estimated from the sampled
     layers and the LM head; step cost relative to 1 row)."""
@@ -469,7 +477,8 @@ def format_table(result: TuneResult) -> str:
     covers = ("all layers timed" if len(layers) == k["layers"] else
               f"layers {', '.join(map(str, layers))} timed, scaled by {k['layers']}/{len(layers)}")
     lines = [f"CPU: {k['cpu']} ({', '.join(k['isa']) or 'no AVX2/AVX-512 flags'}), torch {k['torch']}, "
-             f"{k['threads']} threads; measured {result.measured_at} in {result.seconds} s", "",
+             f"{k['threads']} threads, kernels {_kernel_variant(k)}; measured {result.measured_at} in "
+             f"{result.seconds} s", "",
              f"[ms]: one pass over the projections of all {k['layers']} layers and the LM head ({covers}; "
              "the LM head timed in full)", "",
              "| format | route | batch-invariant | invariant up to [rows] | "

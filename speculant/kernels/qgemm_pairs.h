@@ -1,0 +1,142 @@
+/* qgemm.c's group products on 512-bit vectors (AVX-512 with VNNI): two groups of 8 outputs at a time.
+ *
+ * Included by qgemm.c when SPEC_ZMM is defined (build.py's variant "avx512-vnni"; "zmm-emulated" runs this code on
+ * AVX2, each 512-bit value a pair of 256-bit halves and vpdpbusd emulated exactly, which is how machines without
+ * AVX-512 test it).  Consecutive groups t and t + 1 are outputs n0 .. n0 + 15, so a vector's low half takes group
+ * t's bytes exactly as qgemm.c's 256-bit code does and its high half group t + 1's: no new weight layout.  Every
+ * output lane runs the float sequence of qgemm.c's header (acc = fma(isum, wd * xd, acc) [+ fma(wm, xs)] per
+ * block), so all variants compute the same bits.
+ */
+#ifndef SPECULANT_QGEMM_PAIRS_H
+#define SPECULANT_QGEMM_PAIRS_H
+
+#if SPEC_ZMM == 1
+typedef __m512i v16i;
+typedef __m512 v16f;
+INLINE v16i v16_load2(const void *a, const void *b) {      /* 32 bytes at a (low half), 32 at b (high half) */
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+INLINE v16i v16_and(v16i a, v16i b) { return _mm512_and_si512(a, b); }
+INLINE v16i v16_high_nibbles(v16i a, v16i mask) { return _mm512_and_si512(_mm512_srli_epi16(a, 4), mask); }
+INLINE v16i v16_set1_i32(int32_t v) { return _mm512_set1_epi32(v); }
+INLINE v16i v16_set1_i8(char v) { return _mm512_set1_epi8(v); }
+INLINE v16i v16_zero(void) { return _mm512_setzero_si512(); }
+INLINE v16i v16_dpbusd(v16i acc, v16i u, v16i s) { return _mm512_dpbusd_epi32(acc, u, s); }
+INLINE v16i v16_add32(v16i a, v16i b) { return _mm512_add_epi32(a, b); }
+INLINE v16i v16_abs8(v16i w) { return _mm512_abs_epi8(w); }
+/* x negated where w < 0 (where w = 0 the product with |w| is 0 either way): what vpsignb does, which has no
+ * 512-bit form */
+INLINE v16i v16_sign8(v16i x, v16i w) {
+    return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+}
+INLINE v16f v16_cvt(v16i a) { return _mm512_cvtepi32_ps(a); }
+INLINE v16f v16_load_h16(const uint16_t *a, const uint16_t *b) {   /* 8 fp16 at a, 8 at b -> 16 float32 (exact) */
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                                   _mm_loadu_si128((const __m128i *)b), 1));
+}
+INLINE v16f v16_set1_f(float v) { return _mm512_set1_ps(v); }
+INLINE v16f v16_zero_f(void) { return _mm512_setzero_ps(); }
+INLINE v16f v16_mul(v16f a, v16f b) { return _mm512_mul_ps(a, b); }
+INLINE v16f v16_fma(v16f a, v16f b, v16f c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE void v16_store(float *p, v16f v) { _mm512_storeu_ps(p, v); }
+#define V16_PIN(v) __asm__("" : "+v"(v))
+#else
+typedef struct { __m256i lo, hi; } v16i;
+typedef struct { __m256 lo, hi; } v16f;
+INLINE v16i v16_load2(const void *a, const void *b) {
+    return (v16i){_mm256_loadu_si256((const __m256i *)a), _mm256_loadu_si256((const __m256i *)b)};
+}
+INLINE v16i v16_and(v16i a, v16i b) { return (v16i){_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)}; }
+INLINE v16i v16_high_nibbles(v16i a, v16i mask) {
+    return (v16i){_mm256_and_si256(_mm256_srli_epi16(a.lo, 4), mask.lo), _mm256_and_si256(_mm256_srli_epi16(a.hi, 4), mask.hi)};
+}
+INLINE v16i v16_set1_i32(int32_t v) { return (v16i){_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+INLINE v16i v16_set1_i8(char v) { return (v16i){_mm256_set1_epi8(v), _mm256_set1_epi8(v)}; }
+INLINE v16i v16_zero(void) { return (v16i){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+INLINE v16i v16_dpbusd(v16i acc, v16i u, v16i s) { return (v16i){dpbusd(acc.lo, u.lo, s.lo), dpbusd(acc.hi, u.hi, s.hi)}; }
+INLINE v16i v16_add32(v16i a, v16i b) { return (v16i){_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+INLINE v16i v16_abs8(v16i w) { return (v16i){_mm256_abs_epi8(w.lo), _mm256_abs_epi8(w.hi)}; }
+/* the native form's operation (negate where w < 0, keep x elsewhere), not vpsignb's (which also zeroes) */
+INLINE v16i v16_sign8(v16i x, v16i w) {
+    const __m256i z = _mm256_setzero_si256();
+    return (v16i){_mm256_blendv_epi8(x.lo, _mm256_sub_epi8(z, x.lo), w.lo),
+                  _mm256_blendv_epi8(x.hi, _mm256_sub_epi8(z, x.hi), w.hi)};
+}
+INLINE v16f v16_cvt(v16i a) { return (v16f){_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+INLINE v16f v16_load_h16(const uint16_t *a, const uint16_t *b) { return (v16f){load_h8(a), load_h8(b)}; }
+INLINE v16f v16_set1_f(float v) { return (v16f){_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+INLINE v16f v16_zero_f(void) { return (v16f){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+INLINE v16f v16_mul(v16f a, v16f b) { return (v16f){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+INLINE v16f v16_fma(v16f a, v16f b, v16f c) {
+    return (v16f){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+INLINE void v16_store(float *p, v16f v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+#define V16_PIN(v) do { PIN((v).lo); PIN((v).hi); } while (0)
+#endif
+
+/* 4 activation bytes at p in every 32-bit lane */
+INLINE v16i v16_bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v16_set1_i32(v);
+}
+
+/* Q4_1, groups t and t + 1 (codes wa, wb; scales da, db; mins ma, mb) by R rows from m0: q4_group's operations,
+ * with int32 sums by vpdpbusd; writes y[m0 + r, n0 .. n0 + 15]. */
+INLINE void q4_pair(const uint8_t *wa, const uint8_t *wb, const uint16_t *da, const uint16_t *db, const uint16_t *ma,
+                    const uint16_t *mb, const int8_t *xq, const float *xd, const float *xs, int64_t m0, int R,
+                    int64_t K, int64_t G, float *y, int64_t N, int64_t n0) {
+    const v16i mask = v16_set1_i8(0x0F);
+    v16f acc[MB];
+    for (int r = 0; r < R; r++) acc[r] = v16_zero_f();
+    for (int64_t g = 0; g < G; g++) {
+        v16i s[MB], s2[MB];           /* low and high nibbles' sums: two chains of vpdpbusd's latency */
+        for (int r = 0; r < R; r++) s[r] = s2[r] = v16_zero();
+        for (int L = 0; L < 4; L++) {
+            const v16i raw = v16_load2(wa + g * 128 + 32 * L, wb + g * 128 + 32 * L);
+            const v16i lo = v16_and(raw, mask), hi = v16_high_nibbles(raw, mask);
+            for (int r = 0; r < R; r++) {
+                const int8_t *x = xq + (m0 + r) * K + g * QK;
+                s[r] = v16_dpbusd(s[r], lo, v16_bcast4(x + 4 * L));
+                s2[r] = v16_dpbusd(s2[r], hi, v16_bcast4(x + 16 + 4 * L));
+                V16_PIN(s[r]);
+                V16_PIN(s2[r]);
+            }
+        }
+        const v16f dw = v16_load_h16(da + g * LANES, db + g * LANES), mw = v16_load_h16(ma + g * LANES, mb + g * LANES);
+        for (int r = 0; r < R; r++) {
+            const int64_t mg = (m0 + r) * G + g;
+            acc[r] = v16_fma(v16_cvt(v16_add32(s[r], s2[r])), v16_mul(dw, v16_set1_f(xd[mg])), acc[r]);
+            acc[r] = v16_fma(mw, v16_set1_f(xs[mg]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) v16_store(y + (m0 + r) * N + n0, acc[r]);
+}
+
+/* Q8_0, groups t and t + 1 by R rows from m0: q8_group's operations (|w| times x signed by w). */
+INLINE void q8_pair(const int8_t *wa, const int8_t *wb, const uint16_t *da, const uint16_t *db, const int8_t *xq,
+                    const float *xd, int64_t m0, int R, int64_t K, int64_t G, float *y, int64_t N, int64_t n0) {
+    v16f acc[MB];
+    for (int r = 0; r < R; r++) acc[r] = v16_zero_f();
+    for (int64_t g = 0; g < G; g++) {
+        v16i s[MB], s2[MB];           /* even and odd c's sums: two chains of vpdpbusd's latency */
+        for (int r = 0; r < R; r++) s[r] = s2[r] = v16_zero();
+        for (int c = 0; c < 8; c++) {
+            const v16i w = v16_load2(wa + g * 256 + 32 * c, wb + g * 256 + 32 * c), aw = v16_abs8(w);
+            for (int r = 0; r < R; r++) {
+                const v16i p = v16_sign8(v16_bcast4(xq + (m0 + r) * K + g * QK + 4 * c), w);
+                if (c % 2) s2[r] = v16_dpbusd(s2[r], aw, p);
+                else s[r] = v16_dpbusd(s[r], aw, p);
+                V16_PIN(s[r]);
+                V16_PIN(s2[r]);
+            }
+        }
+        const v16f dw = v16_load_h16(da + g * LANES, db + g * LANES);
+        for (int r = 0; r < R; r++)
+            acc[r] = v16_fma(v16_cvt(v16_add32(s[r], s2[r])), v16_mul(dw, v16_set1_f(xd[(m0 + r) * G + g])), acc[r]);
+    }
+    for (int r = 0; r < R; r++) v16_store(y + (m0 + r) * N + n0, acc[r]);
+}
+
+#endif
