@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import SpeculantError
@@ -98,7 +99,10 @@ def isa_candidates(flags: set[str] | None = None) -> list[str]:
     flags = _cpu_flags() if flags is None else flags
     name = requested_isa()
     if name == "auto":
-        return [n for n in ISA_VARIANTS if n not in TEST_VARIANTS and ISA_VARIANTS[n][1] <= flags]
+        have = [n for n in ISA_VARIANTS if n not in TEST_VARIANTS and ISA_VARIANTS[n][1] <= flags]
+        if "avx512-vnni-ymm" in have and "avx-vnni" in have:
+            have.remove("avx-vnni")           # the same instruction on the same vectors, in another encoding
+        return have
     missing = ISA_VARIANTS[name][1] - flags
     if missing:
         raise SpeculantError(f"SPECULANT_KERNEL_ISA={name!r} needs the CPU flags {', '.join(sorted(missing))}, "
@@ -165,8 +169,13 @@ def load() -> ctypes.CDLL | None:
         _WHY_NOT = "needs a C compiler (cc, gcc or clang; $CC)"
         return None
     picked = _cached_pick(cc, candidates) if len(candidates) > 1 else None
+    todo = [picked] if picked else candidates
+    if len(todo) > 1:                         # first load on a CPU with several variants: build them side by side
+        print(f"speculant: building the kernel variants {', '.join(todo)} ...", file=sys.stderr, flush=True)
+        with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
+            list(pool.map(lambda isa: _try_build(cc, isa), todo))
     libs: dict[str, ctypes.CDLL] = {}
-    for isa in [picked] if picked else candidates:
+    for isa in todo:
         try:
             libs[isa] = load_variant(isa, cc)
         except (OSError, SpeculantError, subprocess.SubprocessError) as e:
@@ -176,6 +185,14 @@ def load() -> ctypes.CDLL | None:
     isa = next(iter(libs)) if len(libs) == 1 else pick_variant(libs, cc)
     _LIB, _ISA, _WHY_NOT = libs[isa], isa, None
     return _LIB
+
+
+def _try_build(cc: str, isa: str) -> None:
+    """:func:`_build`, its errors left for :func:`load_variant` to raise again (the build is retried there)."""
+    try:
+        _build(cc, isa)
+    except (OSError, SpeculantError, subprocess.SubprocessError):
+        pass
 
 
 PICK_SHAPES = (("spec_w4a8_f32", 576, 3072), ("spec_w8a8_f32", 576, 8192))
