@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from speculant.errors import SpeculantError
 from speculant.kernels import build
 from speculant.runtime.loader import load_model
 from speculant.runtime.tune import cpu_description
@@ -41,7 +42,10 @@ def main() -> None:
     if here is None:
         raise SystemExit(f"our kernels do not run here: {build.unavailable_reason()}")
     if args.variant:
-        other = build.load_variant(args.variant)
+        try:
+            other = build.load_variant(args.variant)
+        except SpeculantError as e:
+            raise SystemExit(f"step_ab: {e}") from None
     else:
         code = ("import sys; sys.path.insert(0, sys.argv[1]); from speculant.kernels import build; "
                 "print(build._build(build._compiler()))")

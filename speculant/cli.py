@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 from .errors import SpeculantError, check_range
@@ -221,6 +222,11 @@ def main(argv=None) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader of stdout went away (`speculant ... | head`): stop quietly, as Unix tools do, with nothing left
+        # for the interpreter to flush into the closed pipe at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -207,3 +207,27 @@ def test_streamed_safetensors_file_reads_back_with_safetensors(tmp_path):
     assert set(back) == set(tensors)
     for k, v in tensors.items():
         assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+
+
+def test_a_closed_stdout_pipe_ends_quietly(monkeypatch, tmp_path):
+    """`speculant models | head -1` and the like: the reader goes away, the command stops with 128 + SIGPIPE and
+    no traceback (nothing is left to flush into the pipe at exit)."""
+    import signal
+    import sys
+
+    class ClosedPipe:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+        def fileno(self):
+            return self.f.fileno()
+
+    with open(tmp_path / "stdout", "w") as f:
+        monkeypatch.setattr(sys, "stdout", ClosedPipe(f))
+        assert main(["models"]) == 128 + signal.SIGPIPE

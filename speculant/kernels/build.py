@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -59,6 +60,7 @@ TEST_VARIANTS = frozenset({"vnni-emulated", "zmm-emulated"})
 _LIB: ctypes.CDLL | None = None
 _WHY_NOT: str | None = None
 _ISA: str | None = None
+_LOCK = threading.Lock()
 
 
 def _cpu_flags() -> set[str]:
@@ -82,11 +84,26 @@ def requested_isa() -> str:
     Raises:
         SpeculantError: the value is not ``auto`` or a key of :data:`ISA_VARIANTS`.
     """
-    name = os.environ.get("SPECULANT_KERNEL_ISA", "").strip() or "auto"
+    name = os.environ.get("SPECULANT_KERNEL_ISA", "").strip().lower() or "auto"
     if name != "auto" and name not in ISA_VARIANTS:
         raise SpeculantError(f"SPECULANT_KERNEL_ISA={name!r} is not a kernel variant; allowed: auto, "
                              + ", ".join(ISA_VARIANTS))
     return name
+
+
+def check_runs_here(isa: str, flags: set[str] | None = None, label: str | None = None) -> None:
+    """Raise unless variant ``isa`` exists and a CPU with ``flags`` (default: this one's) has what it needs.
+
+    Raises:
+        SpeculantError: "<label> is not a kernel variant; allowed: ..." or "<label> needs the CPU flags ...,
+            which this CPU lacks" (label: 'isa', or "kernel variant 'isa'", unless given).
+    """
+    if isa not in ISA_VARIANTS:
+        raise SpeculantError(f"{label or repr(isa)} is not a kernel variant; allowed: {', '.join(ISA_VARIANTS)}")
+    missing = ISA_VARIANTS[isa][1] - (_cpu_flags() if flags is None else flags)
+    if missing:
+        raise SpeculantError(f"{label or f'kernel variant {isa!r}'} needs the CPU flags {', '.join(sorted(missing))}, "
+                             "which this CPU lacks")
 
 
 def isa_candidates(flags: set[str] | None = None) -> list[str]:
@@ -103,10 +120,7 @@ def isa_candidates(flags: set[str] | None = None) -> list[str]:
         if "avx512-vnni-ymm" in have and "avx-vnni" in have:
             have.remove("avx-vnni")           # the same instruction on the same vectors, in another encoding
         return have
-    missing = ISA_VARIANTS[name][1] - flags
-    if missing:
-        raise SpeculantError(f"SPECULANT_KERNEL_ISA={name!r} needs the CPU flags {', '.join(sorted(missing))}, "
-                             "which this CPU lacks")
+    check_runs_here(name, flags, f"SPECULANT_KERNEL_ISA={name!r}")
     return [name]
 
 
@@ -156,6 +170,13 @@ def load() -> ctypes.CDLL | None:
     Raises:
         SpeculantError: ``$SPECULANT_KERNEL_ISA`` is not a variant, or names one this CPU lacks.
     """
+    if _LIB is not None or _WHY_NOT is not None:
+        return _LIB
+    with _LOCK:                               # the loader may build in a thread while the model converts
+        return _load()
+
+
+def _load() -> ctypes.CDLL | None:
     global _LIB, _WHY_NOT, _ISA
     if _LIB is not None or _WHY_NOT is not None:
         return _LIB
@@ -265,9 +286,11 @@ def load_variant(isa: str, cc: str | None = None) -> ctypes.CDLL:
     the one :func:`load` put in use: tests and benchmarks compare variants with it.
 
     Raises:
-        SpeculantError: no C compiler, or it could not build the variant.
+        SpeculantError: not a variant, or one this CPU cannot run (:func:`check_runs_here`); no C compiler, or it
+            could not build the variant.
         OSError: the library could not be loaded.
     """
+    check_runs_here(isa)
     cc = cc or _compiler()
     if cc is None:
         raise SpeculantError("needs a C compiler (cc, gcc or clang; $CC)")

@@ -143,13 +143,39 @@ class GGUFCodes(Mapping):
         return len(self._specs)
 
 
-def read_group_quantized(gguf_path: Path, cfg: ModelConfig) -> GGUFCodes:
-    """Group-quantized projections of a Llama-family GGUF, keyed by our module names (a :class:`GGUFCodes`
-    mapping: each decoded when it is looked up).
+@dataclass(frozen=True)
+class _Kind:
+    name: str
 
-    Keys: ``layers.{i}.self_attn.qkv_proj``, ``layers.{i}.self_attn.o_proj``, ``layers.{i}.mlp.gate_up_proj``,
-    ``layers.{i}.mlp.down_proj`` and ``lm_head_proj`` (the ``output`` tensor, or ``token_embd`` when tied).
-    A projection whose tensors are not all Q4_0/Q4_1/Q8_0 of one kind is left out.
+
+@dataclass
+class IndexedTensor:
+    """Where one tensor of a GGUF file lies: its name, block type (``tensor_type.name``: ``Q4_1`` ...), byte
+    offset and the shape of its raw data (``[rows, bytes per row]`` for block types), as the ``gguf`` reader
+    found them; ``data`` maps those bytes read-only."""
+
+    name: str
+    tensor_type: _Kind
+    offset: int
+    data_shape: tuple[int, ...]
+    path: str
+
+    @property
+    def data(self) -> np.ndarray:
+        return np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.offset, shape=self.data_shape)
+
+
+@dataclass
+class TensorIndex:
+    """The tensors of a GGUF file (:class:`IndexedTensor`), without the reader's tables of metadata (the
+    tokenizer's ~100 k strings): what :class:`GGUFCodes` needs, in a few kilobytes."""
+
+    tensors: list[IndexedTensor]
+
+
+def index_tensors(gguf_path: Path) -> TensorIndex:
+    """Read the tensor table of ``gguf_path`` (through the ``gguf`` package's reader, which parses the whole
+    header: ~5-10 s for SmolLM2's on a 2-core CPU, most of it the tokenizer's metadata) and keep only that.
 
     Raises:
         SpeculantError: the file cannot be read as GGUF.
@@ -160,6 +186,27 @@ def read_group_quantized(gguf_path: Path, cfg: ModelConfig) -> GGUFCodes:
         reader = GGUFReader(str(gguf_path))
     except Exception as e:  # noqa: BLE001 - the reader raises many kinds
         raise SpeculantError(f"cannot read GGUF file {str(gguf_path)!r}: {e}") from None
+    tensors = []
+    for t in reader.tensors:
+        raw = t.data if t.data.dtype == np.uint8 else t.data.view(np.uint8).reshape(*t.data.shape[:-1], -1)
+        tensors.append(IndexedTensor(t.name, _Kind(t.tensor_type.name), int(t.data_offset), tuple(raw.shape),
+                                     str(gguf_path)))
+    return TensorIndex(tensors)
+
+
+def read_group_quantized(gguf_path: Path, cfg: ModelConfig, index: TensorIndex | None = None) -> GGUFCodes:
+    """Group-quantized projections of a Llama-family GGUF, keyed by our module names (a :class:`GGUFCodes`
+    mapping: each decoded when it is looked up).
+
+    Keys: ``layers.{i}.self_attn.qkv_proj``, ``layers.{i}.self_attn.o_proj``, ``layers.{i}.mlp.gate_up_proj``,
+    ``layers.{i}.mlp.down_proj`` and ``lm_head_proj`` (the ``output`` tensor, or ``token_embd`` when tied).
+    A projection whose tensors are not all Q4_0/Q4_1/Q8_0 of one kind is left out.  ``index``: the file's
+    :func:`index_tensors`, if already read.
+
+    Raises:
+        SpeculantError: the file cannot be read as GGUF.
+    """
+    reader = index if index is not None else index_tensors(gguf_path)
     names = {t.name for t in reader.tensors}
     specs: dict[str, list[tuple[str, int | None]]] = {}
     for i in range(cfg.num_hidden_layers):

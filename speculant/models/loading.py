@@ -116,10 +116,12 @@ class LoadedModel:
         return sorted(ids)
 
 
-def convert_gguf_in_child(name: str, out_dir: Path) -> Path:
+def convert_gguf_in_child(name: str, out_dir: Path, meanwhile=None) -> Path:
     """:func:`convert_gguf` of the known model ``name`` in a child process (same interpreter and ``speculant``):
     this process then never holds transformers' model classes, the GGUF reader's tables or the heap the
     dequantization leaves fragmented (~0.3 GB that would otherwise stay under everything loaded after).
+    ``meanwhile()``, if given, runs in this process while the child converts (the conversion is one core's
+    work for ~30-45 s; the loader reads the file's tensor table and builds the kernels on the other).
 
     Raises:
         SpeculantError: the package is missing (checked here first), or the conversion failed (its exit status;
@@ -133,7 +135,12 @@ def convert_gguf_in_child(name: str, out_dir: Path) -> Path:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     code = ("import sys; from pathlib import Path; from speculant.models.loading import KNOWN_MODELS, convert_gguf; "
             "convert_gguf(KNOWN_MODELS[sys.argv[1]], Path(sys.argv[2]))")
-    proc = subprocess.run([sys.executable, "-c", code, name, str(out_dir)], env=env, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-c", code, name, str(out_dir)], env=env, stdout=subprocess.DEVNULL)
+    try:
+        if meanwhile is not None:
+            meanwhile()
+    finally:
+        proc.wait()
     if proc.returncode != 0 or not (out_dir / "model.safetensors").is_file():
         raise SpeculantError(f"converting {KNOWN_MODELS[name].filename} to {str(out_dir)!r} failed "
                              f"(exit status {proc.returncode}; its error is printed above)")
@@ -498,7 +505,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = tor
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
     if name_or_path in KNOWN_MODELS:
-        out = cache_root() / name_or_path
+        out = converted_dir(name_or_path)
         if not (out / "model.safetensors").is_file():
             convert_gguf_in_child(name_or_path, out)
         return load_hf_dir(out, dtype, name_or_path)
@@ -506,6 +513,11 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = tor
         return load_hf_dir(Path(name_or_path), dtype)
     raise SpeculantError(
         f"unknown model {name_or_path!r}; known names: {', '.join(KNOWN_MODELS)} (or a path to an HF-format directory)")
+
+
+def converted_dir(name: str) -> Path:
+    """Where the known model ``name`` is kept converted to an HF-format directory (``$SPECULANT_CACHE/<name>``)."""
+    return cache_root() / name
 
 
 def list_models() -> list[dict]:

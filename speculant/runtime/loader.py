@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 
 import torch
 
@@ -101,14 +102,17 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
             decoder = load_packed(packed_path(directory, fmt), cfg)
             if decoder is not None:
                 model = LoadedModel(name_or_path, decoder, loading.load_tokenizer(directory), directory)
+    index = None
     if model is None:
+        if name_or_path in KNOWN_MODELS and not (loading.converted_dir(name_or_path) / "model.safetensors").is_file():
+            index = _convert_overlapped(name_or_path)
         model = loading.load_model(name_or_path, dtype)
         if result is None and dtype == torch.float32:
             result = tune.load_or_measure(model.decoder, threads, log=log)
             loading.release_memory()            # the tuner's packed copies, before the model is packed
         fmt = "fp32" if result is None else (result.weights if weights == "auto" else check_format(weights))
         if fmt != "fp32":
-            codes = _gguf_codes(name_or_path, model.config) if fmt in ("int4", "w4a8") else None
+            codes = _gguf_codes(name_or_path, model.config, index) if fmt in ("int4", "w4a8") else None
             apply_weight_format(model.decoder, fmt, codes)
             del codes
             loading.release_memory()            # the float32 projections and the GGUF's unpacked codes
@@ -128,9 +132,39 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
     return model
 
 
-def _gguf_codes(name_or_path: str, cfg: ModelConfig):
-    """The GGUF's own group-wise codes of a known model (``None`` for HF directories)."""
+def _gguf_codes(name_or_path: str, cfg: ModelConfig, index=None):
+    """The GGUF's own group-wise codes of a known model (``None`` for HF directories); ``index``: the file's
+    tensor table, if :func:`_convert_overlapped` read it."""
     if name_or_path not in KNOWN_MODELS:
         return None
     from ..models.gguf_codes import read_group_quantized
-    return read_group_quantized(loading.find_gguf(KNOWN_MODELS[name_or_path]), cfg)
+    return read_group_quantized(loading.find_gguf(KNOWN_MODELS[name_or_path]), cfg, index)
+
+
+def _convert_overlapped(name: str):
+    """Convert the known model ``name`` (:func:`~speculant.models.loading.convert_gguf_in_child`) and, while the
+    child converts, read the GGUF's tensor table here and build our kernels in a thread: work the first load
+    needs anyway, on the core the conversion leaves idle.  Returns the tensor table.
+
+    Raises:
+        SpeculantError: as the conversion (a kernel build's errors surface later, where the kernels are loaded).
+    """
+    from ..kernels import build
+    from ..models.gguf_codes import index_tensors
+    index = []
+
+    def meanwhile():
+        kernels = threading.Thread(target=_quietly, args=(build.load,), daemon=True)
+        kernels.start()
+        index.append(index_tensors(loading.find_gguf(KNOWN_MODELS[name])))
+        kernels.join()
+    loading.convert_gguf_in_child(name, loading.converted_dir(name), meanwhile)
+    return index[0] if index else None
+
+
+def _quietly(fn) -> None:
+    """``fn()``, its errors dropped: the caller meets them again when it needs what ``fn`` makes."""
+    try:
+        fn()
+    except SpeculantError:
+        pass

@@ -389,7 +389,7 @@ def measure_prompt_route(decoder, lengths=PROMPT_LENGTHS, log=None) -> tuple[int
     if log is not None:
         print(f"speculant: timing the prompt routes ({', '.join(map(str, lengths))} tokens) ...", file=log, flush=True)
     g = torch.Generator().manual_seed(3)
-    before, ms, limit = decoder.fused_prompt_tokens, {}, 0
+    before, ms, limit, start = decoder.fused_prompt_tokens, {}, 0, time.perf_counter()
     try:
         with torch.inference_mode():
             for i, n in enumerate(lengths):
@@ -409,6 +409,9 @@ def measure_prompt_route(decoder, lengths=PROMPT_LENGTHS, log=None) -> tuple[int
                 limit = n
     finally:
         decoder.fused_prompt_tokens = before
+    if log is not None:
+        print(f"speculant: prompt routes timed in {time.perf_counter() - start:.1f} s: the fused step for prompts up "
+              f"to {limit} tokens", file=log, flush=True)
     return limit, ms
 
 
@@ -492,7 +495,8 @@ def format_table(result: TuneResult) -> str:
                      f"{row.get('invariant_rows', '?')} | "
                      + " | ".join(f"{ms[str(r)]:.2f}" for r in ROWS) + f" | {ms['5'] / ms['1']:.2f} |")
     lines += ["", f"default weights: **{result.weights}**; float32 route: {result.fp32_route}; threads: "
-              f"{result.threads} (one-row pass: " + ", ".join(f"{n} threads {v:.2f} ms" for n, v in result.thread_ms.items())
+              f"{result.threads} (one-row pass: " + ", ".join(f"{n} thread{'s' if int(n) != 1 else ''} {v:.2f} ms"
+                                                 for n, v in result.thread_ms.items())
               + ")"]
     if result.attention_us:
         lines += [f"attention (KV cache): **{result.attention}** (a one-token step over {' and '.join(map(str, ATTENTION_CONTEXTS))} "
