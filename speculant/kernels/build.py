@@ -172,7 +172,7 @@ def load() -> ctypes.CDLL | None:
     """
     if _LIB is not None or _WHY_NOT is not None:
         return _LIB
-    with _LOCK:                               # the loader may build in a thread while the model converts
+    with _LOCK:                               # one load at a time (threads of a server, say)
         return _load()
 
 
@@ -189,12 +189,7 @@ def _load() -> ctypes.CDLL | None:
     if cc is None:
         _WHY_NOT = "needs a C compiler (cc, gcc or clang; $CC)"
         return None
-    picked = _cached_pick(cc, candidates) if len(candidates) > 1 else None
-    todo = [picked] if picked else candidates
-    if len(todo) > 1:                         # first load on a CPU with several variants: build them side by side
-        print(f"speculant: building the kernel variants {', '.join(todo)} ...", file=sys.stderr, flush=True)
-        with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
-            list(pool.map(lambda isa: _try_build(cc, isa), todo))
+    todo = _build_all(cc, candidates)
     libs: dict[str, ctypes.CDLL] = {}
     for isa in todo:
         try:
@@ -206,6 +201,32 @@ def _load() -> ctypes.CDLL | None:
     isa = next(iter(libs)) if len(libs) == 1 else pick_variant(libs, cc)
     _LIB, _ISA, _WHY_NOT = libs[isa], isa, None
     return _LIB
+
+
+def _build_all(cc: str, candidates: list[str]) -> list[str]:
+    """Build what :func:`load` will load from ``candidates``: the cached pick, else all of them (side by side:
+    a first load on a CPU with several variants); returns those variants (a failed build is left for
+    :func:`load_variant` to report)."""
+    picked = _cached_pick(cc, candidates) if len(candidates) > 1 else None
+    todo = [picked] if picked else candidates
+    if len(todo) > 1:
+        print(f"speculant: building the kernel variants {', '.join(todo)} ...", file=sys.stderr, flush=True)
+    with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
+        list(pool.map(lambda isa: _try_build(cc, isa), todo))
+    return todo
+
+
+def prebuild() -> None:
+    """Compile the variants :func:`load` will need, without loading or timing them (which :func:`load` does
+    later, on an otherwise quiet machine): the loader runs this while the model converts.  Quiet where the
+    kernels cannot run here; errors are left for :func:`load`."""
+    flags = _cpu_flags()
+    cc = _compiler()
+    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= flags and cc is not None:
+        try:
+            _build_all(cc, isa_candidates(flags))
+        except SpeculantError:
+            pass
 
 
 def _try_build(cc: str, isa: str) -> None:

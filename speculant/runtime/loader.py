@@ -143,8 +143,9 @@ def _gguf_codes(name_or_path: str, cfg: ModelConfig, index=None):
 
 def _convert_overlapped(name: str):
     """Convert the known model ``name`` (:func:`~speculant.models.loading.convert_gguf_in_child`) and, while the
-    child converts, read the GGUF's tensor table here and build our kernels in a thread: work the first load
-    needs anyway, on the core the conversion leaves idle.  Returns the tensor table.
+    child converts, read the GGUF's tensor table here and compile our kernels in a thread
+    (:func:`~speculant.kernels.build.prebuild`; timing a CPU's variants waits for a quiet machine): work the
+    first load needs anyway, on the core the conversion leaves idle.  Returns the tensor table.
 
     Raises:
         SpeculantError: as the conversion (a kernel build's errors surface later, where the kernels are loaded).
@@ -154,17 +155,9 @@ def _convert_overlapped(name: str):
     index = []
 
     def meanwhile():
-        kernels = threading.Thread(target=_quietly, args=(build.load,), daemon=True)
+        kernels = threading.Thread(target=build.prebuild, daemon=True)
         kernels.start()
         index.append(index_tensors(loading.find_gguf(KNOWN_MODELS[name])))
         kernels.join()
     loading.convert_gguf_in_child(name, loading.converted_dir(name), meanwhile)
     return index[0] if index else None
-
-
-def _quietly(fn) -> None:
-    """``fn()``, its errors dropped: the caller meets them again when it needs what ``fn`` makes."""
-    try:
-        fn()
-    except SpeculantError:
-        pass
