@@ -162,17 +162,18 @@ def config_from_gguf_load(conf: dict) -> ModelConfig:
     return ModelConfig.from_hf_dict(conf)
 
 
-def _gguf_float_tensors(gguf: Path, meta_model):
+def _gguf_float_tensors(gguf: Path, meta_model, parsed: dict | None = None):
     """``(HF name, float32 tensor)`` of every weight of ``gguf``, one at a time, exactly as transformers' GGUF loader
     makes them (``load_gguf_checkpoint(return_tensors=True)``: ``gguf.dequantize``, the architecture's tensor
     processor, e.g. the q/k row order, and its name map) without holding them all: its loop, tensor by tensor.
-    ``meta_model``: the transformers model of the file's config (on the meta device), for the name map."""
+    ``meta_model``: the transformers model of the file's config (on the meta device), for the name map;
+    ``parsed``: ``load_gguf_checkpoint(gguf, return_tensors=False)``, if already read."""
     import numpy as np
     from gguf import GGUFReader, dequantize
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map,
                                                           load_gguf_checkpoint, read_field)
 
-    parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+    parsed = parsed if parsed is not None else load_gguf_checkpoint(str(gguf), return_tensors=False)
     reader = GGUFReader(str(gguf))
     architecture = read_field(reader, "general.architecture")[0]
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed.get("config", {}))
@@ -216,15 +217,21 @@ def convert_gguf(source: GGUFSource, out_dir: Path) -> Path:
     The weights are transformers' GGUF dequantization (bit for bit what ``AutoModelForCausalLM.from_pretrained``
     with ``gguf_file`` holds), streamed tensor by tensor into ``model.safetensors``: peak memory is one tensor's
     dequantization, not the model twice (the state that loader builds plus the model it loads it into)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     gguf = find_gguf(source)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    hf_config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # the file's metadata parsed once (~7 s for SmolLM2's on a 2-core CPU): the config below is what
+    # AutoConfig.from_pretrained(gguf_file=...) builds from the same dict, after two more parses
+    parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+    hf_config = CONFIG_MAPPING[parsed["config"]["model_type"]].from_dict(dict(parsed["config"]))
+    hf_config.name_or_path = str(gguf.parent)
     cfg = config_from_gguf_load(hf_config.to_dict())
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    tensors = ((k, v) for k, v in _gguf_float_tensors(gguf, meta_model)
+    tensors = ((k, v) for k, v in _gguf_float_tensors(gguf, meta_model, parsed)
                if not (cfg.tie_word_embeddings and k == "lm_head.weight"))
     count = len(meta_model.state_dict()) + 8
     out_dir.parent.mkdir(parents=True, exist_ok=True)
