@@ -164,8 +164,8 @@ def _build(cc: str, isa: str = "avx2") -> Path:
 
 
 def load() -> ctypes.CDLL | None:
-    """The loaded library (built on the first call, in the first variant of :func:`isa_candidates` that builds), or
-    ``None`` where it cannot run (see :func:`unavailable_reason`).
+    """The loaded library (built on the first call: of :func:`isa_candidates`, the one variant that builds, or the
+    fastest of several, :func:`pick_variant`), or ``None`` where it cannot run (see :func:`unavailable_reason`).
 
     Raises:
         SpeculantError: ``$SPECULANT_KERNEL_ISA`` is not a variant, or names one this CPU lacks.
@@ -180,19 +180,15 @@ def _load() -> ctypes.CDLL | None:
     global _LIB, _WHY_NOT, _ISA
     if _LIB is not None or _WHY_NOT is not None:
         return _LIB
-    flags = _cpu_flags()
-    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= flags:
-        _WHY_NOT = "needs an x86-64 CPU with AVX2 and FMA"
+    flags, cc = _cpu_flags(), _compiler()
+    _WHY_NOT = _why_not_here(flags, cc)
+    if _WHY_NOT is not None:
         return None
-    candidates = isa_candidates(flags)
-    cc = _compiler()
-    if cc is None:
-        _WHY_NOT = "needs a C compiler (cc, gcc or clang; $CC)"
-        return None
-    todo = _build_all(cc, candidates)
     libs: dict[str, ctypes.CDLL] = {}
-    for isa in todo:
+    for isa, error in _build_all(cc, isa_candidates(flags)).items():
         try:
+            if error is not None:
+                raise error
             libs[isa] = load_variant(isa, cc)
         except (OSError, SpeculantError, subprocess.SubprocessError) as e:
             _WHY_NOT = f"could not be built here: {e}"
@@ -203,38 +199,45 @@ def _load() -> ctypes.CDLL | None:
     return _LIB
 
 
-def _build_all(cc: str, candidates: list[str]) -> list[str]:
+def _why_not_here(flags: set[str], cc: str | None) -> str | None:
+    """Why our kernels cannot be built on a CPU with ``flags`` with compiler ``cc`` (``None``: they can)."""
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= flags:
+        return "needs an x86-64 CPU with AVX2 and FMA"
+    if cc is None:
+        return "needs a C compiler (cc, gcc or clang; $CC)"
+    return None
+
+
+def _build_all(cc: str, candidates: list[str]) -> dict[str, Exception | None]:
     """Build what :func:`load` will load from ``candidates``: the cached pick, else all of them (side by side:
-    a first load on a CPU with several variants); returns those variants (a failed build is left for
-    :func:`load_variant` to report)."""
+    a first load on a CPU with several variants).  Returns each variant's build error (``None``: built)."""
     picked = _cached_pick(cc, candidates) if len(candidates) > 1 else None
     todo = [picked] if picked else candidates
     if len(todo) > 1:
         print(f"speculant: building the kernel variants {', '.join(todo)} ...", file=sys.stderr, flush=True)
     with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
-        list(pool.map(lambda isa: _try_build(cc, isa), todo))
-    return todo
+        return dict(zip(todo, pool.map(lambda isa: _try_build(cc, isa), todo)))
 
 
 def prebuild() -> None:
     """Compile the variants :func:`load` will need, without loading or timing them (which :func:`load` does
     later, on an otherwise quiet machine): the loader runs this while the model converts.  Quiet where the
     kernels cannot run here; errors are left for :func:`load`."""
-    flags = _cpu_flags()
-    cc = _compiler()
-    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= flags and cc is not None:
+    flags, cc = _cpu_flags(), _compiler()
+    if _why_not_here(flags, cc) is None:
         try:
             _build_all(cc, isa_candidates(flags))
         except SpeculantError:
             pass
 
 
-def _try_build(cc: str, isa: str) -> None:
-    """:func:`_build`, its errors left for :func:`load_variant` to raise again (the build is retried there)."""
+def _try_build(cc: str, isa: str) -> Exception | None:
+    """:func:`_build`'s error, or ``None`` when the variant is built."""
     try:
         _build(cc, isa)
-    except (OSError, SpeculantError, subprocess.SubprocessError):
-        pass
+    except (OSError, SpeculantError, subprocess.SubprocessError) as e:
+        return e
+    return None
 
 
 PICK_SHAPES = (("spec_w4a8_f32", 576, 3072), ("spec_w8a8_f32", 576, 8192))

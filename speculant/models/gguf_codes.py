@@ -11,7 +11,8 @@ projections (``layers.3.self_attn.qkv_proj`` ...), rows permuted and fused exact
 weights transformers' GGUF loader produces (``reverse_permute_weights`` for q/k), so
 ``GroupQuantized.dequantize()`` equals the cached float32 weight bit for bit.  The weight formats in
 :mod:`speculant.runtime.formats` pack these codes for torch's int4 kernel without requantizing.
-The file is read through the ``gguf`` package's reader (memory-mapped).
+The file's tensor table is read once through the ``gguf`` package's reader (:func:`index_tensors`), the codes
+through a memory map.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def _blocks(raw: np.ndarray, rows: int, block_bytes: int) -> np.ndarray:
 
 
 def _decode(tensor) -> GroupQuantized | None:
-    kind = tensor.tensor_type.name
+    kind = tensor.kind
     rows = int(tensor.data.shape[0])
     if kind in ("Q4_0", "Q4_1"):
         head = 2 if kind == "Q4_0" else 4
@@ -123,10 +124,9 @@ class GGUFCodes(Mapping):
     projection afresh and keeps nothing, so that packing a model one projection at a time never holds all its
     unpacked codes (~1 byte per weight) at once.  Keys are known without decoding (from the block types)."""
 
-    def __init__(self, reader, specs: dict[str, list[tuple[str, int | None]]]):
-        self._reader = reader                       # keeps the memory map open
-        self._tensors = {t.name: t for t in reader.tensors}
-        kinds = {n: _KINDS.get(t.tensor_type.name) for n, t in self._tensors.items()}
+    def __init__(self, index: "TensorIndex", specs: dict[str, list[tuple[str, int | None]]]):
+        self._tensors = {t.name: t for t in index.tensors}
+        kinds = {n: _KINDS.get(t.kind) for n, t in self._tensors.items()}
         self._specs = {k: parts for k, parts in specs.items()
                        if all(kinds.get(n) is not None for n, _ in parts) and len({kinds[n] for n, _ in parts}) == 1}
 
@@ -143,19 +143,14 @@ class GGUFCodes(Mapping):
         return len(self._specs)
 
 
-@dataclass(frozen=True)
-class _Kind:
-    name: str
-
-
 @dataclass
 class IndexedTensor:
-    """Where one tensor of a GGUF file lies: its name, block type (``tensor_type.name``: ``Q4_1`` ...), byte
+    """Where one tensor of a GGUF file lies: its name, block type (``kind``: ``Q4_1``, ``F32`` ...), byte
     offset and the shape of its raw data (``[rows, bytes per row]`` for block types), as the ``gguf`` reader
     found them; ``data`` maps those bytes read-only."""
 
     name: str
-    tensor_type: _Kind
+    kind: str
     offset: int
     data_shape: tuple[int, ...]
     path: str
@@ -189,7 +184,7 @@ def index_tensors(gguf_path: Path) -> TensorIndex:
     tensors = []
     for t in reader.tensors:
         raw = t.data if t.data.dtype == np.uint8 else t.data.view(np.uint8).reshape(*t.data.shape[:-1], -1)
-        tensors.append(IndexedTensor(t.name, _Kind(t.tensor_type.name), int(t.data_offset), tuple(raw.shape),
+        tensors.append(IndexedTensor(t.name, t.tensor_type.name, int(t.data_offset), tuple(raw.shape),
                                      str(gguf_path)))
     return TensorIndex(tensors)
 
@@ -206,8 +201,8 @@ def read_group_quantized(gguf_path: Path, cfg: ModelConfig, index: TensorIndex |
     Raises:
         SpeculantError: the file cannot be read as GGUF.
     """
-    reader = index if index is not None else index_tensors(gguf_path)
-    names = {t.name for t in reader.tensors}
+    index = index if index is not None else index_tensors(gguf_path)
+    names = {t.name for t in index.tensors}
     specs: dict[str, list[tuple[str, int | None]]] = {}
     for i in range(cfg.num_hidden_layers):
         b = f"blk.{i}."
@@ -218,4 +213,4 @@ def read_group_quantized(gguf_path: Path, cfg: ModelConfig, index: TensorIndex |
         specs[f"layers.{i}.mlp.gate_up_proj"] = [(b + "ffn_gate.weight", None), (b + "ffn_up.weight", None)]
         specs[f"layers.{i}.mlp.down_proj"] = [(b + "ffn_down.weight", None)]
     specs["lm_head_proj"] = [("output.weight" if "output.weight" in names else "token_embd.weight", None)]
-    return GGUFCodes(reader, specs)
+    return GGUFCodes(index, specs)
