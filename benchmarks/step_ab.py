@@ -9,6 +9,8 @@ while the two builds share ``spec_run_layers``'s argument layout.
     python benchmarks/step_ab.py --baseline /tmp/base [--context 300] [--repeats 60]
     python benchmarks/step_ab.py --variant avx2        # this checkout's kernels in another ISA variant
                                                        # (speculant.kernels.build.ISA_VARIANTS) as the baseline
+    python benchmarks/step_ab.py --weight-prefetch 0   # this build with another weight prefetch distance [bytes]
+                                                       # as the baseline (this build: the tuned one)
 """
 
 from __future__ import annotations
@@ -35,13 +37,24 @@ def main() -> None:
     which.add_argument("--baseline", help="a checkout of the other commit")
     which.add_argument("--variant", choices=list(build.ISA_VARIANTS),
                        help="this checkout's kernels built in another variant")
+    which.add_argument("--weight-prefetch", type=int, metavar="BYTES",
+                       help="this build with the products' weight prefetch at BYTES ahead (0: none)")
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=60)
     args = ap.parse_args()
     here = build.load()
     if here is None:
         raise SystemExit(f"our kernels do not run here: {build.unavailable_reason()}")
-    if args.variant:
+    model = load_model(weights="w4a8")                  # applies the tuned weight prefetch
+    prefetch = {"this build": build.weight_prefetch(), "baseline": args.weight_prefetch}
+    if args.weight_prefetch is not None:
+        try:
+            build.set_weight_prefetch(args.weight_prefetch)
+        except ValueError as e:
+            raise SystemExit(f"step_ab: {e}") from None
+        build.set_weight_prefetch(prefetch["this build"])
+        other = here
+    elif args.variant:
         try:
             other = build.load_variant(args.variant)
         except SpeculantError as e:
@@ -54,7 +67,8 @@ def main() -> None:
         other = ctypes.CDLL(path)
         other.spec_run_layers.argtypes = here.spec_run_layers.argtypes
         other.spec_run_layers.restype = ctypes.c_int
-    model = load_model(weights="w4a8")
+    if other is not here and hasattr(other, "spec_set_weight_prefetch"):   # the same distance as this build
+        other.spec_set_weight_prefetch(prefetch["this build"])
     dec, ctx = model.decoder, args.context
     fused = dec.fused_layers()
     g = torch.Generator().manual_seed(0)
@@ -67,15 +81,19 @@ def main() -> None:
                 fused.lib = lib
                 if args.variant:                    # the LM head too (a baseline checkout's covers the layers)
                     build._LIB = lib
+                if prefetch["baseline"] is not None:
+                    build.set_weight_prefetch(prefetch[name])
                 for t in (1, 5):
                     ids = torch.randint(0, model.config.vocab_size, (1, t), generator=g)
                     t0 = time.perf_counter()
                     dec(ids, None, None, cache, ctx)
                     times[name, t].append(time.perf_counter() - t0)
     fused.lib = build._LIB = here
+    build.set_weight_prefetch(prefetch["this build"])
     print(f"CPU: {cpu_description()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; "
           f"context {ctx}, {args.repeats} alternated repeats; this build: kernels {build.loaded_isa()}; baseline: "
-          f"{args.baseline or 'kernels ' + args.variant}\n")
+          f"{args.baseline or ('kernels ' + args.variant if args.variant else '')}; weight prefetch [bytes]: this build "
+          f"{prefetch['this build']}, baseline {prefetch['baseline'] if prefetch['baseline'] is not None else prefetch['this build']}\n")
     print("| build | T=1 min / median [ms] | T=5 min / median [ms] | T=5 / T=1 (min) |")
     print("|---|---|---|---|")
     for name in ("baseline", "this build"):

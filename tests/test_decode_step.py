@@ -14,6 +14,7 @@ from speculant import load_model
 from speculant.kernels import build, decode_step
 from speculant.models.loading import save_hf_dir
 from speculant.models.ragged import RaggedBlock, ragged_run_layers
+from speculant.runtime import tune
 from speculant.runtime.formats import apply_weight_format
 from speculant.trees.tree import DraftTree
 
@@ -135,8 +136,12 @@ def test_the_loader_runs_w4a8_fused_without_torch_compile(tmp_path, monkeypatch)
     # the prompt route was timed once on the fused model and kept in the tune cache
     assert loaded.tune.fused_prompt_tokens is not None and loaded.tune.prompt_ms
     assert loaded.decoder.fused_prompt_tokens == loaded.tune.fused_prompt_tokens
+    # so was the weight prefetch distance, now in force
+    assert loaded.tune.weight_prefetch in tune.WEIGHT_PREFETCH_BYTES and loaded.tune.weight_prefetch_ms
+    assert build.weight_prefetch() == loaded.tune.weight_prefetch
     again = load_model(str(path), weights="w4a8")
     assert again.tune.prompt_ms == loaded.tune.prompt_ms
+    assert again.tune.weight_prefetch_ms == loaded.tune.weight_prefetch_ms           # reused, not measured again
     loaded = load_model(str(path), weights="int8", compile=False)
     assert not loaded.fused and loaded.decoder.fused_layers() is None
 
@@ -298,3 +303,23 @@ def test_the_prompt_route_is_measured_and_kept(model):
     assert limit in (0, 8, 24)
     assert limit == 0 or ms[str(limit)]["fused"] <= ms[str(limit)]["layer step"]
     assert model.decoder.fused_prompt_tokens == 0                 # restored
+
+
+def test_the_weight_prefetch_is_measured_kept_and_applied(model):
+    """The tuner times the one-token forward at each distance, picks the fastest, restores the distance in force;
+    a tune result's distance is put in force by ``apply_choices``."""
+    before = build.weight_prefetch()
+    best, ms = tune.measure_weight_prefetch(model.decoder, distances=(0, 1024, 4096), repeats=2)
+    assert set(ms) == {"0", "1024", "4096"} and all(v > 0 for v in ms.values())
+    assert best in (0, 1024, 4096) and ms[str(best)] == min(ms.values())
+    assert build.weight_prefetch() == before                      # restored
+    result = tune.TuneResult(key=tune.tune_key(model.decoder.config, 1), weights="w4a8", fp32_route="linear",
+                             threads=1, weight_prefetch=512)
+    try:
+        tune.apply_choices(result, set_threads=False)
+        assert build.weight_prefetch() == 512 == build.load().spec_weight_prefetch()
+        assert "weight prefetch" not in tune.format_table(result)   # nothing measured: no line
+        result.weight_prefetch_ms = ms
+        assert "weight prefetch: **512** bytes ahead" in tune.format_table(result)
+    finally:
+        build.set_weight_prefetch(before)

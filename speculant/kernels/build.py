@@ -196,6 +196,7 @@ def _load() -> ctypes.CDLL | None:
         return None
     isa = next(iter(libs)) if len(libs) == 1 else pick_variant(libs, cc)
     _LIB, _ISA, _WHY_NOT = libs[isa], isa, None
+    _LIB.spec_set_weight_prefetch(_PREFETCH)
     return _LIB
 
 
@@ -331,7 +332,40 @@ def load_variant(isa: str, cc: str | None = None) -> ctypes.CDLL:
     lib.spec_attention_ragged.restype = ctypes.c_int
     lib.spec_run_layers.argtypes = [p, i, i, i, p, p, p, p, p, p, p, p, p, p]
     lib.spec_run_layers.restype = ctypes.c_int
+    lib.spec_set_weight_prefetch.argtypes = [i]
+    lib.spec_set_weight_prefetch.restype = ctypes.c_int
+    lib.spec_weight_prefetch.argtypes = []
+    lib.spec_weight_prefetch.restype = i
     return lib
+
+
+WEIGHT_PREFETCH_LIMIT = 65536
+"""Largest weight prefetch distance the products accept [bytes]."""
+_PREFETCH = 0
+
+
+def set_weight_prefetch(ahead: int) -> None:
+    """Have the weight-quantized products prefetch their codes ``ahead`` bytes in advance (0: no software
+    prefetch; ``qgemm.c``'s header), in the library in use now and in the one :func:`load` loads later.  The
+    distance that pays depends on the machine: :func:`speculant.runtime.tune.measure_weight_prefetch` measures it.
+    Results never depend on it.
+
+    Raises:
+        ValueError: ``ahead`` is not 0 or a multiple of 64 up to :data:`WEIGHT_PREFETCH_LIMIT`.
+    """
+    global _PREFETCH
+    if isinstance(ahead, bool) or not isinstance(ahead, int) or not 0 <= ahead <= WEIGHT_PREFETCH_LIMIT \
+            or ahead % 64:
+        raise ValueError(f"weight prefetch distance {ahead!r}: allowed: 0 (none) or a multiple of 64 bytes up to "
+                         f"{WEIGHT_PREFETCH_LIMIT}")
+    _PREFETCH = ahead
+    if _LIB is not None:
+        _LIB.spec_set_weight_prefetch(ahead)
+
+
+def weight_prefetch() -> int:
+    """The weight prefetch distance in force [bytes] (:func:`set_weight_prefetch`)."""
+    return _PREFETCH
 
 
 def available() -> bool:

@@ -34,6 +34,10 @@
  * vpaddw into int16, then one vpmaddwd per block).  The integer sums are exact either way (no partial sum can
  * saturate, see the group functions), so every variant computes the same bits; SPEC_DPBUSD = 3 runs the VNNI code
  * with vpdpbusd emulated exactly by AVX2 instructions, which is how machines without VNNI test that code.
+ * Weight stream: a one-row product reads every weight once from DRAM, so each group's loop asks for its codes a
+ * fixed number of bytes ahead (spec_set_weight_prefetch; 0: none), without which the hardware prefetchers restart at
+ * every 4 KB page.  The distance is measured per machine (speculant.runtime.tune), not fixed here; prefetches
+ * never change a result (and never fault, even past the end of a buffer).
  * Build: cc -O3 -mavx2 -mfma -mf16c -fopenmp (no -ffast-math: it would let the compiler reorder the sums).
  */
 #include <immintrin.h>
@@ -68,6 +72,26 @@ INLINE __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 #endif
+
+/* Bytes ahead of the codes in use that the products prefetch (0: none); set by spec_set_weight_prefetch. */
+static int64_t weight_prefetch = 0;
+
+/* Sets the weight prefetch distance: 0 (none) or a multiple of 64 bytes up to 65536.  Returns 0, or -1 (unchanged)
+ * for any other value. */
+int spec_set_weight_prefetch(int64_t bytes) {
+    if (bytes < 0 || bytes > 65536 || bytes % 64) return -1;
+    weight_prefetch = bytes;
+    return 0;
+}
+
+int64_t spec_weight_prefetch(void) { return weight_prefetch; }
+
+/* Prefetch `lines` cache lines from p + ahead on (non-temporal: each weight is read once per product); nothing when
+ * ahead is 0. */
+INLINE void prefetch_ahead(const void *p, int64_t ahead, int lines) {
+    if (ahead)
+        for (int i = 0; i < lines; i++) _mm_prefetch((const char *)p + ahead + 64 * i, _MM_HINT_NTA);
+}
 
 /* An empty asm that "changes" v: keeps GCC from reassociating a row's integer sums into a tree over all of a block's
  * products (which then spills them); the sums are exact in any order, this is for speed only. */
@@ -127,9 +151,11 @@ INLINE void q4_group(const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, 
     const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     (void)ones;                       /* unused with VNNI */
     __m256 acc[MB];
+    const int64_t ahead = weight_prefetch;
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *b = wc + g * 128;
+        prefetch_ahead(b, ahead, 2);
         __m256i s[MB];                /* the block's integer sums: int16 pairs (AVX2) or int32 lanes (VNNI) */
         for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
 #ifdef SPEC_DPBUSD
@@ -175,9 +201,11 @@ INLINE void q8_group(const int8_t *wc, const uint16_t *wd, const int8_t *xq, con
     const __m256i ones = _mm256_set1_epi16(1);
     (void)ones;
     __m256 acc[MB];
+    const int64_t ahead = weight_prefetch;
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const int8_t *b = wc + g * 256;
+        prefetch_ahead(b, ahead, 4);
         __m256i s32[MB];
         for (int r = 0; r < R; r++) s32[r] = _mm256_setzero_si256();
 #ifdef SPEC_DPBUSD

@@ -89,8 +89,11 @@ INLINE void q4_pair(const uint8_t *wa, const uint8_t *wb, const uint16_t *da, co
                     int64_t K, int64_t G, float *y, int64_t N, int64_t n0) {
     const v16i mask = v16_set1_i8(0x0F);
     v16f acc[MB];
+    const int64_t ahead = weight_prefetch;
     for (int r = 0; r < R; r++) acc[r] = v16_zero_f();
     for (int64_t g = 0; g < G; g++) {
+        prefetch_ahead(wa + g * 128, ahead, 2);
+        prefetch_ahead(wb + g * 128, ahead, 2);
         v16i s[MB], s2[MB];           /* low and high nibbles' sums: two chains of vpdpbusd's latency */
         for (int r = 0; r < R; r++) s[r] = s2[r] = v16_zero();
         for (int L = 0; L < 4; L++) {
@@ -118,8 +121,11 @@ INLINE void q4_pair(const uint8_t *wa, const uint8_t *wb, const uint16_t *da, co
 INLINE void q8_pair(const int8_t *wa, const int8_t *wb, const uint16_t *da, const uint16_t *db, const int8_t *xq,
                     const float *xd, int64_t m0, int R, int64_t K, int64_t G, float *y, int64_t N, int64_t n0) {
     v16f acc[MB];
+    const int64_t ahead = weight_prefetch;
     for (int r = 0; r < R; r++) acc[r] = v16_zero_f();
     for (int64_t g = 0; g < G; g++) {
+        prefetch_ahead(wa + g * 256, ahead, 4);
+        prefetch_ahead(wb + g * 256, ahead, 4);
         v16i s[MB], s2[MB];           /* even and odd c's sums: two chains of vpdpbusd's latency */
         for (int r = 0; r < R; r++) s[r] = s2[r] = v16_zero();
         for (int c = 0; c < 8; c++) {

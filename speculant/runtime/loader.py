@@ -124,6 +124,10 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
     model.tune = result
     # w4a8 layers run as one C call per forward (nothing left to compile); other formats through torch.compile
     model.fused = model.decoder.fused_layers() is not None
+    if model.fused and result is not None and result.weight_prefetch is None:         # once per machine (tune)
+        result.weight_prefetch, result.weight_prefetch_ms = tune.measure_weight_prefetch(model.decoder, log=log)
+        tune.save(result)
+        tune.apply_choices(result, set_threads=False)
     if model.fused and result is not None and result.fused_prompt_tokens is None:     # once per machine (tune)
         result.fused_prompt_tokens, result.prompt_ms = tune.measure_prompt_route(model.decoder, log=log)
         tune.save(result)

@@ -26,7 +26,10 @@ it runs alone (a decoding step) or inside a block (a verification).  So :func:`m
 6. once the model runs in a format with the fused step (``w4a8``), times a prompt's forward through the fused step
    and through the torch layer step at :data:`PROMPT_LENGTHS` tokens on the model itself
    (:func:`measure_prompt_route`, at the first load in that format) and keeps the fused step for prompts up to the
-   longest length at which it was not slower (``fused_prompt_tokens``).
+   longest length at which it was not slower (``fused_prompt_tokens``);
+7. in that format too, times the model's one-token forward with the products prefetching their weights
+   :data:`WEIGHT_PREFETCH_BYTES` ahead (:func:`measure_weight_prefetch`) and keeps the fastest distance
+   (``weight_prefetch``; 0 = none).
 
 The default weight format is the fastest one-row pass among the batch-invariant formats.  The result is
 stored as JSON under ``$SPECULANT_CACHE/tune/`` keyed by CPU model and flags, torch version, thread
@@ -65,6 +68,10 @@ ATTENTION_CONTEXTS = (256, 1024)
 """Cached tokens at which the one-token step's attention is timed."""
 PROMPT_LENGTHS = (128, 1024)
 """Prompt lengths at which the two prompt routes are timed (:func:`measure_prompt_route`) [tokens]."""
+WEIGHT_PREFETCH_BYTES = (0, 512, 1024, 2048, 4096)
+"""Weight prefetch distances timed (:func:`measure_weight_prefetch`) [bytes ahead; 0: none]."""
+WEIGHT_PREFETCH_CONTEXT = 256
+"""Cached tokens of the one-token forward that :func:`measure_weight_prefetch` times."""
 SCHEMA = 2
 
 
@@ -88,6 +95,9 @@ class TuneResult:
         fused_prompt_tokens: prompts of up to this many tokens run through the fused step (0: none; ``None``: not
             measured yet, :func:`measure_prompt_route` runs once the model's fused step exists) [tokens].
         prompt_ms: the two prompt routes' time per prompt length, ``{length: {"fused": ms, "layer step": ms}}``.
+        weight_prefetch: how far ahead the weight-quantized products prefetch their codes [bytes; 0: none;
+            ``None``: not measured yet, :func:`measure_weight_prefetch` runs once the model's fused step exists].
+        weight_prefetch_ms: the one-token forward per distance, ``{bytes: ms}`` [milliseconds].
     """
 
     key: dict
@@ -101,6 +111,8 @@ class TuneResult:
     seconds: float = 0.0
     fused_prompt_tokens: int | None = None
     prompt_ms: dict = field(default_factory=dict)
+    weight_prefetch: int | None = None
+    weight_prefetch_ms: dict = field(default_factory=dict)
     measured_at: str = ""
     schema: int = SCHEMA
 
@@ -415,6 +427,48 @@ def measure_prompt_route(decoder, lengths=PROMPT_LENGTHS, log=None) -> tuple[int
     return limit, ms
 
 
+def measure_weight_prefetch(decoder, distances=WEIGHT_PREFETCH_BYTES, repeats: int = 15,
+                            log=None) -> tuple[int, dict]:
+    """Time the model's one-token forward (all layers, final norm, LM head; :data:`WEIGHT_PREFETCH_CONTEXT` cached
+    tokens) with the weight-quantized products prefetching their codes each of ``distances`` bytes ahead
+    (:func:`speculant.kernels.build.set_weight_prefetch`): a one-token step reads every weight once from DRAM, and
+    how far ahead to ask for it depends on the machine.  Distances alternated, best of ``repeats`` after a
+    warm-up; the distance in force before is restored.
+
+    Returns:
+        ``(best, ms)``: the fastest distance [bytes] and ``{bytes: ms}`` [milliseconds]; ``(0, {})`` when the model
+        has no fused step.
+    """
+    from ..kernels import build
+    if decoder.fused_layers() is None:
+        return 0, {}
+    if log is not None:
+        print(f"speculant: timing the weight prefetch ({', '.join(map(str, distances))} bytes ahead) ...", file=log,
+              flush=True)
+    g = torch.Generator().manual_seed(4)
+    ctx, before, start = WEIGHT_PREFETCH_CONTEXT, build.weight_prefetch(), time.perf_counter()
+    best = {d: float("inf") for d in distances}
+    try:
+        with torch.inference_mode():
+            cache = decoder.new_cache(ctx + 1)
+            decoder(torch.randint(decoder.config.vocab_size, (1, ctx), generator=g), None, None, cache, 0)
+            ids = torch.randint(decoder.config.vocab_size, (1, 1), generator=g)
+            for rep in range(repeats + 1):
+                for d in distances:
+                    build.set_weight_prefetch(d)
+                    t = time.perf_counter()
+                    decoder(ids, None, None, cache, ctx)
+                    if rep:                                              # the first round is a warm-up
+                        best[d] = min(best[d], time.perf_counter() - t)
+    finally:
+        build.set_weight_prefetch(before)
+    choice = min(distances, key=lambda d: best[d])
+    if log is not None:
+        print(f"speculant: weight prefetch timed in {time.perf_counter() - start:.1f} s: {choice} bytes ahead",
+              file=log, flush=True)
+    return choice, {str(d): round(v * 1e3, 3) for d, v in best.items()}
+
+
 def attention_dtype(result: TuneResult) -> torch.dtype:
     """The KV cache's dtype ``result`` chose (:attr:`TuneResult.attention`)."""
     return torch.float32 if result.attention == "float32" else torch.float64
@@ -455,10 +509,13 @@ def load_or_measure(decoder, threads: int | None = None, log=None, force: bool =
 
 
 def apply_choices(result: TuneResult, set_threads: bool = True, decoder=None) -> None:
-    """Put ``result``'s float32 route (and, with ``set_threads``, its thread count) in force in this process, and
+    """Put ``result``'s float32 route, weight prefetch (and, with ``set_threads``, its thread count) in force in this process, and
     its KV-cache dtype and prompt route on ``decoder`` (:attr:`~speculant.models.llama.LlamaDecoder.attention_dtype`,
     ``fused_prompt_tokens``) when given."""
     fp32_linear.ROUTES = FP32_ROUTES[result.fp32_route]
+    if result.weight_prefetch is not None:
+        from ..kernels import build
+        build.set_weight_prefetch(result.weight_prefetch)
     if decoder is not None:
         decoder.attention_dtype = attention_dtype(result)
         decoder.fused_prompt_tokens = result.fused_prompt_tokens or 0
@@ -506,4 +563,9 @@ def format_table(result: TuneResult) -> str:
         lines += [f"prompts: fused step up to **{result.fused_prompt_tokens}** tokens, the torch layer step above ("
                   + ", ".join(f"{n} tokens: fused {v['fused']:.0f} ms, layer step {v['layer step']:.0f} ms"
                               for n, v in result.prompt_ms.items()) + ")"]
+    if result.weight_prefetch_ms:
+        lines += [f"weight prefetch: **{result.weight_prefetch}** bytes ahead (a one-token forward, "
+                  f"{WEIGHT_PREFETCH_CONTEXT} cached tokens: "
+                  + ", ".join(f"{'none' if d == '0' else d + ' B'} {v:.2f} ms" for d, v in result.weight_prefetch_ms.items())
+                  + ")"]
     return "\n".join(lines)
