@@ -161,3 +161,43 @@ int spec_run_layers(const spec_model *m, int64_t first, int64_t last, int64_t ns
     free(h); free(wide); free(q); free(kv); free(att); free(xq); free(xd);
     return status;
 }
+
+/* y [M, D] = rms_norm(x) * w, row by row: the final norm of a model whose layers run here (the same code as every
+ * layer's norms). */
+void spec_rms_norm(const float *x, const float *w, int64_t M, int64_t D, float eps, float *y) {
+    rms_norm(x, w, M, D, eps, y);
+}
+
+/* One sequence's R rows x_in [R, D] through layers first .. last-1 (a decoding step, a verification block or tree):
+ * the result goes to x_out [R, D] (x_in is not modified).  Row r is at RoPE position positions[r] (a row of the
+ * tables rope_cos, rope_sin [rope_len, head_dim]); its key/value go to slot start + r of the cache (kc, vc:
+ * [layers, HKV, smax, head_dim], layer stride lstride floats); it attends where mask [R, start + R] is nonzero, or,
+ * with mask NULL, slots 0 .. start + r (causal).  spec_run_layers for one sequence, with the gathers and the causal
+ * mask done here rather than by the caller.  Returns 0, -1 when a workspace cannot be allocated, -2 when a position
+ * is outside the tables (nothing written then). */
+int spec_decode_layers(const spec_model *m, int64_t first, int64_t last, int64_t R, int64_t start, int64_t smax,
+                       float *kc, float *vc, int64_t lstride, const uint8_t *mask, const float *x_in, float *x_out,
+                       const float *rope_cos, const float *rope_sin, int64_t rope_len, const int64_t *positions) {
+    const int64_t Dh = m->head_dim, S = start + R;
+    for (int64_t r = 0; r < R; r++)
+        if (positions[r] < 0 || positions[r] >= rope_len) return -2;
+    float *cs = malloc(sizeof(float) * (size_t)(2 * R * Dh));
+    uint8_t *causal = mask ? 0 : malloc((size_t)(R * S));
+    if (!cs || (!mask && !causal)) { free(cs); free(causal); return -1; }
+    for (int64_t r = 0; r < R; r++) {
+        memcpy(cs + r * Dh, rope_cos + positions[r] * Dh, sizeof(float) * (size_t)Dh);
+        memcpy(cs + (R + r) * Dh, rope_sin + positions[r] * Dh, sizeof(float) * (size_t)Dh);
+    }
+    if (causal)
+        for (int64_t r = 0; r < R; r++) {
+            memset(causal + r * S, 1, (size_t)(start + r + 1));
+            memset(causal + r * S + start + r + 1, 0, (size_t)(R - r - 1));
+        }
+    memcpy(x_out, x_in, sizeof(float) * (size_t)(R * m->hidden));
+    const uint8_t *mk = mask ? mask : causal;
+    const int status = spec_run_layers(m, first, last, 1, &R, &start, &smax, &kc, &vc, &lstride, &mk, x_out, cs,
+                                       cs + R * Dh);
+    free(cs);
+    free(causal);
+    return status;
+}

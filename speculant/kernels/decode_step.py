@@ -16,6 +16,11 @@ mask up to ``LlamaDecoder.fused_prompt_tokens`` tokens (measured per machine by
 :func:`speculant.runtime.tune.measure_prompt_route`; each prompt row then gets the bits of a one-token step, and a
 server's new prompts can share one call), longer ones through the torch path
 (:func:`speculant.models.llama.prefill_layer_step`), the same for every method.
+
+One sequence's forward (:meth:`FusedLayers.step`) also gathers its RoPE rows and builds its causal mask in C, and
+the final norm and LM head are one call each (:meth:`FusedLayers.final_norm`, :meth:`FusedLayers.lm_head`): after
+a step's ~100 MB weight stream has flushed the CPU caches, each torch call costs 20-300 us (its code and data
+fetched again), ~1.2 ms of a 9 ms one-token step on the 2-core AMD EPYC before (BENCHMARKS.md X).
 """
 
 from __future__ import annotations
@@ -114,6 +119,11 @@ class FusedLayers:
                             cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim ** -0.5, layers)
         self.hidden = cfg.hidden_size
         self.num_layers = decoder.num_layers
+        self._rope = (decoder.rope_cos.float().contiguous(), decoder.rope_sin.float().contiguous())
+        self._norm = (decoder.norm.weight.detach().float().contiguous(), float(decoder.norm.eps))
+        head = _projection(decoder.lm_head_proj, [])
+        self._head = None if head is None or head.bias else (
+            "spec_w4a8_f32" if head.bits == 4 else "spec_w8a8_f32", decoder.lm_head_proj)
 
     def run(self, x: torch.Tensor, start: int, end: int, cos: torch.Tensor, sin: torch.Tensor,
             plan: attention_kernel.RaggedPlan) -> torch.Tensor:
@@ -138,3 +148,63 @@ class FusedLayers:
         if status != 0:
             raise MemoryError("fused decoding step: cannot allocate its workspace")
         return out
+
+    def step(self, hidden: torch.Tensor, start: int, end: int, positions: torch.Tensor, cache, cache_position: int,
+             mask: torch.Tensor | None) -> torch.Tensor:
+        """Layers ``start .. end-1`` over one sequence's rows ``hidden`` ``[1, T, D]`` float32 (a decoding step, a
+        verification block or tree) at RoPE ``positions`` ``[T]``, new keys/values to slots ``cache_position ..``
+        of ``cache`` (a float32 :class:`~speculant.models.kv_cache.KVCache`, batch 1), attending where ``mask``
+        ``[T, cache_position + T]`` (bool) is True, or causally when it is ``None``.  :meth:`run` for one sequence
+        with the RoPE gathers and the causal mask done in C (``spec_decode_layers``): each torch call in a step
+        costs tens of microseconds on a CPU whose caches the weight stream has just flushed.  Returns the hidden
+        states ``[1, T, D]`` leaving layer ``end - 1``.
+
+        Raises:
+            IndexError: a position outside the RoPE tables.
+            MemoryError: a workspace cannot be allocated.
+        """
+        t = hidden.shape[1]
+        x = hidden.reshape(t, self.hidden)
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        out = torch.empty(1, t, self.hidden)
+        if positions.dtype != torch.int64 or not positions.is_contiguous():
+            positions = positions.to(torch.int64).contiguous()
+        if mask is not None:
+            mask = mask.contiguous()
+        cos, sin = self._rope
+        status = self.lib.spec_decode_layers(ctypes.byref(self.model), start, end, t, cache_position, cache.max_length,
+                                             cache.keys.data_ptr(), cache.values.data_ptr(), cache.keys.stride(0),
+                                             None if mask is None else mask.data_ptr(), x.data_ptr(), out.data_ptr(),
+                                             cos.data_ptr(), sin.data_ptr(), cos.shape[0], positions.data_ptr())
+        if status == -2:
+            raise IndexError(f"fused step: positions {positions.tolist()} outside the RoPE tables "
+                             f"(allowed: 0 .. {cos.shape[0] - 1})")
+        if status != 0:
+            raise MemoryError("fused decoding step: cannot allocate its workspace")
+        return out
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The decoder's final RMSNorm of float32 ``hidden`` ``[..., D]`` in C, the code of the layers' norms
+        (row by row, so batch-invariant): ``[..., D]`` float32."""
+        x = hidden.contiguous()
+        out = torch.empty_like(x)
+        weight, eps = self._norm
+        self.lib.spec_rms_norm(x.data_ptr(), weight.data_ptr(), x.numel() // self.hidden, self.hidden, eps,
+                               out.data_ptr())
+        return out
+
+    @property
+    def has_head(self) -> bool:
+        """Whether :meth:`lm_head` applies (a w4a8/w8a8 LM head without bias)."""
+        return self._head is not None
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM-head logits ``[..., V]`` float32 of float32 ``hidden`` ``[..., D]``: the head's own kernel
+        (:func:`speculant.kernels.qgemm._product`, the same call its torch operator makes) without the
+        dispatcher in between."""
+        from .qgemm import _product
+        entry, head = self._head
+        weights = (head.scales, head.offsets) if entry == "spec_w4a8_f32" else (head.scales,)
+        y = _product(entry, hidden.reshape(-1, self.hidden).float(), head.codes, *weights)
+        return y.view(*hidden.shape[:-1], head.out_features)

@@ -17,13 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import SpeculantError
 from ..kernels import attention as attention_kernel
 from .config import ModelConfig
 from .kv_cache import KVCache, mark_dynamic
-from ..errors import SpeculantError
 from .linear import DecodeLinear
 from .rope import rope_tables
-
 
 COMPILED_MAX_ROWS = 64
 """Forwards of more tokens run the eager layer step (as prefills do): they are compute-bound, and every
@@ -277,18 +276,22 @@ class LlamaDecoder(nn.Module):
             hidden states ``[B, T, D]`` leaving layer ``end-1``.
         """
         b, t, _ = hidden.shape
-        cos = self.rope_cos[positions].to(hidden.dtype).unsqueeze(-2)     # [(B,) T, 1, Dh]
-        sin = self.rope_sin[positions].to(hidden.dtype).unsqueeze(-2)
         counts = self.layer_token_counts
-        if t > 1:           # one compiled graph serves every block size 2..N (see speculant.runtime.compiled)
-            mark_dynamic(hidden, 1)
-            for table in (cos, sin):
-                mark_dynamic(table, table.dim() - 3)
         if cache is not None and b == 1:      # decoding: one fused (compilable) step per layer
             visible = cache_position + t
             if visible > cache.max_length:
                 raise SpeculantError(f"KV cache overflow: slot {visible} > max_length={cache.max_length}")
             prompt = cache_position == 0 and attention_mask is None and t > 1
+            fused = self.fused_layers() if cache.dtype == torch.float32 else None
+            if fused is not None and not (prompt and t > self.fused_prompt_tokens):
+                # every layer of the range in one C call (speculant.kernels.decode_step), RoPE rows and mask too
+                mask = None if attention_mask is None else _dense_mask(attention_mask, t, cache_position, hidden.device)
+                out = fused.step(hidden, start, end, positions.reshape(-1), cache, cache_position, mask)
+                for i in range(start, end):
+                    counts[i] += t
+                return out.to(hidden.dtype)
+        cos, sin = self._rope_rows(positions, hidden)
+        if cache is not None and b == 1:
             if prompt and (t > self.fused_prompt_tokens or cache.dtype != torch.float32 or self.fused_layers() is None):
                 for i in range(start, end):                                  # a prompt: see prefill_layer_step
                     hidden = prefill_layer_step(self.layers[i], hidden, cos, sin, cache.layer_keys[i],
@@ -296,13 +299,6 @@ class LlamaDecoder(nn.Module):
                     counts[i] += t
                 return hidden
             mask = _dense_mask(attention_mask, t, cache_position, hidden.device)
-            fused = self.fused_layers() if cache.dtype == torch.float32 else None
-            if fused is not None:       # every layer of the range in one C call (speculant.kernels.decode_step)
-                plan = attention_kernel.RaggedPlan([t], [cache_position], [cache], [mask])
-                out = fused.run(hidden.reshape(t, -1), start, end, cos.reshape(t, -1), sin.reshape(t, -1), plan)
-                for i in range(start, end):
-                    counts[i] += t
-                return out.view(1, t, -1).to(hidden.dtype)
             mark_dynamic(mask, 1)
             slots = torch.arange(cache_position, visible, device=hidden.device)
             if t > 1:
@@ -328,12 +324,31 @@ class LlamaDecoder(nn.Module):
             counts[i] += t
         return hidden
 
+    def _rope_rows(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE ``cos``/``sin`` ``[(B,) T, 1, Dh]`` at ``positions`` in ``hidden``'s dtype (dynamic in T for the
+        compiled step)."""
+        cos = self.rope_cos[positions].to(hidden.dtype).unsqueeze(-2)
+        sin = self.rope_sin[positions].to(hidden.dtype).unsqueeze(-2)
+        if hidden.shape[1] > 1:   # one compiled graph serves every block size 2..N (see speculant.runtime.compiled)
+            mark_dynamic(hidden, 1)
+            for table in (cos, sin):
+                mark_dynamic(table, table.dim() - 3)
+        return cos, sin
+
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The shared final RMSNorm, applied at the last layer or at an early exit."""
+        """The shared final RMSNorm, applied at the last layer or at an early exit (in C, the layers' own norm
+        code, where the layers run as one C call: :meth:`fused_layers`)."""
+        fused = self.fused_layers()
+        if fused is not None and hidden.dtype == torch.float32:
+            return fused.final_norm(hidden)
         return self.norm(hidden)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Normalised hidden ``[..., D]`` -> fp32 logits ``[..., V]``."""
+        """Normalised hidden ``[..., D]`` -> fp32 logits ``[..., V]`` (the head's kernel called directly where
+        the layers run as one C call)."""
+        fused = self.fused_layers()
+        if fused is not None and fused.has_head and hidden.dtype == torch.float32:
+            return fused.lm_head(hidden)
         return self.lm_head_proj(hidden).float()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
