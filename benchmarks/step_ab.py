@@ -4,7 +4,7 @@ Not a test.  Builds the kernels of ``--baseline`` (a checkout of another commit,
 HEAD~1``) with that checkout's own build script, loads both shared libraries, and times the decoder forward over
 T = 1 and 5 new tokens (``--context`` cached tokens) with the fused step calling one library, then the other,
 ``--repeats`` times: the machine's drift hits both alike, which separate runs on a shared VM do not give.  Valid
-while the two builds share ``spec_run_layers``'s argument layout.
+while the two builds share ``spec_decode_layers``'s argument layout (checkouts from d7a8b18 on).
 
     python benchmarks/step_ab.py --baseline /tmp/base [--context 300] [--repeats 60]
     python benchmarks/step_ab.py --variant avx2        # this checkout's kernels in another ISA variant
@@ -65,8 +65,12 @@ def main() -> None:
         path = subprocess.run([sys.executable, "-c", code, args.baseline], capture_output=True, text=True,
                               check=True).stdout.strip().splitlines()[-1]
         other = ctypes.CDLL(path)
-        other.spec_run_layers.argtypes = here.spec_run_layers.argtypes
-        other.spec_run_layers.restype = ctypes.c_int
+        if not hasattr(other, "spec_decode_layers"):
+            raise SystemExit("step_ab: the baseline's kernels have no spec_decode_layers (the one-sequence entry the "
+                             "fused step calls since d7a8b18): compare with a checkout from d7a8b18 on")
+        for entry in ("spec_run_layers", "spec_decode_layers"):
+            getattr(other, entry).argtypes = getattr(here, entry).argtypes
+            getattr(other, entry).restype = ctypes.c_int
     if other is not here and hasattr(other, "spec_set_weight_prefetch"):   # the same distance as this build
         other.spec_set_weight_prefetch(prefetch["this build"])
     dec, ctx = model.decoder, args.context
