@@ -112,7 +112,7 @@ def test_sampled_tokens_follow_the_target_law(spec, head_weights, tmp_path, monk
     the target's, for the chain and a tree drafted by the head (as tests/test_sampling_engine.py), and with the
     head's projections packed in int8 (as for quantized targets)."""
     import speculant.drafters.draft_head as draft_head
-    monkeypatch.setattr(draft_head, "head_weight_format", lambda model: head_weights)
+    monkeypatch.setattr(draft_head, "head_weight_format", lambda model, head: head_weights)
     m = tiny_model(seed=5, scale=1.5, vocab=4, layers=2, hidden=32, heads=2, kv_heads=1, inter=64)
     prompt, sampling = [1, 2, 3, 1, 2], dict(temperature=1.3, top_k=3)
     law = exact_law(m, prompt, SamplingConfig(**sampling))
@@ -241,19 +241,24 @@ def test_smollm2_with_the_shipped_head_matches_ar():
     assert tree.generate(ids, cfg).token_ids == ar
 
 
-@pytest.mark.parametrize("target,int8_ms,fp32_ms,want", [("int4", 5.0, 9.0, "int8"), ("int4", 9.0, 5.0, "fp32"),
-                                                         ("int8", None, None, "int8"), ("fp32", 5.0, 9.0, "fp32")])
-def test_head_format_follows_this_machines_measurement(target, int8_ms, fp32_ms, want):
-    """A quantized target's head runs in int8 only where the tuner measured int8 faster than float32 (no
-    measurement: int8); a float32 target keeps a float32 head."""
-    from types import SimpleNamespace
-
-    from speculant.runtime.tune import TuneResult
-    tune = None
-    if int8_ms is not None:
-        rows = [{"format": "int8", "route": "-", "ms": {"1": int8_ms}},
-                {"format": "fp32", "route": "linear", "ms": {"1": fp32_ms}}]
-        tune = TuneResult(key={}, weights=target, fp32_route="linear", threads=2, table=rows, thread_ms={},
-                          seconds=0.0, measured_at="")
-    model = SimpleNamespace(decoder=SimpleNamespace(weight_format=target), tune=tune)
-    assert head_weight_format(model) == want
+def test_head_format_is_this_machines_fastest_and_kept(tmp_path, monkeypatch):
+    """A float32 target keeps a float32 head (nothing timed); a quantized target's head runs in the drafter
+    format its one-row timing found fastest here, kept in the tune per head shape and reused."""
+    from speculant.drafters import weights as drafter_weights
+    from speculant.runtime import tune
+    from speculant.runtime.formats import apply_weight_format
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+    m = tiny_model(seed=5, vocab=16, layers=2, hidden=32, heads=2, kv_heads=1, inter=64)
+    head = random_head(m, seed=1)
+    timed = []
+    real = drafter_weights.measure
+    monkeypatch.setattr(drafter_weights, "measure", lambda *a, **k: timed.append(1) or real(*a, **k))
+    assert head_weight_format(m, head) == "fp32" and not timed
+    apply_weight_format(m.decoder, "int8")
+    m.tune = tune.TuneResult(key=tune.tune_key(m.decoder.config, 1), weights="int8", fp32_route="linear", threads=1)
+    fmt = head_weight_format(m, head)
+    (key, choice), = m.tune.drafter_weights.items()
+    assert key.startswith("draft-head:64x32,") and fmt == choice["weights"] == min(choice["ms"], key=choice["ms"].get)
+    assert head_weight_format(m, head) == fmt and len(timed) == 1
+    packed = [mod for mod in random_head(m, seed=1).pack(fmt).modules() if isinstance(mod, PackedLinear)]
+    assert bool(packed) == (fmt != "fp32")

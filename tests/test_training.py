@@ -211,6 +211,71 @@ def test_adapter_drafter_is_token_identical_to_ar_under_greedy(tmp_path, vocab):
     assert ee.stats.drafted_tokens > 0
 
 
+@pytest.mark.parametrize("weights", ["int8", "w8a8"])
+def test_a_quantized_target_drafts_with_a_packed_adapter_and_stays_exact(tmp_path, weights):
+    """For a quantized target the adapter's projections are packed (int8: torch's kernel; w8a8: ours): its logits
+    stay close to the float adapter's, the draft moves by the rounding only, and early exit stays token-identical
+    to AR."""
+    from speculant.kernels import qgemm
+    from speculant.runtime.formats import Int8Linear, W8A8Linear, apply_weight_format
+    if weights == "w8a8" and not qgemm.available():
+        pytest.skip(f"w8a8: {qgemm.unavailable_reason()}")
+    kind = Int8Linear if weights == "int8" else W8A8Linear
+    vocab = torch.arange(0, 64, 2)
+    _saved_adapter(tiny_model(layers=4, scale=2.0), tmp_path / "a", 2, vocab)     # trained on the float model
+    m = tiny_model(layers=4, scale=2.0)
+    apply_weight_format(m.decoder, "int8")
+    float_head, _ = exit_adapter_mod.load_exit_adapter(str(tmp_path / "a"), m, None, weights="fp32")
+    head, exit_layer = exit_adapter_mod.load_exit_adapter(str(tmp_path / "a"), m, None, weights=weights)
+    ad = head.adapter
+    assert exit_layer == 2
+    assert isinstance(ad.packed_head, kind) and all(isinstance(b.gate_up_proj, kind) for b in ad.blocks)
+    assert float_head.adapter.packed_head is None
+    h = torch.randn(6, 64, generator=torch.Generator().manual_seed(2))
+    got, want = head(h), float_head(h)
+    keep = torch.isfinite(want)
+    assert torch.equal(keep, torch.isfinite(got))
+    assert float((got[keep] - want[keep]).abs().max()) <= 0.05 * float(want[keep].abs().max())
+    with pytest.raises(SpeculantError, match="packed exit adapter cannot be saved"):
+        ad.trained_state()
+    with pytest.raises(SpeculantError, match="drafter weights='int3' is not allowed; allowed: fp32, int8, w8a8"):
+        exit_adapter_mod.load_exit_adapter(str(tmp_path / "a"), m, None, weights="int3")
+    prompt, cfg = [3, 17, 5, 9, 22], GenerationConfig(max_new_tokens=30)
+    ar = build_generator(m, method="ar").generate(prompt, cfg)
+    gen = build_generator(m, method="early-exit", exit_adapter=str(tmp_path / "a"), num_speculations=3)
+    out = gen.generate(prompt, cfg)
+    assert out.token_ids == ar.token_ids and out.stats.drafted_tokens > 0
+
+
+def test_the_adapters_format_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
+    """A quantized target's adapter runs in the fastest drafter format of a one-row timing, kept in the tune
+    (and its file) per drafter shape and reused; a float target keeps a float adapter, unmeasured."""
+    from speculant.drafters import weights as drafter_weights
+    from speculant.runtime import tune
+    from speculant.runtime.formats import apply_weight_format
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+    _saved_adapter(tiny_model(layers=4, scale=2.0), tmp_path / "a", 2)
+    fp32 = tiny_model(layers=4, scale=2.0)
+    timed = []
+    real = drafter_weights.measure
+    monkeypatch.setattr(drafter_weights, "measure", lambda *a, **k: timed.append(1) or real(*a, **k))
+    head, _ = exit_adapter_mod.load_exit_adapter(str(tmp_path / "a"), fp32, None)
+    assert head.adapter.packed_head is None and not timed
+    m = tiny_model(layers=4, scale=2.0)
+    apply_weight_format(m.decoder, "int8")
+    m.tune = tune.TuneResult(key=tune.tune_key(m.decoder.config, 1), weights="int8", fp32_route="linear", threads=1)
+    exit_adapter_mod.load_exit_adapter(str(tmp_path / "a"), m, None)
+    assert len(timed) == 1 and len(m.tune.drafter_weights) == 1
+    (key, choice), = m.tune.drafter_weights.items()
+    assert key.startswith("exit-adapter:64x") and set(choice["ms"]) >= {"fp32", "int8"}
+    assert choice["weights"] == min(choice["ms"], key=choice["ms"].get)
+    assert tune.load(m.tune.key).drafter_weights == m.tune.drafter_weights              # saved with the tune
+    assert f"drafter exit-adapter: **{choice['weights']}**" in tune.format_table(m.tune)
+    head, _ = exit_adapter_mod.load_exit_adapter(str(tmp_path / "a"), m, None)
+    assert len(timed) == 1                                                             # reused, not measured
+    assert (head.adapter.packed_head is None) == (choice["weights"] == "fp32")
+
+
 def test_adapter_errors_name_the_value(tmp_path):
     m = tiny_model(layers=4)
     _saved_adapter(m, tmp_path / "a", 2)

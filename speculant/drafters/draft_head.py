@@ -117,7 +117,7 @@ class DraftHead(nn.Module):
         return self.embed_weight.dtype
 
     def pack(self, fmt: str) -> "DraftHead":
-        """Put ``fc`` and the layer's projections in weight format ``fmt`` (``int8``, ``bf16``; see
+        """Put ``fc`` and the layer's projections in weight format ``fmt`` (``int8``, ``w8a8``, ``bf16``; see
         :func:`~speculant.runtime.formats.pack_linear`), in place, for decoding: the draft reads fewer weight
         bytes per step.  Exactness does not depend on it (the acceptance rules take whatever ``q`` the head
         gives); the draft distribution moves by the format's rounding.  The packed head cannot be trained.
@@ -125,8 +125,9 @@ class DraftHead(nn.Module):
         Raises:
             SpeculantError: unknown format (``fp32`` leaves the head as it is).
         """
-        from ..runtime.formats import check_format, pack_linear, pack_projections
-        if check_format(fmt) == "fp32":
+        from ..runtime.formats import pack_linear, pack_projections
+        from .weights import check_drafter_format
+        if check_drafter_format(fmt) == "fp32":
             return self
         self.fc = pack_linear(fmt, self.fc.weight, self.fc.bias)
         pack_projections(self.layer, fmt)
@@ -177,6 +178,12 @@ class DraftHead(nn.Module):
         if self.vocab_ids is not None:
             sd["vocab_ids"] = self.vocab_ids.to(torch.int32)
         return sd
+
+    def float_projections(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """``(weight, bias)`` of the projections :meth:`pack` packs (``fc``, then the layer's), float."""
+        from ..runtime.formats import PROJECTIONS
+        mods = [self.fc] + [getattr(getattr(self.layer, p.split(".")[0]), p.split(".")[1]) for p in PROJECTIONS]
+        return [(m.weight.detach().float(), None if m.bias is None else m.bias.detach().float()) for m in mods]
 
     def weight_bytes(self) -> int:
         """Bytes of weights one head forward reads (fc, layer, LM-head rows; the embedding row is ignored)."""
@@ -245,8 +252,8 @@ def available_heads(model_name: str) -> list[str]:
 
 def load_head(name_or_path: str | Path, model, weights: str | None = None) -> DraftHead:
     """Load a draft head (a shipped name such as ``default``, or a directory) for ``model``, in the model's dtype,
-    its projections in ``weights`` (``fp32``/``int8``/``bf16``), by default :func:`head_weight_format`
-    (:meth:`DraftHead.pack`; int8 reads ~1/4 of the float32 bytes).
+    its projections in ``weights`` (``fp32``/``int8``/``w8a8``/``bf16``), by default :func:`head_weight_format`
+    (:meth:`DraftHead.pack`; 8 bits read ~1/4 of the float32 bytes).
 
     Raises:
         SpeculantError: unknown name, another format, or a head trained for a differently shaped model.
@@ -267,24 +274,16 @@ def load_head(name_or_path: str | Path, model, weights: str | None = None) -> Dr
     if missing or unexpected:
         raise SpeculantError(f"draft head {str(path)!r} has missing tensors {missing} / unexpected tensors "
                              f"{unexpected}; allowed: exactly the tensors of a {conf['feature']} head")
-    return head.to(dec.dtype).eval().requires_grad_(False).pack(weights or head_weight_format(model))
+    head = head.to(dec.dtype).eval().requires_grad_(False)
+    return head.pack(weights or head_weight_format(model, head))
 
 
-def head_weight_format(model) -> str:
-    """The weight format a draft head runs in for ``model``: ``fp32`` for a float32 target; for a quantized
-    target (``int8``/``int4``/``w4a8``) ``int8`` when this machine's measured one-row pass (the kernel tuner's table,
-    ``model.tune``) is faster in int8 than in the chosen float32 route, else ``fp32``; without a measurement
-    (e.g. a model packed by hand), ``int8``."""
-    if getattr(model.decoder, "weight_format", "fp32") not in ("int8", "int4", "w4a8"):
-        return "fp32"
-    result = getattr(model, "tune", None)
-    if result is None:
-        return "int8"
-    try:
-        int8, fp32 = result.row("int8")["ms"]["1"], result.row("fp32", result.fp32_route)["ms"]["1"]
-    except KeyError:
-        return "int8"
-    return "int8" if int8 < fp32 else "fp32"
+def head_weight_format(model, head: DraftHead) -> str:
+    """The weight format ``head``'s projections run in for ``model``: ``fp32`` for a float32 target; for a
+    quantized one the fastest drafter format on this machine for the head's shapes
+    (:func:`~speculant.drafters.weights.drafter_weight_format`: measured once per machine, kept in the tune)."""
+    from .weights import drafter_weight_format
+    return drafter_weight_format(model, "draft-head", head.float_projections())
 
 
 def default_head_for(model_name: str) -> str | None:

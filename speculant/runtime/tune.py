@@ -98,6 +98,9 @@ class TuneResult:
         weight_prefetch: how far ahead the weight-quantized products prefetch their codes [bytes; 0: none;
             ``None``: not measured yet, :func:`measure_weight_prefetch` runs once the model's fused step exists].
         weight_prefetch_ms: the one-token forward per distance, ``{bytes: ms}`` [milliseconds].
+        drafter_weights: the weight format of a drafter's own projections per drafter shape,
+            ``{"<kind>:<I>x<O>,...": {"weights": fmt, "ms": {fmt: one-row pass [ms]}}}``
+            (:func:`speculant.drafters.weights.drafter_weight_format`, measured at the first load of such a drafter).
     """
 
     key: dict
@@ -113,6 +116,7 @@ class TuneResult:
     prompt_ms: dict = field(default_factory=dict)
     weight_prefetch: int | None = None
     weight_prefetch_ms: dict = field(default_factory=dict)
+    drafter_weights: dict = field(default_factory=dict)
     measured_at: str = ""
     schema: int = SCHEMA
 
@@ -563,6 +567,9 @@ def format_table(result: TuneResult) -> str:
         lines += [f"prompts: fused step up to **{result.fused_prompt_tokens}** tokens, the torch layer step above ("
                   + ", ".join(f"{n} tokens: fused {v['fused']:.0f} ms, layer step {v['layer step']:.0f} ms"
                               for n, v in result.prompt_ms.items()) + ")"]
+    for key, d in result.drafter_weights.items():
+        lines += [f"drafter {key.split(':')[0]}: **{d['weights']}** (one-row pass over its projections: "
+                  + ", ".join(f"{f} {v:.2f} ms" for f, v in d["ms"].items()) + ")"]
     if result.weight_prefetch_ms:
         lines += [f"weight prefetch: **{result.weight_prefetch}** bytes ahead (a one-token forward, "
                   f"{WEIGHT_PREFETCH_CONTEXT} cached tokens: "
