@@ -105,13 +105,17 @@ def test_drafts_equal_the_head_run_over_the_whole_sequence(model):
 
 @pytest.mark.parametrize("spec,head_weights", [(dict(method="eagle", num_speculations=2), "fp32"),
                                                (dict(method="rsd-s", beam_width=2, draft_length=2), "fp32"),
-                                               (dict(method="eagle", num_speculations=2), "int8")],
-                         ids=["eagle", "rsd-s", "eagle-int8-head"])
+                                               (dict(method="eagle", num_speculations=2), "int8"),
+                                               (dict(method="eagle", num_speculations=2), "w8a8")],
+                         ids=["eagle", "rsd-s", "eagle-int8-head", "eagle-w8a8-head"])
 def test_sampled_tokens_follow_the_target_law(spec, head_weights, tmp_path, monkeypatch):
     """T=1.3, top-k 3: the joint law of 3 tokens through the engine (prefill + one drafted round) equals
     the target's, for the chain and a tree drafted by the head (as tests/test_sampling_engine.py), and with the
-    head's projections packed in int8 (as for quantized targets)."""
+    head's projections packed in int8 or w8a8 (as for quantized targets)."""
     import speculant.drafters.draft_head as draft_head
+    from speculant.kernels import qgemm
+    if head_weights == "w8a8" and not qgemm.available():
+        pytest.skip(f"w8a8: {qgemm.unavailable_reason()}")
     monkeypatch.setattr(draft_head, "head_weight_format", lambda model, head: head_weights)
     m = tiny_model(seed=5, scale=1.5, vocab=4, layers=2, hidden=32, heads=2, kv_heads=1, inter=64)
     prompt, sampling = [1, 2, 3, 1, 2], dict(temperature=1.3, top_k=3)
@@ -119,7 +123,8 @@ def test_sampled_tokens_follow_the_target_law(spec, head_weights, tmp_path, monk
     save_head(random_head(m, seed=1), tmp_path / "h")
     gen = build_generator(m, draft_head=str(tmp_path / "h"), **spec)
     packed = [mod for mod in gen.drafter.head.modules() if isinstance(mod, PackedLinear)]
-    assert bool(packed) == (head_weights == "int8")        # the head really runs in the format under test
+    assert bool(packed) == (head_weights != "fp32")        # the head really runs in the format under test
+    assert all(mod.format == head_weights for mod in packed)
     outs, drafted = [], 0
     for seed in range(4000):
         stats = GenerationStats()

@@ -182,7 +182,7 @@ class DraftHead(nn.Module):
     def float_projections(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """``(weight, bias)`` of the projections :meth:`pack` packs (``fc``, then the layer's), float."""
         from ..runtime.formats import PROJECTIONS
-        mods = [self.fc] + [getattr(getattr(self.layer, p.split(".")[0]), p.split(".")[1]) for p in PROJECTIONS]
+        mods = [self.fc] + [self.layer.get_submodule(p) for p in PROJECTIONS]
         return [(m.weight.detach().float(), None if m.bias is None else m.bias.detach().float()) for m in mods]
 
     def weight_bytes(self) -> int:

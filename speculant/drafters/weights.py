@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import SpeculantError
 
@@ -39,9 +38,10 @@ def check_drafter_format(fmt: str) -> str:
 
 
 def _packed(fmt: str, projections):
+    from ..models.linear import small_batch_linear
     from ..runtime.formats import pack_linear
-    if fmt == "fp32":
-        return [lambda x, w=w, b=b: F.linear(x, w, b) for w, b in projections]
+    if fmt == "fp32":          # the float32 route the drafters' float projections take (DecodeLinear)
+        return [lambda x, w=w, b=b: small_batch_linear(x, w, b) for w, b in projections]
     return [pack_linear(fmt, w, b) for w, b in projections]
 
 

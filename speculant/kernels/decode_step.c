@@ -179,6 +179,7 @@ int spec_decode_layers(const spec_model *m, int64_t first, int64_t last, int64_t
                        float *kc, float *vc, int64_t lstride, const uint8_t *mask, const float *x_in, float *x_out,
                        const float *rope_cos, const float *rope_sin, int64_t rope_len, const int64_t *positions) {
     const int64_t Dh = m->head_dim, S = start + R;
+    if (R == 0) return 0;
     for (int64_t r = 0; r < R; r++)
         if (positions[r] < 0 || positions[r] >= rope_len) return -2;
     float *cs = malloc(sizeof(float) * (size_t)(2 * R * Dh));

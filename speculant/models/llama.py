@@ -292,8 +292,8 @@ class LlamaDecoder(nn.Module):
                 return out.to(hidden.dtype)
         cos, sin = self._rope_rows(positions, hidden)
         if cache is not None and b == 1:
-            if prompt and (t > self.fused_prompt_tokens or cache.dtype != torch.float32 or self.fused_layers() is None):
-                for i in range(start, end):                                  # a prompt: see prefill_layer_step
+            if prompt:        # a prompt the fused step does not take (above): see prefill_layer_step
+                for i in range(start, end):
                     hidden = prefill_layer_step(self.layers[i], hidden, cos, sin, cache.layer_keys[i],
                                                 cache.layer_values[i])
                     counts[i] += t
