@@ -68,9 +68,10 @@ def main() -> None:
         if not hasattr(other, "spec_decode_layers"):
             raise SystemExit("step_ab: the baseline's kernels have no spec_decode_layers (the one-sequence entry the "
                              "fused step calls since d7a8b18): compare with a checkout from d7a8b18 on")
-        for entry in ("spec_run_layers", "spec_decode_layers"):
-            getattr(other, entry).argtypes = getattr(here, entry).argtypes
-            getattr(other, entry).restype = ctypes.c_int
+        for entry in ("spec_run_layers", "spec_decode_layers", "spec_rms_norm"):     # the entries the step calls
+            if hasattr(other, entry):
+                getattr(other, entry).argtypes = getattr(here, entry).argtypes
+                getattr(other, entry).restype = getattr(here, entry).restype
     if other is not here and hasattr(other, "spec_set_weight_prefetch"):   # the same distance as this build
         other.spec_set_weight_prefetch(prefetch["this build"])
     dec, ctx = model.decoder, args.context

@@ -50,6 +50,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="run the decoder eagerly (no torch.compile); also SPECULANT_COMPILE=0")
     p.add_argument("--dtype", default="float32",
                    help="float32 (default), bfloat16 or float16: dtype of a --weights fp32 model (activations too)")
+    p.add_argument("--kv-cache", default="auto", choices=("auto", "float32", "float16", "float64"),
+                   help="KV cache dtype: auto (default: what the tuner measured faster here), float32, float64, or "
+                        "float16 (half the cache bytes; our attention kernel only; exact within the choice)")
 
 
 def compile_wanted(args) -> bool:
@@ -61,7 +64,8 @@ def load_for_decoding(args):
     """The model named by ``--model`` in ``--weights`` (tuned, compiled unless turned off)."""
     from .runtime.loader import load_model
     return load_model(args.model, weights=args.weights, compile=compile_wanted(args), dtype=args.dtype,
-                      threads=getattr(args, "threads", None), blocks=getattr(args, "method", None) != "ar")
+                      threads=getattr(args, "threads", None), blocks=getattr(args, "method", None) != "ar",
+                      kv_cache=getattr(args, "kv_cache", "auto"))
 
 
 def method_spec_from_args(args, model=None):

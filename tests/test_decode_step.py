@@ -139,11 +139,22 @@ def test_the_loader_runs_w4a8_fused_without_torch_compile(tmp_path, monkeypatch)
     # so was the weight prefetch distance, now in force
     assert loaded.tune.weight_prefetch in tune.WEIGHT_PREFETCH_BYTES and loaded.tune.weight_prefetch_ms
     assert build.weight_prefetch() == loaded.tune.weight_prefetch
+    # and the KV cache's dtype, which --kv-cache auto takes in this format
+    assert loaded.tune.kv_cache in ("float32", "float16") and set(loaded.tune.kv_cache_ms) == {"float32", "float16"}
+    assert loaded.decoder.attention_dtype == getattr(torch, loaded.tune.kv_cache)
+    assert loaded.tune.kv_cache_ms[loaded.tune.kv_cache] == min(loaded.tune.kv_cache_ms.values())
     again = load_model(str(path), weights="w4a8")
     assert again.tune.prompt_ms == loaded.tune.prompt_ms
     assert again.tune.weight_prefetch_ms == loaded.tune.weight_prefetch_ms           # reused, not measured again
+    assert again.tune.kv_cache_ms == loaded.tune.kv_cache_ms
+    assert again.decoder.attention_dtype == loaded.decoder.attention_dtype
+    for kv in ("float16", "float32"):                                              # an explicit choice wins
+        chosen = load_model(str(path), weights="w4a8", kv_cache=kv)
+        assert chosen.decoder.attention_dtype == getattr(torch, kv) and chosen.decoder.new_cache(4).dtype == chosen.decoder.attention_dtype
+        assert chosen.fused
     loaded = load_model(str(path), weights="int8", compile=False)
     assert not loaded.fused and loaded.decoder.fused_layers() is None
+    assert loaded.decoder.attention_dtype in (torch.float32, torch.float64)       # auto: the tuner's attention choice
 
 
 def test_a_prompt_on_the_fused_step_gets_the_bits_of_decoding_it_token_by_token(model):
@@ -303,6 +314,18 @@ def test_the_prompt_route_is_measured_and_kept(model):
     assert limit in (0, 8, 24)
     assert limit == 0 or ms[str(limit)]["fused"] <= ms[str(limit)]["layer step"]
     assert model.decoder.fused_prompt_tokens == 0                 # restored
+
+
+def test_the_kv_cache_dtype_is_measured_and_the_decoder_left_as_it_was(model):
+    dec = model.decoder
+    before = dec.attention_dtype
+    best, ms = tune.measure_kv_cache(dec, repeats=2)
+    assert set(ms) == {"float32", "float16"} and all(v > 0 for v in ms.values()) and ms[best] == min(ms.values())
+    assert dec.attention_dtype == before                          # restored
+    result = tune.TuneResult(key=tune.tune_key(dec.config, 1), weights="w4a8", fp32_route="linear", threads=1)
+    assert "KV cache" not in tune.format_table(result)
+    result.kv_cache, result.kv_cache_ms = best, ms
+    assert f"--kv-cache auto): **{best}**" in tune.format_table(result)
 
 
 def test_the_weight_prefetch_is_measured_kept_and_applied(model):

@@ -125,12 +125,13 @@ def _model_for(model: LoadedModel, method: BenchMethod, loaded: dict) -> LoadedM
     """The run's model, or the same model in the runtime of the method's ``rt=`` key (loaded once per runtime)."""
     from .specs import runtime_of
     rt = runtime_of(method)
-    if rt is None or rt == (model.weights, model.compiled):
+    own_kv = str(model.decoder.attention_dtype).removeprefix("torch.")
+    if rt is None or (rt[:2] == (model.weights, model.compiled) and rt[2] in (None, own_kv)):
         return model
     if rt not in loaded:
         from ..runtime.loader import load_model
         loaded[rt] = load_model(model.name if model.name in KNOWN_MODELS else str(model.path), weights=rt[0],
-                                compile=rt[1])
+                                compile=rt[1], kv_cache=rt[2] or own_kv)
     return loaded[rt]
 
 

@@ -17,8 +17,9 @@ Ours (keys -> :class:`speculant.engine.methods.MethodSpec` fields):
 ``adapter``            exit_adapter (name or directory)
 ``head``               draft_head (name or directory)
 ``rt``                 the runtime the method runs in, when not the run's own (``--weights``): a weight
-                       format ``fp32|bf16|int8|int4|w4a8``, with ``-eager`` for no torch.compile, e.g.
-                       ``ar:rt=fp32-eager`` (each distinct runtime loads the model once more)
+                       format ``fp32|bf16|int8|int4|w4a8``, with ``-eager`` for no torch.compile and ``-kv16``
+                       for a float16 KV cache, e.g. ``ar:rt=fp32-eager``, ``ar:rt=w4a8-kv16`` (each distinct
+                       runtime loads the model once more)
 ``head``               draft_head (name or directory): ``eagle`` and the tree methods draft with it
 =====================  ==========================================================
 
@@ -81,16 +82,20 @@ class BenchMethod:
         return self.name in LLAMACPP_METHODS
 
 
-RUNTIMES = tuple(f"{w}{suffix}" for w in FORMATS for suffix in ("", "-eager"))
-"""Values of the ``rt=`` key: another weight format (and ``-eager``: no torch.compile) than the run's."""
+RUNTIMES = tuple(f"{w}{suffix}{kv}" for w in FORMATS for suffix in ("", "-eager") for kv in ("", "-kv16"))
+"""Values of the ``rt=`` key: another weight format (``-eager``: no torch.compile; ``-kv16``: a float16 KV cache)
+than the run's."""
 
 
-def runtime_of(method: "BenchMethod") -> tuple[str, bool] | None:
-    """``(weights, compile)`` of a method's ``rt=`` key, or ``None`` (the run's own model)."""
+def runtime_of(method: "BenchMethod") -> tuple[str, bool, str | None] | None:
+    """``(weights, compile, kv_cache)`` of a method's ``rt=`` key (``kv_cache``: ``"float16"``, or ``None`` for
+    the run's own), or ``None`` (the run's own model)."""
     rt = method.params.get("rt")
     if rt is None:
         return None
-    return rt.removesuffix("-eager"), not rt.endswith("-eager")
+    kv = "float16" if rt.endswith("-kv16") else None
+    rt = rt.removesuffix("-kv16")
+    return rt.removesuffix("-eager"), not rt.endswith("-eager"), kv
 
 
 def _value(method: str, key: str, raw: str):

@@ -33,6 +33,7 @@ import torch
 
 from ..drafters.base import DecodingState, Drafter, ModelDrafterBase
 from ..errors import SpeculantError
+from ..kernels import attention as attention_kernel
 from ..models.loading import LoadedModel
 from ..models.ragged import RaggedBlock, ragged_run_layers
 from ..runtime.compiled import compiled_halves
@@ -244,7 +245,7 @@ class BatchedGenerator:
         target = self.model.decoder
         n = len(state.tokens) if prompt_length is None else prompt_length
         return (type(self.drafter).prefill is Drafter.prefill and n <= target.fused_prompt_tokens
-                and state.cache.dtype == torch.float32 and target.fused_layers() is not None)
+                and state.cache.dtype in attention_kernel.CACHE_DTYPES and target.fused_layers() is not None)
 
     def _new_state(self, prompt_ids: list[int], config: GenerationConfig) -> "_Unstarted":
         """A new sequence before its prefill (an empty KV cache).  Raises :class:`SpeculantError` (see

@@ -5,7 +5,9 @@ one-token step at its position.  CPU attention kernels do not promise that in fl
 how many rows and masked keys share the call), which is why the runtime kept a float64 KV cache, and reading it
 became the largest cost of a step at long contexts (SmolLM2, 900 tokens: 83 MB per step, more than the int4
 weights).  This kernel gives each row a fixed sequence of operations over the keys it attends, listed in slot
-order, so batch invariance holds by construction in float32 (half the cache bytes of float64).
+order, so batch invariance holds by construction in float32 (half the cache bytes of float64).  The cache may
+also be float16 (:data:`CACHE_DTYPES`): keys and values rounded to nearest even when stored (by the kernel or by
+torch, the same bits) and read back exactly as float32, every sum in float32, half the bytes again.
 
 :func:`attention` is ``torch.ops.speculant.attention``; it needs the kernels of :mod:`speculant.kernels.build`
 (:func:`~speculant.kernels.build.available`), and the runtime falls back to float64 SDPA without them.
@@ -20,9 +22,26 @@ import torch
 from . import build
 
 
+CACHE_DTYPES = (torch.float32, torch.float16)
+"""KV cache dtypes the kernel reads (float16: half the bytes; every sum still in float32)."""
+
+
+def kv_bytes(dtype: torch.dtype) -> int:
+    """Bytes per cache element the C entry points take for a cache of ``dtype`` (one of :data:`CACHE_DTYPES`).
+
+    Raises:
+        ValueError: another dtype (naming it and the allowed ones).
+    """
+    if dtype not in CACHE_DTYPES:
+        raise ValueError(f"KV cache dtype {dtype} is not one the attention kernel reads; allowed: float32, float16")
+    return torch.empty(0, dtype=dtype).element_size()
+
+
 def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                scale: float) -> torch.Tensor:
     lib = build._LIB or build.require("float32 batch-invariant attention")
+    if values.dtype != keys.dtype:
+        raise ValueError(f"keys {keys.dtype} and values {values.dtype}: a cache holds both in one dtype")
     _, h, t, d = q.shape
     hkv, smax = keys.shape[1], keys.shape[2]
     s = mask.shape[-1]
@@ -30,7 +49,7 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
     m = mask.contiguous()
     out = torch.empty(1, t, h * d)
     if lib.spec_attention(qc.data_ptr(), keys.data_ptr(), values.data_ptr(), smax, m.data_ptr(), t, h, hkv, d, s,
-                          scale, out.data_ptr()) != 0:
+                          scale, kv_bytes(keys.dtype), out.data_ptr()) != 0:
         raise MemoryError("speculant attention: cannot allocate its workspace")
     return out
 
@@ -46,13 +65,14 @@ def _(q, keys, values, mask, scale):
 
 
 def supports(head_dim: int, dtype: torch.dtype = torch.float32) -> bool:
-    """Whether the kernel takes this head size (a multiple of 8, at most 256) and cache dtype, and runs here."""
-    return dtype == torch.float32 and head_dim % 8 == 0 and head_dim <= 256 and build.available()
+    """Whether the kernel takes this head size (a multiple of 8, at most 256) and cache dtype (one of
+    :data:`CACHE_DTYPES`), and runs here."""
+    return dtype in CACHE_DTYPES and head_dim % 8 == 0 and head_dim <= 256 and build.available()
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of ``q`` ``[1, H, T, D]`` over the first ``S`` slots of one layer's cache ``keys``/``values``
-    ``[1, Hkv, S_max, D]`` (float32, contiguous), where ``mask`` ``[T, S]`` (bool) is True; ``H`` a multiple of
+    ``[1, Hkv, S_max, D]`` (float32 or float16, contiguous), where ``mask`` ``[T, S]`` (bool) is True; ``H`` a multiple of
     ``Hkv`` (grouped-query attention).  Returns ``[1, T, H * D]`` float32.  Softmax of ``scale * q . k`` (Vaswani
     et al. 2017, Eq. 1), computed row by row in float32 over the attended slots in slot order.
 
@@ -65,8 +85,11 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
 class RaggedPlan:
     """What one batched pass (:func:`speculant.models.ragged.ragged_run_layers`) tells the kernel about its
     sequences, prepared once and used at every layer: rows per sequence, first slot written, the caches' storage
-    (:class:`~speculant.models.kv_cache.KVCache` ``keys``/``values``, float32, batch 1) and the masks
-    ``[rows[j], starts[j] + rows[j]]`` (bool).
+    (:class:`~speculant.models.kv_cache.KVCache` ``keys``/``values``, batch 1, all in one of
+    :data:`CACHE_DTYPES`) and the masks ``[rows[j], starts[j] + rows[j]]`` (bool).
+
+    Raises:
+        ValueError: caches of different or unsupported dtypes.
     """
 
     def __init__(self, rows: list[int], starts: list[int], caches: list, masks: list[torch.Tensor]):
@@ -75,6 +98,10 @@ class RaggedPlan:
         self.n, self.rows = n, i64(*rows)
         self.masks = [m.contiguous() for m in masks]               # kept alive while the plan is used
         self.caches = caches
+        dtypes = {c.dtype for c in caches}
+        if len(dtypes) > 1:
+            raise ValueError(f"a batched pass over KV caches of dtypes {sorted(map(str, dtypes))}; allowed: one dtype")
+        self.kv_bytes = kv_bytes(dtypes.pop()) if dtypes else 4
         self.starts = i64(*starts)
         self.smax = i64(*(c.max_length for c in caches))
         self.keys = ptr(*(c.keys.data_ptr() for c in caches))
@@ -103,7 +130,7 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Ra
     out = torch.empty(1, r, h * d)
     status = lib.spec_attention_ragged(plan.n, plan.rows, plan.starts, plan.smax, plan.keys, plan.values,
                                        plan.layer_stride, layer, plan.mask_ptrs, qc.data_ptr(), kc.data_ptr(),
-                                       vc.data_ptr(), h, k.shape[1], d, scale, out.data_ptr())
+                                       vc.data_ptr(), h, k.shape[1], d, scale, plan.kv_bytes, out.data_ptr())
     if status != 0:
         raise MemoryError("speculant attention: cannot allocate its workspace")
     return out

@@ -113,16 +113,19 @@ static void swiglu(const float *gu, int64_t M, int64_t I, float *act) {
 /* Layers first .. last-1 over x [R, D] (in place), R = sum of rows[j]: sequence j's rows are x's rows in order,
  * their RoPE tables cos, sin [R, head_dim] (gathered at their positions), their new keys/values go to slots
  * start[j] .. start[j] + rows[j] - 1 of its cache (kc[j], vc[j]: [layers, HKV, smax[j], head_dim], layer stride
- * lstride[j] floats) and they attend where mask[j] [rows[j], start[j] + rows[j]] is nonzero.
- * Returns 0, or -1 when a workspace cannot be allocated (x is then partly updated: the caller passes a copy). */
+ * lstride[j] elements of kv_bytes bytes: 4 float32, 2 float16) and they attend where mask[j] [rows[j],
+ * start[j] + rows[j]] is nonzero.
+ * Returns 0, -1 when a workspace cannot be allocated (x is then partly updated: the caller passes a copy), -3 for
+ * a kv_bytes other than 4 or 2 (nothing done). */
 int spec_run_layers(const spec_model *m, int64_t first, int64_t last, int64_t nseq, const int64_t *rows,
-                    const int64_t *start, const int64_t *smax, float *const *kc, float *const *vc,
-                    const int64_t *lstride, const uint8_t *const *mask, float *x, const float *cos,
+                    const int64_t *start, const int64_t *smax, void *const *kc, void *const *vc,
+                    const int64_t *lstride, int64_t kv_bytes, const uint8_t *const *mask, float *x, const float *cos,
                     const float *sin) {
     const int64_t D = m->hidden, H = m->heads, HKV = m->kv_heads, Dh = m->head_dim, I = m->intermediate;
     const int64_t QKV = (H + 2 * HKV) * Dh;
     int64_t R = 0;
     for (int64_t j = 0; j < nseq; j++) R += rows[j];
+    if (kv_bytes != 4 && kv_bytes != 2) return -3;
     if (R == 0 || first >= last) return 0;
     const int64_t widest_in = D > I ? (D > H * Dh ? D : H * Dh) : (I > H * Dh ? I : H * Dh);
     const int64_t widest_out = QKV > 2 * I ? QKV : 2 * I;
@@ -148,7 +151,7 @@ int spec_run_layers(const spec_model *m, int64_t first, int64_t last, int64_t ns
             }
         }
         status = spec_attention_ragged(nseq, rows, start, smax, kc, vc, lstride, l, mask, q, k, v, H, HKV, Dh,
-                                       m->scale, att);
+                                       m->scale, kv_bytes, att);
         if (status) break;
         project(&L->o, att, R, xq, xd, xs, h);
         add_rows(x, h, R * D);
@@ -171,14 +174,17 @@ void spec_rms_norm(const float *x, const float *w, int64_t M, int64_t D, float e
 /* One sequence's R rows x_in [R, D] through layers first .. last-1 (a decoding step, a verification block or tree):
  * the result goes to x_out [R, D] (x_in is not modified).  Row r is at RoPE position positions[r] (a row of the
  * tables rope_cos, rope_sin [rope_len, head_dim]); its key/value go to slot start + r of the cache (kc, vc:
- * [layers, HKV, smax, head_dim], layer stride lstride floats); it attends where mask [R, start + R] is nonzero, or,
- * with mask NULL, slots 0 .. start + r (causal).  spec_run_layers for one sequence, with the gathers and the causal
- * mask done here rather than by the caller.  Returns 0, -1 when a workspace cannot be allocated, -2 when a position
- * is outside the tables (nothing written then). */
+ * [layers, HKV, smax, head_dim], layer stride lstride elements of kv_bytes bytes); it attends where mask
+ * [R, start + R] is nonzero, or, with mask NULL, slots 0 .. start + r (causal).  spec_run_layers for one sequence,
+ * with the gathers and the causal mask done here rather than by the caller.  Returns 0, -1 when a workspace cannot
+ * be allocated, -2 when a position is outside the tables, -3 for a kv_bytes other than 4 or 2 (nothing written in
+ * either case). */
 int spec_decode_layers(const spec_model *m, int64_t first, int64_t last, int64_t R, int64_t start, int64_t smax,
-                       float *kc, float *vc, int64_t lstride, const uint8_t *mask, const float *x_in, float *x_out,
+                       void *kc, void *vc, int64_t lstride, int64_t kv_bytes, const uint8_t *mask, const float *x_in,
+                       float *x_out,
                        const float *rope_cos, const float *rope_sin, int64_t rope_len, const int64_t *positions) {
     const int64_t Dh = m->head_dim, S = start + R;
+    if (kv_bytes != 4 && kv_bytes != 2) return -3;
     if (R == 0) return 0;
     for (int64_t r = 0; r < R; r++)
         if (positions[r] < 0 || positions[r] >= rope_len) return -2;
@@ -196,8 +202,8 @@ int spec_decode_layers(const spec_model *m, int64_t first, int64_t last, int64_t
         }
     memcpy(x_out, x_in, sizeof(float) * (size_t)(R * m->hidden));
     const uint8_t *mk = mask ? mask : causal;
-    const int status = spec_run_layers(m, first, last, 1, &R, &start, &smax, &kc, &vc, &lstride, &mk, x_out, cs,
-                                       cs + R * Dh);
+    const int status = spec_run_layers(m, first, last, 1, &R, &start, &smax, &kc, &vc, &lstride, kv_bytes, &mk,
+                                       x_out, cs, cs + R * Dh);
     free(cs);
     free(causal);
     return status;

@@ -73,8 +73,8 @@ def why_not(decoder) -> str | None:
     if not build.available():
         return f"the kernels {build.unavailable_reason()}"
     cfg = decoder.config
-    if decoder.attention_dtype != torch.float32 or not attention_kernel.supports(cfg.head_dim):
-        return "needs a float32 KV cache and a head size that is a multiple of 8 (at most 256)"
+    if not attention_kernel.supports(cfg.head_dim, decoder.attention_dtype):
+        return "needs a float32 or float16 KV cache and a head size that is a multiple of 8 (at most 256)"
     if cfg.hidden_size % 32 or cfg.intermediate_size % 32 or (cfg.num_attention_heads * cfg.head_dim) % 32:
         return "needs hidden, intermediate and attention sizes that are multiples of 32"
     for i, layer in enumerate(decoder.layers):
@@ -89,7 +89,7 @@ def why_not(decoder) -> str | None:
 
 class FusedLayers:
     """The decoder layers of ``decoder`` (every projection :class:`~speculant.runtime.formats.W4A8Linear` or
-    :class:`~speculant.runtime.formats.W8A8Linear`, float32 KV cache) as one C call per forward.
+    :class:`~speculant.runtime.formats.W8A8Linear`, float32 or float16 KV cache) as one C call per forward.
 
     It holds pointers into the decoder's tensors: build it after the weights are packed and rebuild it if they
     are replaced.
@@ -143,7 +143,8 @@ class FusedLayers:
         out = x.detach().float().contiguous().clone()
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         status = self.lib.spec_run_layers(ctypes.byref(self.model), start, end, plan.n, plan.rows, plan.starts,
-                                          plan.smax, plan.keys, plan.values, plan.layer_stride, plan.mask_ptrs,
+                                          plan.smax, plan.keys, plan.values, plan.layer_stride, plan.kv_bytes,
+                                          plan.mask_ptrs,
                                           out.data_ptr(), cos.data_ptr(), sin.data_ptr())
         if status != 0:
             raise MemoryError("fused decoding step: cannot allocate its workspace")
@@ -153,7 +154,7 @@ class FusedLayers:
              mask: torch.Tensor | None) -> torch.Tensor:
         """Layers ``start .. end-1`` over one sequence's rows ``hidden`` ``[1, T, D]`` float32 (a decoding step, a
         verification block or tree) at RoPE ``positions`` ``[T]``, new keys/values to slots ``cache_position ..``
-        of ``cache`` (a float32 :class:`~speculant.models.kv_cache.KVCache`, batch 1), attending where ``mask``
+        of ``cache`` (a float32 or float16 :class:`~speculant.models.kv_cache.KVCache`, batch 1), attending where ``mask``
         ``[T, cache_position + T]`` (bool) is True, or causally when it is ``None``.  :meth:`run` for one sequence
         with the RoPE gathers and the causal mask done in C (``spec_decode_layers``): each torch call in a step
         costs tens of microseconds on a CPU whose caches the weight stream has just flushed.  Returns the hidden
@@ -175,6 +176,7 @@ class FusedLayers:
         cos, sin = self._rope
         status = self.lib.spec_decode_layers(ctypes.byref(self.model), start, end, t, cache_position, cache.max_length,
                                              cache.keys.data_ptr(), cache.values.data_ptr(), cache.keys.stride(0),
+                                             attention_kernel.kv_bytes(cache.dtype),
                                              None if mask is None else mask.data_ptr(), x.data_ptr(), out.data_ptr(),
                                              cos.data_ptr(), sin.data_ptr(), cos.shape[0], positions.data_ptr())
         if status == -2:

@@ -9,8 +9,8 @@ void spec_w4a8(const int8_t *xq, const float *xd, const float *xs, int64_t M, in
 void spec_w8a8(const int8_t *xq, const float *xd, int64_t M, int64_t K,
                const int8_t *codes, const uint16_t *wd, int64_t N, float *y);
 int spec_attention_ragged(int64_t nseq, const int64_t *rows, const int64_t *start, const int64_t *smax,
-                          float *const *kc, float *const *vc, const int64_t *lstride, int64_t layer,
+                          void *const *kc, void *const *vc, const int64_t *lstride, int64_t layer,
                           const uint8_t *const *mask, const float *q, const float *kn, const float *vn, int64_t H,
-                          int64_t HKV, int64_t D, float scale, float *out);
+                          int64_t HKV, int64_t D, float scale, int64_t kv_bytes, float *out);
 
 #endif

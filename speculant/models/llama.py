@@ -120,8 +120,9 @@ def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     """Attention of one sequence's rows ``q`` ``[1, H, T, Dh]`` over the first ``S`` slots of one layer's cache
     ``keys``/``values`` ``[1, Hkv, S_max, Dh]`` where ``mask`` ``[T, S]`` (bool) is True -> ``[1, T, H * Dh]`` in the
     cache's dtype: a float32 cache through our row-by-row kernel (:mod:`speculant.kernels.attention`), a float64
-    one through SDPA (see :attr:`LlamaDecoder.attention_dtype`).  Traceable by ``torch.compile``."""
-    if keys.dtype == torch.float32:
+    one through SDPA (see :attr:`LlamaDecoder.attention_dtype`); a float16 one through our kernel too (its keys and
+    values read back as float32, every sum in float32).  Traceable by ``torch.compile``."""
+    if keys.dtype in attention_kernel.CACHE_DTYPES:
         return torch.ops.speculant.attention(q, keys, values, mask, q.shape[-1] ** -0.5)
     visible = mask.shape[-1]
     out = F.scaled_dot_product_attention(q.to(keys.dtype), keys[:, :, :visible], values[:, :, :visible],
@@ -157,11 +158,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """
     dtype = q.dtype
     if cache is not None:
-        q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)
-        if cache.dtype == torch.float32 and q.shape[0] == 1 and attention_kernel.supports(q.shape[-1]):
-            cache.write(layer, k, v, cache_position)
+        if q.shape[0] == 1 and attention_kernel.supports(q.shape[-1], cache.dtype):
+            cache.write(layer, k, v, cache_position)       # in the cache's dtype (float16: rounded to nearest even)
             mask = _dense_mask(mask, q.shape[2], cache_position, q.device)
-            return cache_attention(q, cache.layer_keys[layer], cache.layer_values[layer], mask).to(dtype)
+            return cache_attention(q.float(), cache.layer_keys[layer], cache.layer_values[layer], mask).to(dtype)
+        if cache.dtype == torch.float16:
+            raise SpeculantError(f"a float16 KV cache is read by our attention kernel only (one sequence per call, "
+                                 f"head size a multiple of 8); got batch {q.shape[0]}, head size {q.shape[-1]}; "
+                                 "allowed here: a float32 or float64 cache")
+        q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)
         k, v = cache.write(layer, k, v, cache_position)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
     b, h, t, d = out.shape
@@ -176,7 +181,8 @@ class LlamaDecoder(nn.Module):
 
     ``attention_dtype`` is the KV cache's dtype, in which attention is computed: float32 (our row-by-row
     attention kernel, :mod:`speculant.kernels.attention`: AVX2, a C compiler, head size a multiple of 8) or
-    float64 (SDPA).  A new decoder takes float32 where the kernel runs; the runtime's loader sets what the kernel
+    float64 (SDPA); or float16, stored rounded and read by the same kernel in float32 (``--kv-cache float16``,
+    :func:`speculant.runtime.loader.set_kv_cache`).  A new decoder takes float32 where the kernel runs; the runtime's loader sets what the kernel
     tuner measured faster on the machine at hand (:func:`speculant.runtime.tune.measure_attention`).  In float32, torch's CPU attention kernels give a query row different bits depending on
     how many rows share the call and how many masked keys follow (measured: 71 of 104 cases); those
     differences, rounded to bfloat16 at the next int4/int8 projection, moved SmolLM2's verification logits by
@@ -225,7 +231,7 @@ class LlamaDecoder(nn.Module):
 
     def fused_layers(self):
         """The :class:`~speculant.kernels.decode_step.FusedLayers` of this decoder (every layer of a forward over
-        a float32 KV cache in one C call), or ``None`` where it does not apply: weights not in ``w4a8``,
+        a float32 or float16 KV cache in one C call), or ``None`` where it does not apply: weights not in ``w4a8``,
         :attr:`use_fused` False, or what :func:`~speculant.kernels.decode_step.why_not` names.  Built at the
         first call, after the weights were packed (it points into them)."""
         if not self.use_fused or self.weight_format != "w4a8":
@@ -282,7 +288,7 @@ class LlamaDecoder(nn.Module):
             if visible > cache.max_length:
                 raise SpeculantError(f"KV cache overflow: slot {visible} > max_length={cache.max_length}")
             prompt = cache_position == 0 and attention_mask is None and t > 1
-            fused = self.fused_layers() if cache.dtype == torch.float32 else None
+            fused = self.fused_layers() if cache.dtype in attention_kernel.CACHE_DTYPES else None
             if fused is not None and not (prompt and t > self.fused_prompt_tokens):
                 # every layer of the range in one C call (speculant.kernels.decode_step), RoPE rows and mask too
                 mask = None if attention_mask is None else _dense_mask(attention_mask, t, cache_position, hidden.device)

@@ -5,7 +5,7 @@ costs while ``T`` is small.  So a batch of sequences, each with its own verifica
 chain, ``T_i`` rows) and its own KV cache, is run as one ``[1, sum T_i, D]`` batch through each layer's
 projections, norms and MLP (:func:`~speculant.models.llama.attention_inputs`,
 :func:`~speculant.models.llama.layer_output`), while attention runs per sequence against its own cache with
-its own mask (:func:`~speculant.models.llama.attend`, in the cache's dtype; with float32 caches every
+its own mask (:func:`~speculant.models.llama.attend`, in the cache's dtype; with float32 or float16 caches every
 sequence's attention runs in one call of our kernel, :func:`speculant.kernels.attention.ragged_attention`).  No padding: the rows are
 simply concatenated, as in vLLM's flattened batches (Kwon et al. 2023) or Orca's selective batching
 (Yu et al. 2022, Sec. 4.2: batch the token-wise operations, split for attention).
@@ -81,8 +81,9 @@ def ragged_run_layers(decoder: LlamaDecoder, blocks: list[RaggedBlock], end: int
                                  f"allowed: ({t}, {b.cache_position + t})")
         masks.append(mask)
         tables.append((decoder.rope_cos[b.positions], decoder.rope_sin[b.positions]))
-    # float32 caches (our attention kernel, see speculant.models.llama.attend): one call per layer for all sequences
-    one_call = all(b.cache.dtype == torch.float32 and b.cache.keys.shape[1] == 1 for b in blocks)
+    # float32 or float16 caches, all one dtype (our attention kernel, see speculant.models.llama.attend): one call per layer for all sequences
+    one_call = (len({b.cache.dtype for b in blocks}) == 1
+                and all(b.cache.dtype in attention_kernel.CACHE_DTYPES and b.cache.keys.shape[1] == 1 for b in blocks))
     members: list[int] = []
     cos = sin = x = None
     sizes: list[int] = []

@@ -23,6 +23,8 @@ from .formats import FORMATS, apply_weight_format, check_format
 from .store import load_packed, packed_path, save_packed
 
 WEIGHT_CHOICES = ("auto",) + FORMATS
+KV_CACHE_CHOICES = ("auto", "float32", "float16", "float64")
+"""Values of :func:`load_model`'s ``kv_cache`` (``--kv-cache``)."""
 
 
 def user_threads() -> int | None:
@@ -56,7 +58,7 @@ def _config_of(name_or_path: str) -> tuple[ModelConfig | None, object]:
 
 def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile: bool = True,
                dtype: torch.dtype | str = torch.float32, threads: int | None = None, log=None,
-               blocks: bool = True) -> LoadedModel:
+               blocks: bool = True, kv_cache: str = "auto") -> LoadedModel:
     """Load ``name_or_path`` (a known name or an HF-format directory) for decoding.
 
     Args:
@@ -73,14 +75,23 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
         log: where progress goes (default stderr).
         blocks: also compile the multi-token (verification block) graph at load; ``False`` for
             autoregressive decoding only (the graph is then compiled at the first block, if one ever runs).
+        kv_cache: the KV cache's dtype (one of :data:`KV_CACHE_CHOICES`): ``auto`` (what the tuner measured
+            faster here: in the fused-step format ``w4a8`` float32 or float16, :func:`tune.measure_kv_cache`;
+            otherwise float32 through our attention kernel or float64 through SDPA), ``float32``, ``float64``,
+            or ``float16`` (our kernel only: half the cache bytes, keys and values rounded to nearest even when
+            stored and read back exactly, every sum in float32; llama.cpp's default cache type).  Greedy decoding
+            is exact within the choice: every method reads the same cache.
     Returns:
         a :class:`LoadedModel` whose ``weights``, ``compiled``, ``fused`` and ``tune`` fields say what was chosen.
     Raises:
-        SpeculantError: unknown model or format, or a dtype/weights combination that does not exist.
+        SpeculantError: unknown model, format or KV cache dtype, a dtype/weights combination that does not exist,
+            or ``kv_cache='float16'`` where our attention kernel does not run.
     """
     log = log or sys.stderr
     if isinstance(dtype, str):
         dtype = loading.parse_dtype(dtype)
+    if kv_cache not in KV_CACHE_CHOICES:
+        raise SpeculantError(f"kv_cache={kv_cache!r} is not a KV cache dtype; allowed: {', '.join(KV_CACHE_CHOICES)}")
     if weights not in WEIGHT_CHOICES:
         raise SpeculantError(f"weights={weights!r} is not a weight format; allowed: {', '.join(WEIGHT_CHOICES)}")
     if dtype != torch.float32:
@@ -122,8 +133,15 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
         tune.apply_choices(result, set_threads=fixed_threads is None, decoder=model.decoder)
     model.weights = fmt
     model.tune = result
+    if kv_cache != "auto":
+        set_kv_cache(model.decoder, kv_cache)
     # w4a8 layers run as one C call per forward (nothing left to compile); other formats through torch.compile
     model.fused = model.decoder.fused_layers() is not None
+    if model.fused and result is not None and result.kv_cache is None:                # once per machine (tune)
+        result.kv_cache, result.kv_cache_ms = tune.measure_kv_cache(model.decoder, log=log)
+        tune.save(result)
+    if kv_cache == "auto" and model.fused and result is not None and result.kv_cache:
+        set_kv_cache(model.decoder, result.kv_cache)
     if model.fused and result is not None and result.weight_prefetch is None:         # once per machine (tune)
         result.weight_prefetch, result.weight_prefetch_ms = tune.measure_weight_prefetch(model.decoder, log=log)
         tune.save(result)
@@ -134,6 +152,26 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
         model.decoder.fused_prompt_tokens = result.fused_prompt_tokens
     model.compiled = bool(compile) and not model.fused and enable_compile(model.decoder, log=log, blocks=blocks)
     return model
+
+
+def set_kv_cache(decoder, kv_cache: str) -> None:
+    """Make ``decoder``'s new KV caches ``kv_cache`` (``float32``, ``float16`` or ``float64``; see
+    :func:`load_model`).
+
+    Raises:
+        SpeculantError: another value, or ``float16`` where our attention kernel does not run (it is the only
+            reader of a float16 cache).
+    """
+    from ..kernels import attention as attention_kernel
+    dtypes = {"float32": torch.float32, "float16": torch.float16, "float64": torch.float64}
+    if kv_cache not in dtypes:
+        raise SpeculantError(f"kv_cache={kv_cache!r} is not a KV cache dtype; allowed: {', '.join(dtypes)}")
+    if kv_cache == "float16" and not attention_kernel.supports(decoder.config.head_dim, torch.float16):
+        from ..kernels import build
+        raise SpeculantError("kv_cache='float16' needs our attention kernel "
+                             f"({build.unavailable_reason() or 'a head size that is a multiple of 8, at most 256'}); "
+                             "allowed here: auto, float32, float64")
+    decoder.attention_dtype = dtypes[kv_cache]
 
 
 def _gguf_codes(name_or_path: str, cfg: ModelConfig, index=None):

@@ -29,7 +29,10 @@ it runs alone (a decoding step) or inside a block (a verification).  So :func:`m
    longest length at which it was not slower (``fused_prompt_tokens``);
 7. in that format too, times the model's one-token forward with the products prefetching their weights
    :data:`WEIGHT_PREFETCH_BYTES` ahead (:func:`measure_weight_prefetch`) and keeps the fastest distance
-   (``weight_prefetch``; 0 = none).
+   (``weight_prefetch``; 0 = none);
+8. in that format too, times the model's one-token forward over a float32 and a float16 KV cache of
+   :data:`KV_CACHE_CONTEXT` tokens (:func:`measure_kv_cache`) and keeps the faster (``kv_cache``), the cache
+   dtype of ``--kv-cache auto`` in that format.
 
 The default weight format is the fastest one-row pass among the batch-invariant formats.  The result is
 stored as JSON under ``$SPECULANT_CACHE/tune/`` keyed by CPU model and flags, torch version, thread
@@ -72,6 +75,8 @@ WEIGHT_PREFETCH_BYTES = (0, 512, 1024, 2048, 4096)
 """Weight prefetch distances timed (:func:`measure_weight_prefetch`) [bytes ahead; 0: none]."""
 WEIGHT_PREFETCH_CONTEXT = 256
 """Cached tokens of the one-token forward that :func:`measure_weight_prefetch` times."""
+KV_CACHE_CONTEXT = 512
+"""Cached tokens of the one-token forward that :func:`measure_kv_cache` times."""
 SCHEMA = 2
 
 
@@ -98,6 +103,9 @@ class TuneResult:
         weight_prefetch: how far ahead the weight-quantized products prefetch their codes [bytes; 0: none;
             ``None``: not measured yet, :func:`measure_weight_prefetch` runs once the model's fused step exists].
         weight_prefetch_ms: the one-token forward per distance, ``{bytes: ms}`` [milliseconds].
+        kv_cache: the KV cache's dtype in the fused-step format (``float32`` or ``float16``; ``None``: not measured
+            yet, :func:`measure_kv_cache` runs once the model's fused step exists).
+        kv_cache_ms: the one-token forward per cache dtype, ``{dtype: ms}`` [milliseconds].
         drafter_weights: the weight format of a drafter's own projections per drafter shape,
             ``{"<kind>:<I>x<O>,...": {"weights": fmt, "ms": {fmt: one-row pass [ms]}}}``
             (:func:`speculant.drafters.weights.drafter_weight_format`, measured at the first load of such a drafter).
@@ -117,6 +125,8 @@ class TuneResult:
     weight_prefetch: int | None = None
     weight_prefetch_ms: dict = field(default_factory=dict)
     drafter_weights: dict = field(default_factory=dict)
+    kv_cache: str | None = None
+    kv_cache_ms: dict = field(default_factory=dict)
     measured_at: str = ""
     schema: int = SCHEMA
 
@@ -473,6 +483,48 @@ def measure_weight_prefetch(decoder, distances=WEIGHT_PREFETCH_BYTES, repeats: i
     return choice, {str(d): round(v * 1e3, 3) for d, v in best.items()}
 
 
+def measure_kv_cache(decoder, repeats: int = 15, log=None) -> tuple[str, dict]:
+    """Time the model's one-token forward (all layers, final norm, LM head) over :data:`KV_CACHE_CONTEXT` cached
+    tokens (fewer if the model's positions end sooner) in a float32 and in a float16 KV cache (the same prompt's keys/values, rounded): a step reads the whole
+    cache, and whether half its bytes pay for converting them back depends on the machine.  The two alternated,
+    best of ``repeats`` after a warm-up; ``decoder.attention_dtype`` is restored.
+
+    Returns:
+        ``(best, ms)``: the faster dtype's name and ``{dtype: ms}`` [milliseconds]; ``("float32", {})`` when the
+        model has no fused step.
+    """
+    if decoder.fused_layers() is None:
+        return "float32", {}
+    if log is not None:
+        print("speculant: timing the KV cache in float32 and float16 ...", file=log, flush=True)
+    g = torch.Generator().manual_seed(5)
+    ctx = min(KV_CACHE_CONTEXT, decoder.rope_cos.shape[0] - 1)      # a model with a shorter context: its longest
+    before, start = decoder.attention_dtype, time.perf_counter()
+    best = {"float32": float("inf"), "float16": float("inf")}
+    try:
+        with torch.inference_mode():
+            decoder.attention_dtype = torch.float32
+            caches = {"float32": decoder.new_cache(ctx + 1)}
+            decoder(torch.randint(decoder.config.vocab_size, (1, ctx), generator=g), None, None, caches["float32"], 0)
+            decoder.attention_dtype = torch.float16
+            caches["float16"] = decoder.new_cache(ctx + 1)
+            caches["float16"].keys.copy_(caches["float32"].keys)          # what the prompt would store (rounded)
+            caches["float16"].values.copy_(caches["float32"].values)
+            ids = torch.randint(decoder.config.vocab_size, (1, 1), generator=g)
+            for rep in range(repeats + 1):
+                for name, cache in caches.items():
+                    t = time.perf_counter()
+                    decoder(ids, None, None, cache, ctx)
+                    if rep:                                              # the first round is a warm-up
+                        best[name] = min(best[name], time.perf_counter() - t)
+    finally:
+        decoder.attention_dtype = before
+    choice = min(best, key=best.get)
+    if log is not None:
+        print(f"speculant: KV cache timed in {time.perf_counter() - start:.1f} s: {choice}", file=log, flush=True)
+    return choice, {k: round(v * 1e3, 3) for k, v in best.items()}
+
+
 def attention_dtype(result: TuneResult) -> torch.dtype:
     """The KV cache's dtype ``result`` chose (:attr:`TuneResult.attention`)."""
     return torch.float32 if result.attention == "float32" else torch.float64
@@ -575,4 +627,8 @@ def format_table(result: TuneResult) -> str:
                   f"{WEIGHT_PREFETCH_CONTEXT} cached tokens: "
                   + ", ".join(f"{'none' if d == '0' else d + ' B'} {v:.2f} ms" for d, v in result.weight_prefetch_ms.items())
                   + ")"]
+    if result.kv_cache_ms:
+        lines += [f"KV cache in the fused-step format (--kv-cache auto): **{result.kv_cache}** (a one-token forward, "
+                  f"{KV_CACHE_CONTEXT} cached tokens: "
+                  + ", ".join(f"{d} {v:.2f} ms" for d, v in result.kv_cache_ms.items()) + ")"]
     return "\n".join(lines)
