@@ -30,9 +30,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--rows", default="1,2,3,4,5,6,8,12,16")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--kv-cache", default="auto", help="KV cache dtype (load_model's kv_cache)")
     args = ap.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
-    models = {w: load_model(weights=w, compile=not args.no_compile, threads=args.threads)
+    models = {w: load_model(weights=w, compile=not args.no_compile, threads=args.threads, kv_cache=args.kv_cache)
               for w in args.weights.split(",")}
     ctx = args.context
     g = torch.Generator().manual_seed(0)
@@ -52,7 +53,7 @@ def main() -> None:
                     if rep:
                         times[w][rows].append(time.perf_counter() - t0)
     runtime = ", ".join(f"{w}: " + ("fused step" if m.fused else "compiled" if m.compiled else "eager")
-                        for w, m in models.items())
+                        + f", {str(m.decoder.attention_dtype).removeprefix('torch.')} KV cache" for w, m in models.items())
     print(f"threads {torch.get_num_threads()}, context {ctx}, runtime ({runtime}), kernels {build.loaded_isa()}; "
           "cost of a T-token forward in one-token steps of the same format\n")
     print("| weights | one step [ms] | " + " | ".join(f"T={r}" for r in rows_list) + " |")
