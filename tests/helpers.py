@@ -29,6 +29,17 @@ def word_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tk)
 
 
+def prefilled_caches(decoder, prompts: list[list[int]], length: int) -> list:
+    """One KV cache of ``length`` slots per prompt, each holding its prompt's keys/values (the prompt's forward)."""
+    caches = []
+    for p in prompts:
+        c = decoder.new_cache(length)
+        decoder(torch.tensor([p]), None, None, c, 0)
+        c.crop(len(p))
+        caches.append(c)
+    return caches
+
+
 def tiny_model(seed=0, scale=1.0, **kw) -> LoadedModel:
     """A random Llama decoder; ``scale`` multiplies the weights (larger -> peakier distributions)."""
     torch.manual_seed(seed)

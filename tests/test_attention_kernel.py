@@ -30,9 +30,11 @@ def test_matches_float64_sdpa():
     assert float((got.double() - want).abs().max()) < 2e-6 * float(want.abs().max())
 
 
-def test_a_block_row_gets_the_bits_of_its_one_token_step():
-    """Row j of a chain block (later slots masked) equals the one-token step that sees slots 0..n+j only."""
-    keys, values = _cache(smax=64)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_block_row_gets_the_bits_of_its_one_token_step(dtype):
+    """Row j of a chain block (later slots masked) equals the one-token step that sees slots 0..n+j only, over a
+    float32 or a float16 cache."""
+    keys, values = (c.to(dtype) for c in _cache(smax=64))
     g = torch.Generator().manual_seed(2)
     n, t = 30, 7
     q = torch.randn(1, 4, t, 16, generator=g)
@@ -65,20 +67,25 @@ def test_supports():
     assert kernel.supports(64) and not kernel.supports(60) and not kernel.supports(64, torch.float64)
 
 
-def test_ragged_call_writes_each_cache_and_gives_each_row_its_own_bits():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_ragged_call_writes_each_cache_and_gives_each_row_its_own_bits(dtype):
     """A batched round's one call over several sequences (own caches, block sizes, masks) equals each sequence's
-    own KV write + attention, at the layer asked for."""
+    own KV write + attention, at the layer asked for.  A float16 cache gets the new keys/values rounded exactly as
+    torch rounds them (nearest even; ties, tiny values and overflow included), so a cache written by the fused
+    step and one written by the torch layer step hold the same bits for the same values."""
     from speculant.models.kv_cache import KVCache
     g = torch.Generator().manual_seed(5)
     specs = [(12, 3), (30, 1), (7, 5)]                          # (cache position, rows) per sequence
-    caches = [KVCache(3, 2, 16, 48 + 8 * j, dtype=torch.float32) for j in range(3)]
+    caches = [KVCache(3, 2, 16, 48 + 8 * j, dtype=dtype) for j in range(3)]
     for c in caches:
-        c.keys.normal_(generator=g)
-        c.values.normal_(generator=g)
+        c.keys.copy_(torch.randn(c.keys.shape, generator=g))
+        c.values.copy_(torch.randn(c.values.shape, generator=g))
     solo = [(c.keys.clone(), c.values.clone()) for c in caches]
     rows = [t for _, t in specs]
     q = torch.randn(1, 4, sum(rows), 16, generator=g)
-    k_new, v_new = torch.randn(1, 2, sum(rows), 16, generator=g), torch.randn(1, 2, sum(rows), 16, generator=g)
+    k_new = torch.randn(1, 2, sum(rows), 16, generator=g) * torch.tensor([1.0, 1e-5, 3e4, 7e4]).repeat(4)
+    v_new = (torch.randn(1, 2, sum(rows), 16, generator=g).half().float()      # float16 values + half an ulp or so:
+             + torch.rand(1, 2, sum(rows), 16, generator=g).half().float() * 2 ** -11)      # rounding ties
     masks = []
     for start, t in specs:
         m = torch.rand(t, start + t, generator=g) < 0.7

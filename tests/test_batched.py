@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import prefilled_caches, tiny_model
 
 from speculant import GenerationConfig, SamplingConfig, build_generator
 from speculant.drafters.base import DecodingState
@@ -90,14 +90,8 @@ def test_ragged_forward_is_bitwise_the_one_sequence_forward(model):
     if tune.invariant_rows(tune.invariance_sample(dec), (rows,)) < rows:
         pytest.skip("int8 projections are not batch-invariant on this machine")
     torch.manual_seed(0)
-    prompts = [[5, 9, 2, 7], [1, 2, 3, 4, 5, 6], [8, 8]]
-    caches = []
     with torch.inference_mode():
-        for p in prompts:
-            c = dec.new_cache(32)
-            dec(torch.tensor([p]), None, None, c, 0)
-            c.crop(len(p))
-            caches.append(c)
+        caches = prefilled_caches(dec, [[5, 9, 2, 7], [1, 2, 3, 4, 5, 6], [8, 8]], 32)
         tree = DraftTree()
         a = tree.add(-1, 3)
         tree.add(-1, 4)

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import tiny_model
+from helpers import prefilled_caches, tiny_model
 
 from speculant import GenerationConfig, build_generator
 from speculant.engine.methods import MethodSpec
@@ -45,52 +45,12 @@ def test_attention_over_a_float16_cache_is_the_softmax_of_its_values():
     assert torch.equal(got, kernel.attention(q, keys.float(), values.float(), mask, 0.25))
 
 
-def test_float16_block_rows_get_the_bits_of_their_one_token_steps():
-    keys, values = _cache16(smax=64, seed=2)
-    g = torch.Generator().manual_seed(3)
-    n, t = 30, 7
-    q = torch.randn(1, 4, t, 16, generator=g)
-    causal = torch.arange(n + t)[None, :] <= torch.arange(t)[:, None] + n
-    block = kernel.attention(q, keys, values, causal, 0.25)
-    for j in range(t):
-        step = kernel.attention(q[:, :, j:j + 1], keys, values, torch.ones(1, n + j + 1, dtype=torch.bool), 0.25)
-        assert torch.equal(block[:, j], step[:, 0]), j
-
-
-def test_a_ragged_call_rounds_new_keys_as_torch_does_and_gives_each_row_its_own_bits():
-    """New keys/values written by the kernel are torch's float32 -> float16 rounding (nearest even), so a cache
-    written by the fused step and one written by the torch layer step hold the same bits for the same values."""
-    g = torch.Generator().manual_seed(5)
-    specs = [(12, 3), (30, 1), (7, 5)]
-    caches = [KVCache(3, 2, 16, 48 + 8 * j, dtype=torch.float16) for j in range(3)]
-    for c in caches:
-        c.keys.copy_(torch.randn(c.keys.shape, generator=g))
-        c.values.copy_(torch.randn(c.values.shape, generator=g))
-    solo = [(c.keys.clone(), c.values.clone()) for c in caches]
-    rows = [t for _, t in specs]
-    q = torch.randn(1, 4, sum(rows), 16, generator=g)
-    # values near float16 rounding ties and past its range: the rounding must be the same, not just close
-    k_new = torch.randn(1, 2, sum(rows), 16, generator=g) * torch.tensor([1.0, 1e-5, 3e4, 7e4]).repeat(4)
-    v_new = (torch.randn(1, 2, sum(rows), 16, generator=g).half().float()
-             + torch.rand(1, 2, sum(rows), 16, generator=g).half().float() * 2 ** -11)
-    masks = []
-    for start, t in specs:
-        m = torch.rand(t, start + t, generator=g) < 0.7
-        m[:, 0] = True
-        masks.append(m)
-    plan = kernel.RaggedPlan(rows, [s for s, _ in specs], caches, masks)
-    out = kernel.ragged_attention(q, k_new, v_new, plan, 1, 0.25)
-    first = 0
-    for j, (start, t) in enumerate(specs):
-        k, v = solo[j]
-        k[1, :, :, start:start + t] = k_new[:, :, first:first + t]            # torch's rounding
-        v[1, :, :, start:start + t] = v_new[:, :, first:first + t]
-        assert torch.equal(caches[j].keys, k) and torch.equal(caches[j].values, v)
-        alone = kernel.attention(q[:, :, first:first + t], k[1], v[1], masks[j], 0.25)
-        assert torch.equal(out[:, first:first + t], alone), j
-        first += t
+def test_a_batched_pass_takes_caches_of_one_dtype():
+    caches = [KVCache(3, 2, 16, 8, dtype=torch.float16), KVCache(3, 2, 16, 8)]
     with pytest.raises(ValueError, match="one dtype"):
-        kernel.RaggedPlan([1, 1], [0, 0], [caches[0], KVCache(3, 2, 16, 8)], [torch.ones(1, 1, dtype=torch.bool)] * 2)
+        kernel.RaggedPlan([1, 1], [0, 0], caches, [torch.ones(1, 1, dtype=torch.bool)] * 2)
+    with pytest.raises(ValueError, match="bfloat16.*allowed: float32, float16"):
+        kernel.kv_bytes(torch.bfloat16)
 
 
 @pytest.fixture(scope="module", params=["w4a8", "int8"])
@@ -164,14 +124,8 @@ def test_every_method_is_exact_over_a_float16_cache(model16, method, kw):
 
 def test_a_batched_round_over_float16_caches_gives_each_sequence_its_own_bits(model16):
     dec = model16.decoder
-    prompts = [[5, 9, 2, 7], [1, 2, 3, 4, 5, 6], [8, 8]]
-    caches = []
     with torch.inference_mode():
-        for p in prompts:
-            c = dec.new_cache(32)
-            dec(torch.tensor([p]), None, None, c, 0)
-            c.crop(len(p))
-            caches.append(c)
+        caches = prefilled_caches(dec, [[5, 9, 2, 7], [1, 2, 3, 4, 5, 6], [8, 8]], 32)
         blocks = [RaggedBlock(dec.embed(torch.tensor([[11, 12, 13]])), 0, torch.arange(4, 7), None, caches[0], 4),
                   RaggedBlock(dec.embed(torch.tensor([[21]])), 0, torch.arange(6, 7), None, caches[1], 6),
                   RaggedBlock(dec.embed(torch.tensor([[31, 32]])), 0, torch.arange(2, 4), None, caches[2], 2)]
