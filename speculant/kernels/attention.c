@@ -214,8 +214,8 @@ int spec_attention_ragged(int64_t nseq, const int64_t *rows, const int64_t *star
         for (int64_t t = 0; kn && t < rows[j]; t++)
             for (int64_t g = 0; g < HKV; g++) {
                 const int64_t src = ((total + t) * HKV + g) * D, dst = ((g * smax[j] + start[j] + t) * D) * kv_bytes;
-                if (F16) { store_kv(k[j] + dst, kn + src, D, 1); store_kv(v[j] + dst, vn + src, D, 1); }
-                else { store_kv(k[j] + dst, kn + src, D, 0); store_kv(v[j] + dst, vn + src, D, 0); }
+                store_kv(k[j] + dst, kn + src, D, F16);
+                store_kv(v[j] + dst, vn + src, D, F16);
             }
         total += rows[j];
         widest = start[j] + rows[j] > widest ? start[j] + rows[j] : widest;

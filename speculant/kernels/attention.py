@@ -22,7 +22,8 @@ import torch
 from . import build
 
 
-CACHE_DTYPES = (torch.float32, torch.float16)
+_KV_BYTES = {torch.float32: 4, torch.float16: 2}
+CACHE_DTYPES = tuple(_KV_BYTES)
 """KV cache dtypes the kernel reads (float16: half the bytes; every sum still in float32)."""
 
 
@@ -32,9 +33,10 @@ def kv_bytes(dtype: torch.dtype) -> int:
     Raises:
         ValueError: another dtype (naming it and the allowed ones).
     """
-    if dtype not in CACHE_DTYPES:
-        raise ValueError(f"KV cache dtype {dtype} is not one the attention kernel reads; allowed: float32, float16")
-    return torch.empty(0, dtype=dtype).element_size()
+    try:
+        return _KV_BYTES[dtype]        # a dict lookup: called once per step (no torch call on the hot path)
+    except KeyError:
+        raise ValueError(f"KV cache dtype {dtype} is not one the attention kernel reads; allowed: float32, float16") from None
 
 
 def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,

@@ -23,7 +23,8 @@ from .formats import FORMATS, apply_weight_format, check_format
 from .store import load_packed, packed_path, save_packed
 
 WEIGHT_CHOICES = ("auto",) + FORMATS
-KV_CACHE_CHOICES = ("auto", "float32", "float16", "float64")
+_KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "float64": torch.float64}
+KV_CACHE_CHOICES = ("auto",) + tuple(_KV_DTYPES)
 """Values of :func:`load_model`'s ``kv_cache`` (``--kv-cache``)."""
 
 
@@ -163,15 +164,14 @@ def set_kv_cache(decoder, kv_cache: str) -> None:
             reader of a float16 cache).
     """
     from ..kernels import attention as attention_kernel
-    dtypes = {"float32": torch.float32, "float16": torch.float16, "float64": torch.float64}
-    if kv_cache not in dtypes:
-        raise SpeculantError(f"kv_cache={kv_cache!r} is not a KV cache dtype; allowed: {', '.join(dtypes)}")
+    if kv_cache not in _KV_DTYPES:
+        raise SpeculantError(f"kv_cache={kv_cache!r} is not a KV cache dtype; allowed: {', '.join(_KV_DTYPES)}")
     if kv_cache == "float16" and not attention_kernel.supports(decoder.config.head_dim, torch.float16):
         from ..kernels import build
         raise SpeculantError("kv_cache='float16' needs our attention kernel "
                              f"({build.unavailable_reason() or 'a head size that is a multiple of 8, at most 256'}); "
                              "allowed here: auto, float32, float64")
-    decoder.attention_dtype = dtypes[kv_cache]
+    decoder.attention_dtype = _KV_DTYPES[kv_cache]
 
 
 def _gguf_codes(name_or_path: str, cfg: ModelConfig, index=None):
