@@ -179,6 +179,8 @@ def test_the_fastest_variant_is_measured_once_per_machine(monkeypatch, tmp_path)
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
     monkeypatch.delenv("SPECULANT_KERNEL_ISA", raising=False)
     monkeypatch.setattr(build, "TEST_VARIANTS", frozenset({"vnni-emulated"}))  # zmm-emulated counts as this CPU's
+    real_flags = build._cpu_flags()       # a CPU with AVX2 alone: its real variants are avx2 (+ zmm-emulated here)
+    monkeypatch.setattr(build, "_cpu_flags", lambda: real_flags - {"avx512f", "avx512_vnni", "avx_vnni"})
     timed = []
 
     def fake_times(libs, repeats=30):
