@@ -26,7 +26,7 @@ from speculant.training.train import (layerskip_forward, remap, select_vocab, tr
 def test_dropout_rates_follow_the_exponential_schedule():
     L, p = 5, 0.2
     rates = layer_dropout_rates(L, p)
-    want = [p * (math.exp(l * math.log(2) / (L - 1)) - 1) for l in range(L)]
+    want = [p * (math.exp(layer * math.log(2) / (L - 1)) - 1) for layer in range(L)]
     assert rates == pytest.approx(want)
     assert rates[0] == 0.0 and rates[-1] == pytest.approx(p)
     assert all(a < b for a, b in zip(rates, rates[1:]))
@@ -79,7 +79,7 @@ def test_exit_scales_grow_with_depth_and_sum_to_one():
     assert s == pytest.approx({1: 0.25, 2: 0.75})
     s = exit_scales(8, list(range(8)))
     assert sum(s.values()) == pytest.approx(1.0)
-    assert all(s[l] <= s[l + 1] for l in range(7))
+    assert all(s[layer] <= s[layer + 1] for layer in range(7))
     with pytest.raises(SpeculantError, match="out of range"):
         exit_scales(3, [3])
 

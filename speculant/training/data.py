@@ -185,7 +185,7 @@ def read_corpus(path: str | Path, split: str | None = None) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise SpeculantError(f"corpus {str(path)!r} does not exist; create it with `speculant make-data`")
-    recs = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r for r in recs if split is None or r["split"] == split]
 
 

@@ -354,13 +354,13 @@ def layerskip_forward(decoder, ids: torch.Tensor, keep: torch.Tensor | None, exi
     h = decoder.embed(ids)
     out = {}
     want = set(exits)
-    for l in range(decoder.num_layers):
-        if keep is None or bool(keep[l].all()):
-            h = decoder.run_layers(h, l, l + 1, pos)
-        elif bool(keep[l].any()):
-            h = torch.where(keep[l][:, None, None], decoder.run_layers(h, l, l + 1, pos), h)
-        if l in want:
-            out[l] = decoder.lm_head(decoder.final_norm(h))
+    for layer in range(decoder.num_layers):
+        if keep is None or bool(keep[layer].all()):
+            h = decoder.run_layers(h, layer, layer + 1, pos)
+        elif bool(keep[layer].any()):
+            h = torch.where(keep[layer][:, None, None], decoder.run_layers(h, layer, layer + 1, pos), h)
+        if layer in want:
+            out[layer] = decoder.lm_head(decoder.final_norm(h))
     return out
 
 
@@ -499,7 +499,7 @@ def train_layerskip(model, corpus: str, out: str, *, steps: int = 100, lr: float
         keep = sample_keep_mask(rates, batch, gen)
         exits = enabled_exits(exit_curriculum, step, L, rotation, steps)
         logits = layerskip_forward(dec, x, keep, exits)
-        loss = early_exit_loss({l: v.reshape(-1, v.shape[-1]) for l, v in logits.items()}, y.reshape(-1),
+        loss = early_exit_loss({layer: v.reshape(-1, v.shape[-1]) for layer, v in logits.items()}, y.reshape(-1),
                                exit_scales(L, exits, e_scale))
         opt.zero_grad(set_to_none=True)
         loss.backward()
