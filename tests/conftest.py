@@ -35,6 +35,7 @@ def pytest_configure(config):
         os.environ[SESSION_CACHE_VAR] = cache
     os.environ["SPECULANT_CACHE"] = cache
     _convert_known_models_once()
+    _first_load_of_known_models_once()
 
 
 def pytest_unconfigure(config):
@@ -64,3 +65,26 @@ def _convert_known_models_once() -> None:
         return out_dir
 
     loading.convert_gguf_in_child = convert_once
+
+
+def _first_load_of_known_models_once() -> None:
+    """Serialize loads of a known model for decoding (:func:`speculant.load_model`) across the session's processes:
+    the first one in an empty cache converts, measures the kernels (``speculant tune``, ~1 min for SmolLM2) and packs
+    the weights; a worker loading at the same time waits and then reads the tune file and packed weights (measuring
+    twice at once would cost the time twice and disturb both measurements)."""
+    import speculant
+    from filelock import FileLock
+
+    from speculant.models import loading
+    from speculant.runtime import loader
+
+    load = loader.load_model
+
+    def load_once(name_or_path=loading.DEFAULT_MODEL, *args, **kwargs):
+        if name_or_path not in loading.KNOWN_MODELS:
+            return load(name_or_path, *args, **kwargs)
+        loading.cache_root().mkdir(parents=True, exist_ok=True)
+        with FileLock(str(loading.cache_root() / f"{name_or_path}.load.lock")):
+            return load(name_or_path, *args, **kwargs)
+
+    loader.load_model = speculant.load_model = load_once
