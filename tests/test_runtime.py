@@ -60,10 +60,10 @@ def test_tree_attention_equals_each_path_run_alone():
     tree = DraftTree()
     a = tree.add(-1, 7)
     b = tree.add(-1, 8)
-    c = tree.add(a, 1)
+    tree.add(a, 1)
     d = tree.add(a, 2)
-    e = tree.add(b, 3)
-    f = tree.add(d, 4)
+    tree.add(b, 3)
+    tree.add(d, 4)
     root = 6
     with torch.no_grad():
         cache = dec.new_cache(32)

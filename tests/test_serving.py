@@ -315,8 +315,9 @@ def test_smollm2_cli_serve_chat_and_sigterm_drain(tmp_path):
                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
         # the text depends on the weight format tuned here (w4a8, like llama.cpp on this GGUF, answers
         # "L'Étoile, ..."; int4 "The capital of France is Paris."): check the response, not the model's knowledge
-        assert r.choices[0].message.content.strip() and r.choices[0].finish_reason == "length"
-        assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 8
+        assert r.choices[0].message.content.strip() and r.choices[0].finish_reason in ("length", "stop")  # int4: EOS
+        assert (r.usage.completion_tokens == 8 if r.choices[0].finish_reason == "length" else
+                0 < r.usage.completion_tokens <= 8) and r.usage.prompt_tokens > 8
         stream = c.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=24, stream=True,
                                            messages=[{"role": "user", "content": "Count from 1 to 20."}])
         it = iter(stream)

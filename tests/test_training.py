@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from helpers import pattern_corpus as _pattern_corpus
-from helpers import tiny_model
+from helpers import one_line_error, tiny_model
 from speculant import GenerationConfig, build_generator
 from speculant.errors import SpeculantError
 from speculant.drafters import exit_adapter as exit_adapter_mod
@@ -18,15 +19,15 @@ from speculant.training.curricula import enabled_exits
 from speculant.training.data import read_corpus, split_prompts, Prompt
 from speculant.training.losses import early_exit_loss, exit_scales, topk_distill_loss
 from speculant.training.schedules import layer_dropout_rates, sample_keep_mask, time_scale
-from speculant.training.train import (layerskip_forward, remap, select_vocab, train_exit_adapter,
-                                      train_layerskip)
+from speculant.training.train import (ExitAdapterConfig, LayerSkipConfig, layerskip_forward, remap, select_vocab,
+                                      train_exit_adapter, train_layerskip)
 
 
 # ----------------------------------------------------------------------------- schedules
 def test_dropout_rates_follow_the_exponential_schedule():
     L, p = 5, 0.2
     rates = layer_dropout_rates(L, p)
-    want = [p * (math.exp(l * math.log(2) / (L - 1)) - 1) for l in range(L)]
+    want = [p * (math.exp(layer * math.log(2) / (L - 1)) - 1) for layer in range(L)]
     assert rates == pytest.approx(want)
     assert rates[0] == 0.0 and rates[-1] == pytest.approx(p)
     assert all(a < b for a, b in zip(rates, rates[1:]))
@@ -79,7 +80,7 @@ def test_exit_scales_grow_with_depth_and_sum_to_one():
     assert s == pytest.approx({1: 0.25, 2: 0.75})
     s = exit_scales(8, list(range(8)))
     assert sum(s.values()) == pytest.approx(1.0)
-    assert all(s[l] <= s[l + 1] for l in range(7))
+    assert all(s[layer] <= s[layer + 1] for layer in range(7))
     with pytest.raises(SpeculantError, match="out of range"):
         exit_scales(3, [3])
 
@@ -145,9 +146,10 @@ def test_layerskip_steps_lower_heldout_loss_full_and_lora(tmp_path):
     corpus = _pattern_corpus(tmp_path / "c.jsonl")
     for rank in (0, 4):
         m = tiny_model(layers=4)
-        metrics = train_layerskip(m, str(corpus), str(tmp_path / f"ls{rank}"), steps=30, lr=3e-3 if rank == 0 else 1e-2,
-                                  lora_rank=rank, p_max=0.2, exit_curriculum="rotational", rotation=2, seq_len=16,
-                                  batch=4, eval_tokens=200, eval_exit=2, progress=False)
+        cfg = LayerSkipConfig(steps=30, lr=3e-3 if rank == 0 else 1e-2, lora_rank=rank, p_max=0.2,
+                              exit_curriculum="rotational", rotation=2, seq_len=16, batch=4, eval_tokens=200,
+                              eval_exit=2, progress=False)
+        metrics = train_layerskip(m, str(corpus), str(tmp_path / f"ls{rank}"), cfg)
         assert metrics["heldout_after"]["nll"] < metrics["heldout_before"]["nll"] - 0.1, metrics
         # the merged model reloads as a plain HF directory
         from speculant.models.loading import load_hf_dir
@@ -161,16 +163,17 @@ def test_exit_adapter_training_improves_agreement_and_resumes(tmp_path):
     corpus = _pattern_corpus(tmp_path / "c.jsonl")
     m = tiny_model(layers=4, scale=2.0)
     out = tmp_path / "ad"
-    met = train_exit_adapter(m, str(corpus), str(out), exit_layer=1, blocks=1, draft_vocab=48, topk=8, steps=60,
-                             lr=3e-3, batch_tokens=128, eval_every=30, checkpoint_every=30, progress=False)
+    cfg = ExitAdapterConfig(exit_layer=1, blocks=1, draft_vocab=48, topk=8, steps=60, lr=3e-3, batch_tokens=128,
+                            eval_every=30, checkpoint_every=30, progress=False)
+    met = train_exit_adapter(m, str(corpus), str(out), cfg)
     assert met["final"]["kl_topk"] < met["init"]["kl_topk"]
     assert met["final"]["top1"] > met["init"]["top1"]
     assert (out / "adapter.safetensors").is_file() and (out / "README.md").is_file()
-    met2 = train_exit_adapter(m, str(corpus), str(out), exit_layer=1, blocks=1, draft_vocab=48, topk=8, steps=70,
-                              lr=3e-3, batch_tokens=128, eval_every=30, resume=True, progress=False)
+    met2 = train_exit_adapter(m, str(corpus), str(out), replace(cfg, steps=70, checkpoint_every=200, resume=True))
     assert met2["steps_done"] == 70
     with pytest.raises(SpeculantError, match="exit-layer"):
-        train_exit_adapter(m, str(corpus), str(out), exit_layer=2, steps=80, resume=True, progress=False)
+        train_exit_adapter(m, str(corpus), str(out), ExitAdapterConfig(exit_layer=2, steps=80, resume=True,
+                                                                       progress=False))
 
 
 def test_select_vocab_keeps_heaviest_tokens_and_remaps():
@@ -314,6 +317,39 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_train_flags_make_each_recipes_config_and_bad_values_fail_before_loading(tmp_path, capsys, monkeypatch):
+    """`speculant train` / `make-data` flags map to the recipes' configs (defaults and renamed flags), and a bad
+    value is a one-line error before any model loads."""
+    from speculant.cli import build_parser, main
+    from speculant.models import loading
+    from speculant.training.data import MakeDataConfig
+    from speculant.training.head import DraftHeadConfig
+    base = ["train", "--corpus", "c", "--out", str(tmp_path), "--model", "m"]
+    args = build_parser().parse_args(base + ["--recipe", "draft-head", "--head-batch", "3", "--feature-noise", "0.2"])
+    head = DraftHeadConfig.from_args(args)
+    assert (head.batch_seqs, head.noise, head.lr, head.draft_vocab, head.checkpoint_every) == (3, 0.2, 1e-3, 8192, 200)
+    args = build_parser().parse_args(base + ["--recipe", "exit-adapter", "--cache-exits", "6,8", "--steps", "7"])
+    adapter = ExitAdapterConfig.from_args(args)
+    assert (adapter.cache_exits, adapter.steps, adapter.lr, adapter.exit_layer) == ((6, 8), 7, 1e-3, 6)
+    args = build_parser().parse_args(base + ["--recipe", "layerskip", "--lora-rank", "0"])
+    ls = LayerSkipConfig.from_args(args)
+    assert (ls.lora_rank, ls.lr, ls.steps, ls.eval_tokens) == (0, 1e-4, 1000, 4000)
+    args = build_parser().parse_args(["make-data", "--out", "o", "--text-file", "a", "--text-file", "b"])
+    assert MakeDataConfig.from_args(args).text_files == ("a", "b")
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(loading, "load_model", no_loading)
+    for recipe, flag in (("draft-head", ["--unroll", "3"]), ("exit-adapter", ["--batch-tokens", "0"]),
+                         ("layerskip", ["--exit-curriculum", "nope"]), ("layerskip", ["--steps", "0"])):
+        assert main(base + ["--recipe", recipe, *flag]) == 2
+        err = capsys.readouterr().err
+        assert one_line_error(err) and ("nope" in err or "=0" in err or "=3" in err), err
+    assert main(["make-data", "--out", str(tmp_path / "o.jsonl"), "--builtin", "--max-new-tokens", "0"]) == 2
+    assert "max_new_tokens=0 is out of range" in capsys.readouterr().err
+
+
 def test_spec_bench_reader_uses_first_turn(tmp_path):
     from speculant.training.data import spec_bench_prompts
     p = tmp_path / "sb.jsonl"
@@ -326,7 +362,6 @@ def test_spec_bench_reader_uses_first_turn(tmp_path):
 
 
 def test_shipped_default_adapter_is_found_by_name():
-    from dataclasses import replace
     assert exit_adapter_mod.default_adapter_for("smollm2-135m") == "default"
     conf = json.loads((exit_adapter_mod.ARTIFACTS / "smollm2-135m" / "default" / "config.json").read_text())
     E = conf["exit_layer"]
@@ -343,18 +378,19 @@ def test_shipped_default_adapter_is_found_by_name():
 def test_make_data_output_does_not_depend_on_the_batch_size(tmp_path, temperature):
     """Continuous batching decodes each prompt as it would be decoded alone (prompt i samples with seed + i),
     and the split of the prompts does not move with the sampling seed."""
-    from speculant.training.data import make_data
+    from speculant.training.data import MakeDataConfig, make_data
     model = tiny_model(seed=11, scale=2.5, vocab=64, layers=3, eos=7)
     prompts = [Prompt(f"p{i}", "t", " ".join(f"t{(5 * i + j) % 60 + 2}" for j in range(3 + i % 4)))
                for i in range(9)]
     runs = {}
     for b in (1, 4):
         out = tmp_path / f"b{b}.jsonl"
-        make_data(model, prompts, out, temperature=temperature, max_new_tokens=12, batch_size=b, seed=3,
-                  progress=False)
+        make_data(model, prompts, out, MakeDataConfig(temperature=temperature, max_new_tokens=12, batch_size=b,
+                                                      seed=3, progress=False))
         runs[b] = {r["id"]: (r["response_ids"], r["split"]) for r in read_corpus(out)}
     assert runs[1] == runs[4] and len(runs[1]) == 9
     assert any(len(r) < 12 for r, _ in runs[1].values())            # some stopped at EOS, freeing their slot
     other = tmp_path / "seed.jsonl"
-    make_data(model, prompts, other, temperature=temperature, max_new_tokens=4, batch_size=4, seed=99, progress=False)
+    make_data(model, prompts, other, MakeDataConfig(temperature=temperature, max_new_tokens=4, batch_size=4, seed=99,
+                                                    progress=False))
     assert {r["id"]: r["split"] for r in read_corpus(other)} == {k: v[1] for k, v in runs[1].items()}

@@ -190,6 +190,75 @@ def _write_json(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
+def _runners(model: LoadedModel, methods: list[BenchMethod], ids: list[list[int]], cfg: BenchConfig) -> dict:
+    """One runner per method label: ours (in the method's runtime), transformers' or llama.cpp's."""
+    runners: dict[str, object] = {}
+    models: dict[tuple[str, bool], LoadedModel] = {}
+    hf_model = None
+    for m in methods:
+        if m.is_hf:
+            if hf_model is None:
+                from .hf_baselines import hf_model_for
+                hf_model = hf_model_for(model)
+            runners[m.label] = _HF(model, m, hf_model)
+        elif m.is_llamacpp:
+            runners[m.label] = _LlamaCpp(model, m, max(map(len, ids)) + cfg.max_new_tokens + 16)
+        else:
+            runners[m.label] = _Ours(_model_for(model, m, models), m)
+    return runners
+
+
+def _new_results(model: LoadedModel, prompts: list[Prompt], ids: list[list[int]], methods: list[BenchMethod],
+                 runners: dict, cfg: BenchConfig, dataset: str) -> dict:
+    """The results dict before any record (``meta`` and ``prompts`` filled in)."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "meta": {"model": model.name, "dataset": dataset, "dtype": str(model.decoder.dtype).replace("torch.", ""),
+                 "weights": model.weights, "compiled": model.compiled, "fused": model.fused,
+                 "num_layers": model.decoder.num_layers, **asdict(cfg),
+                 "methods": [{"label": m.label, "name": m.name, "params": m.params,
+                              "spec": asdict(m.spec) if m.spec else None,
+                              "drafter": runners[m.label].drafter,
+                              "cost_ratio": runners[m.label].cost_ratio} for m in methods],
+                 "machine": machine_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                 "finished": None, "interrupted": False},
+        "prompts": [{"id": p.id, "category": p.category, "subcategory": p.subcategory, "prompt_tokens": len(i)}
+                    for p, i in zip(prompts, ids)],
+        "records": [],
+        "summary": {},
+    }
+
+
+def _run_prompt(runners: dict, p: Prompt, pid: list[int], order: list[BenchMethod], cfg: BenchConfig,
+                bar) -> dict[str, dict]:
+    """``cfg.repeats`` rounds of every method of ``order`` on one prompt: a record per method label, with every
+    repeat's wall time [s]."""
+    recs: dict[str, dict] = {}
+    for _ in range(cfg.repeats):
+        for m in order:
+            bar.set_description(f"{p.category}/{p.id} {m.label}")
+            toks, seconds, stats = runners[m.label].run(pid, cfg, cfg.max_new_tokens)
+            r = recs.setdefault(m.label, {"prompt_id": p.id, "category": p.category, "method": m.label,
+                                          "token_ids": toks, "seconds": [], "stats": stats})
+            r["seconds"].append(seconds)
+            if toks != r["token_ids"]:
+                r["repeat_outputs_differ"] = True   # would be a determinism bug; kept visible
+            bar.update(1)
+    return recs
+
+
+def _finish_record(model: LoadedModel, r: dict) -> dict:
+    """Add the record's token count, text and speeds (median and best of its repeats)."""
+    n = r["stats"].get("new_tokens", len(r["token_ids"]))
+    r["new_tokens"] = n
+    r["text"] = model.tokenizer.decode(r["token_ids"], skip_special_tokens=True)
+    r["seconds_median"] = statistics.median(r["seconds"])
+    r["seconds_min"] = min(r["seconds"])
+    r["tokens_per_second"] = n / r["seconds_median"] if r["seconds_median"] > 0 else 0.0
+    r["tokens_per_second_best"] = n / r["seconds_min"] if r["seconds_min"] > 0 else 0.0
+    return r
+
+
 def run_benchmark(model: LoadedModel, prompts: list[Prompt], methods: list[BenchMethod], cfg: BenchConfig,
                   out_dir: str | Path | None = None, dataset: str = "", progress: bool = True,
                   chat: bool = True, reports: bool = True) -> dict:
@@ -213,36 +282,9 @@ def run_benchmark(model: LoadedModel, prompts: list[Prompt], methods: list[Bench
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-    runners: dict[str, object] = {}
-    models: dict[tuple[str, bool], LoadedModel] = {}
-    hf_model = None
     ids = encode_prompts(model, prompts, chat)
-    for m in methods:
-        if m.is_hf:
-            if hf_model is None:
-                from .hf_baselines import hf_model_for
-                hf_model = hf_model_for(model)
-            runners[m.label] = _HF(model, m, hf_model)
-        elif m.is_llamacpp:
-            runners[m.label] = _LlamaCpp(model, m, max(map(len, ids)) + cfg.max_new_tokens + 16)
-        else:
-            runners[m.label] = _Ours(_model_for(model, m, models), m)
-    results = {
-        "schema_version": SCHEMA_VERSION,
-        "meta": {"model": model.name, "dataset": dataset, "dtype": str(model.decoder.dtype).replace("torch.", ""),
-                 "weights": model.weights, "compiled": model.compiled, "fused": model.fused,
-                 "num_layers": model.decoder.num_layers, **asdict(cfg),
-                 "methods": [{"label": m.label, "name": m.name, "params": m.params,
-                              "spec": asdict(m.spec) if m.spec else None,
-                              "drafter": runners[m.label].drafter,
-                              "cost_ratio": runners[m.label].cost_ratio} for m in methods],
-                 "machine": machine_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                 "finished": None, "interrupted": False},
-        "prompts": [{"id": p.id, "category": p.category, "subcategory": p.subcategory, "prompt_tokens": len(i)}
-                    for p, i in zip(prompts, ids)],
-        "records": [],
-        "summary": {},
-    }
+    runners = _runners(model, methods, ids, cfg)
+    results = _new_results(model, prompts, ids, methods, runners, cfg, dataset)
     torch.manual_seed(cfg.seed)
     bar = tqdm(total=len(prompts) * len(methods) * cfg.repeats, disable=not progress, unit="gen", dynamic_ncols=True)
     try:
@@ -252,27 +294,8 @@ def run_benchmark(model: LoadedModel, prompts: list[Prompt], methods: list[Bench
                 runners[m.label].run(ids[0], cfg, min(WARMUP_TOKENS, cfg.max_new_tokens))
         for pi, (p, pid) in enumerate(zip(prompts, ids)):
             order = methods[pi % len(methods):] + methods[:pi % len(methods)]
-            recs: dict[str, dict] = {}
-            for _ in range(cfg.repeats):
-                for m in order:
-                    bar.set_description(f"{p.category}/{p.id} {m.label}")
-                    toks, seconds, stats = runners[m.label].run(pid, cfg, cfg.max_new_tokens)
-                    r = recs.setdefault(m.label, {"prompt_id": p.id, "category": p.category, "method": m.label,
-                                                  "token_ids": toks, "seconds": [], "stats": stats})
-                    r["seconds"].append(seconds)
-                    if toks != r["token_ids"]:
-                        r["repeat_outputs_differ"] = True   # would be a determinism bug; kept visible
-                    bar.update(1)
-            for m in methods:
-                r = recs[m.label]
-                n = r["stats"].get("new_tokens", len(r["token_ids"]))
-                r["new_tokens"] = n
-                r["text"] = model.tokenizer.decode(r["token_ids"], skip_special_tokens=True)
-                r["seconds_median"] = statistics.median(r["seconds"])
-                r["seconds_min"] = min(r["seconds"])
-                r["tokens_per_second"] = n / r["seconds_median"] if r["seconds_median"] > 0 else 0.0
-                r["tokens_per_second_best"] = n / r["seconds_min"] if r["seconds_min"] > 0 else 0.0
-                results["records"].append(r)
+            recs = _run_prompt(runners, p, pid, order, cfg, bar)
+            results["records"] += [_finish_record(model, recs[m.label]) for m in methods]
             check_equality(results)
             if out is not None:
                 results["summary"] = summarize(results)

@@ -86,11 +86,6 @@ def enable_compile(decoder: LlamaDecoder, warm_up: bool = True, log=None, blocks
     return True
 
 
-def disable_compile(decoder: LlamaDecoder) -> None:
-    """Back to the eager layer step."""
-    decoder.layer_step = decoder_layer_step
-
-
 def warm_up_compiled(decoder: LlamaDecoder, log=None, blocks: bool = True) -> float:
     """Run the compiled layer step once per graph (one token; a multi-token block when ``blocks``).
 

@@ -467,14 +467,3 @@ def weight_bytes(module: nn.Module) -> int:
     :class:`PackedLinear` projections (whose weights are buffers, not parameters)."""
     params = sum(p.numel() * p.element_size() for p in module.parameters())
     return params + sum(m.nbytes for m in module.modules() if isinstance(m, PackedLinear))
-
-
-def projection_bytes(decoder) -> int:
-    """Bytes of projection weights one decoding step reads (all layers and the LM head)."""
-    total = 0
-    for mod in list(decoder.layers.modules()) + [decoder.lm_head_proj]:
-        if isinstance(mod, PackedLinear):
-            total += mod.nbytes
-        elif isinstance(mod, nn.Linear):
-            total += mod.weight.nbytes
-    return total

@@ -136,13 +136,6 @@ class TuneResult:
                 return r
         raise KeyError(fmt)
 
-    def step_cost(self, fmt: str, rows: int) -> float:
-        """Cost of an ``rows``-row pass over the projections in units of the one-row pass (measured, interpolated)."""
-        ms = {int(k): v for k, v in self.row(fmt, self.fp32_route if fmt == "fp32" else None)["ms"].items()}
-        known = sorted(ms)
-        above = next((r for r in known if r >= rows), known[-1])
-        return ms[above] / ms[1]
-
 
 def cpu_description() -> dict:
     """CPU model name and a digest of its feature flags (Linux ``/proc/cpuinfo``; ``platform`` elsewhere)."""

@@ -1,6 +1,6 @@
 """Logits processing and sampling helpers (temperature, top-k, top-p, Gumbel tricks)."""
 
 from .gumbel import gumbel_like, gumbel_top_k, truncated_gumbel
-from .processors import SamplingConfig, logits_to_probs, sample
+from .processors import SamplingConfig, logits_to_probs
 
-__all__ = ["SamplingConfig", "logits_to_probs", "sample", "gumbel_like", "gumbel_top_k", "truncated_gumbel"]
+__all__ = ["SamplingConfig", "logits_to_probs", "gumbel_like", "gumbel_top_k", "truncated_gumbel"]

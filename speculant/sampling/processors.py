@@ -111,8 +111,3 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None, n
     u = torch.rand(*probs.shape[:-1], num_samples, generator=generator, dtype=torch.float64, device=probs.device)
     idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)
     return idx.clamp_max(probs.shape[-1] - 1)
-
-
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token id drawn from a probability vector ``[V]``."""
-    return int(sample_categorical(probs, generator)[0])

@@ -16,6 +16,7 @@ def cmd_make_data(args) -> int:
     from . import data
 
     _threads(args)
+    config = data.MakeDataConfig.from_args(args)       # bad values fail before the model loads
     prompts = []
     if args.spec_bench:
         prompts += data.spec_bench_prompts(args.spec_bench)
@@ -26,10 +27,7 @@ def cmd_make_data(args) -> int:
     for p in args.prompts_file or ():
         prompts += data.file_prompts(p)
     model = load_for_decoding(args)          # the runtime the corpus' target decodes in (--weights, compiled)
-    summary = data.make_data(model, prompts, args.out, heldout_fraction=args.heldout_fraction, seed=args.seed,
-                             temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                             max_minutes=args.max_minutes, resume=args.resume, text_files=args.text_file or (),
-                             chunk_tokens=args.chunk_tokens, batch_size=args.batch_size, split_seed=args.split_seed)
+    summary = data.make_data(model, prompts, args.out, config)
     print(json.dumps(summary))
     return 0
 

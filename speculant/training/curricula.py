@@ -39,7 +39,7 @@ def enabled_exits(kind: str, step: int, num_layers: int, rotation: int = 2, tota
     if kind == "rotational":
         if rotation < 1:
             raise SpeculantError(f"rotation={rotation} is out of range; allowed: >= 1")
-        return sorted({l for l in range(num_layers) if (l + step) % rotation == rotation - 1} | {last})
+        return sorted({layer for layer in range(num_layers) if (layer + step) % rotation == rotation - 1} | {last})
     if total_steps < 1:
         raise SpeculantError(f"total_steps={total_steps} is out of range; allowed: >= 1")
     interval = total_steps / (2 * num_layers)

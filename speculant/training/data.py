@@ -28,7 +28,6 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from ..errors import SpeculantError
 
@@ -185,7 +184,7 @@ def read_corpus(path: str | Path, split: str | None = None) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise SpeculantError(f"corpus {str(path)!r} does not exist; create it with `speculant make-data`")
-    recs = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r for r in recs if split is None or r["split"] == split]
 
 
@@ -203,82 +202,124 @@ def text_records(path: str | Path, tokenizer, chunk_tokens: int, split: str = "t
     return out
 
 
-def make_data(model, prompts: list[Prompt], out_path: str | Path, *, heldout_fraction: float = 0.1, seed: int = 0,
-              temperature: float = 0.7, top_p: float = 0.95, max_new_tokens: int = 192,
-              max_minutes: float | None = None, resume: bool = False, text_files: Iterable[str] = (),
-              chunk_tokens: int = 256, progress: bool = True, batch_size: int = 1, split_seed: int = 0) -> dict:
+@dataclass(frozen=True)
+class MakeDataConfig:
+    """Settings of ``speculant make-data`` (the flags of the same names; ``text_file`` for ``text_files``).
+
+    Attributes:
+        heldout_fraction: fraction of each source's prompts held out (:func:`split_prompts`), in [0, 0.9].
+        seed: sampling seed (prompt order; prompt i samples with seed ``seed + i``).
+        split_seed: seed of the train / held-out split of the prompts, independent of ``seed``, so that
+            corpora sampled with different seeds share one split (no held-out prompt is ever trained on).
+        temperature, top_p: sampling settings.
+        max_new_tokens: response length cap [tokens].
+        max_minutes: stop starting new prompts after this wall time [minutes]; ``None``: no limit.
+        resume: keep existing records and skip their ids (else the file is overwritten).
+        text_files: raw text added as teacher-forced train sequences of ``chunk_tokens`` tokens.
+        batch_size: prompts decoded together (continuous batching, :mod:`speculant.engine.batch`); the
+            output does not depend on it (prompt i always samples with seed ``seed + i``).
+        progress: show a tqdm bar.
+
+    Raises:
+        SpeculantError: a value out of range (one line naming it and what is allowed).
+    """
+
+    heldout_fraction: float = 0.1
+    seed: int = 0
+    split_seed: int = 0
+    temperature: float = 0.7
+    top_p: float = 0.95
+    max_new_tokens: int = 192
+    max_minutes: float | None = None
+    resume: bool = False
+    text_files: tuple[str, ...] = ()
+    chunk_tokens: int = 256
+    batch_size: int = 1
+    progress: bool = True
+
+    def __post_init__(self):
+        if not 0.0 <= self.heldout_fraction <= 0.9:
+            raise SpeculantError(f"heldout_fraction={self.heldout_fraction} is out of range; allowed: [0, 0.9]")
+        if self.max_new_tokens < 1:
+            raise SpeculantError(f"max_new_tokens={self.max_new_tokens} is out of range; allowed: >= 1")
+        if self.batch_size < 1:
+            raise SpeculantError(f"batch_size={self.batch_size} is out of range; allowed: >= 1")
+        if self.chunk_tokens < 1:
+            raise SpeculantError(f"chunk_tokens={self.chunk_tokens} is out of range; allowed: >= 1")
+
+    @classmethod
+    def from_args(cls, args) -> MakeDataConfig:
+        """From ``speculant make-data``'s parsed flags."""
+        return cls(heldout_fraction=args.heldout_fraction, seed=args.seed, split_seed=args.split_seed,
+                   temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                   max_minutes=args.max_minutes, resume=args.resume, text_files=tuple(args.text_file or ()),
+                   chunk_tokens=args.chunk_tokens, batch_size=args.batch_size)
+
+
+def make_data(model, prompts: list[Prompt], out_path: str | Path, config: MakeDataConfig = MakeDataConfig()) -> dict:
     """Sample one response per prompt from ``model`` with our engine and append records to ``out_path``.
 
     Args:
         model: the target (:class:`~speculant.models.loading.LoadedModel`).
         prompts: see the ``*_prompts`` helpers; ids must be unique.
-        temperature, top_p: sampling settings (seed of prompt i is ``seed + i``).
-        split_seed: seed of the train / held-out split of the prompts, independent of ``seed``, so that
-            corpora sampled with different seeds share one split (no held-out prompt is ever trained on).
-        max_new_tokens: response length cap [tokens].
-        max_minutes: stop starting new prompts after this wall time [minutes].
-        resume: keep existing records and skip their ids (else the file is overwritten).
-        text_files: raw text added as teacher-forced train sequences of ``chunk_tokens`` tokens.
-        batch_size: prompts decoded together (continuous batching, :mod:`speculant.engine.batch`); the
-            output does not depend on it (prompt i always samples with seed ``seed + i``).
     Returns:
         summary dict: records/tokens written per split, seconds, generated tokens/s.
     Raises:
-        SpeculantError: no prompts, duplicate ids, bad settings.
+        SpeculantError: no prompts, duplicate ids.
     """
     from tqdm import tqdm
 
     from ..engine.methods import build_generator
 
-    if not prompts and not text_files:
+    cfg = config
+    if not prompts and not cfg.text_files:
         raise SpeculantError("no prompts given; allowed: --spec-bench PATH, --humaneval, --builtin, --prompts-file PATH")
     ids = [p.id for p in prompts]
     if len(set(ids)) != len(ids):
         raise SpeculantError("prompt ids are not unique; allowed: each source at most once")
-    if max_new_tokens < 1:
-        raise SpeculantError(f"max_new_tokens={max_new_tokens} is out of range; allowed: >= 1")
-    if batch_size < 1:
-        raise SpeculantError(f"batch_size={batch_size} is out of range; allowed: >= 1")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = set()
-    if resume and out_path.is_file():
+    if cfg.resume and out_path.is_file():
         done = {r["id"] for r in read_corpus(out_path)}
     elif out_path.exists():
         out_path.unlink()
-    split = split_prompts(prompts, heldout_fraction, split_seed)
+    split = split_prompts(prompts, cfg.heldout_fraction, cfg.split_seed)
     gen = build_generator(model, method="ar")
     t0 = time.perf_counter()
-    n_tok = {"train": 0, "heldout": 0}
-    n_rec = {"train": 0, "heldout": 0}
-    gen_tokens = 0
-    todo = [p for p in interleave(prompts, seed) if p.id not in done]
+    counts = {"records": {"train": 0, "heldout": 0}, "tokens": {"train": 0, "heldout": 0}, "generated": 0}
+    todo = [p for p in interleave(prompts, cfg.seed) if p.id not in done]
     with out_path.open("a") as f:
-        for rec in (r for tf in text_files for r in text_records(tf, model.tokenizer, chunk_tokens)):
-            if rec["id"] in done:
-                continue
-            f.write(json.dumps(rec) + "\n")
-            n_rec["train"] += 1
-            n_tok["train"] += len(rec["response_ids"])
-        bar = tqdm(total=len(todo), desc="make-data", unit="prompt", disable=not progress)
-        for p, prompt_ids, response in _responses(model, gen, todo, batch_size, temperature, top_p, seed, ids,
-                                                  max_new_tokens, t0, max_minutes):
-            rec = {"id": p.id, "source": p.source, "split": split[p.id], "prompt": p.text,
-                   "prompt_ids": prompt_ids, "response_ids": response,
-                   "text": model.tokenizer.decode(response, skip_special_tokens=True)}
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
+        _write_text_records(f, model.tokenizer, cfg, done, counts)
+        bar = tqdm(total=len(todo), desc="make-data", unit="prompt", disable=not cfg.progress)
+        for p, prompt_ids, response in _responses(model, gen, todo, cfg.batch_size, cfg.temperature, cfg.top_p,
+                                                  cfg.seed, ids, cfg.max_new_tokens, t0, cfg.max_minutes):
             s = split[p.id]
-            n_rec[s] += 1
-            n_tok[s] += len(prompt_ids) + len(response)
-            gen_tokens += len(response)
+            f.write(json.dumps({"id": p.id, "source": p.source, "split": s, "prompt": p.text,
+                                "prompt_ids": prompt_ids, "response_ids": response,
+                                "text": model.tokenizer.decode(response, skip_special_tokens=True)}) + "\n")
+            f.flush()
+            counts["records"][s] += 1
+            counts["tokens"][s] += len(prompt_ids) + len(response)
+            counts["generated"] += len(response)
             bar.update(1)
-            bar.set_postfix(gen_tok_s=f"{gen_tokens / (time.perf_counter() - t0):.1f}")
+            bar.set_postfix(gen_tok_s=f"{counts['generated'] / (time.perf_counter() - t0):.1f}")
         bar.close()
     secs = time.perf_counter() - t0
-    return {"path": str(out_path), "records": n_rec, "tokens": n_tok, "generated_tokens": gen_tokens,
-            "seconds": round(secs, 1), "generated_tokens_per_second": round(gen_tokens / max(secs, 1e-9), 2),
+    return {"path": str(out_path), "records": counts["records"], "tokens": counts["tokens"],
+            "generated_tokens": counts["generated"], "seconds": round(secs, 1),
+            "generated_tokens_per_second": round(counts["generated"] / max(secs, 1e-9), 2),
             "skipped_existing": len(done)}
+
+
+def _write_text_records(f, tokenizer, cfg: MakeDataConfig, done: set, counts: dict) -> None:
+    """Write the records of ``cfg.text_files`` not in ``done`` (train split) to ``f``; count them in ``counts``."""
+    for rec in (r for tf in cfg.text_files for r in text_records(tf, tokenizer, cfg.chunk_tokens)):
+        if rec["id"] in done:
+            continue
+        f.write(json.dumps(rec) + "\n")
+        counts["records"]["train"] += 1
+        counts["tokens"]["train"] += len(rec["response_ids"])
 
 
 def _responses(model, gen, todo, batch_size, temperature, top_p, seed, ids, max_new_tokens, t0, max_minutes):

@@ -43,14 +43,14 @@ def layer_agreement(model, records: list[dict], max_tokens: int = 2000, exit_hea
         pos = torch.arange(len(ids))
         h = dec.embed(torch.tensor([ids]))
         outs = []
-        for l in range(L):
-            h = dec.run_layers(h, l, l + 1, pos)
+        for layer in range(L):
+            h = dec.run_layers(h, layer, layer + 1, pos)
             outs.append(dec.lm_head(dec.final_norm(h[0, first:])).argmax(-1))
-            if exit_head is not None and l + 1 == exit_layer:
+            if exit_head is not None and layer + 1 == exit_layer:
                 ad_top = exit_head(h[0, first:]).argmax(-1)
         final = outs[-1]
-        for l in range(L):
-            agree[l] += int((outs[l] == final).sum())
+        for layer in range(L):
+            agree[layer] += int((outs[layer] == final).sum())
         if exit_head is not None:
             ad_agree += int((ad_top == final).sum())
         n += len(final)
@@ -58,7 +58,7 @@ def layer_agreement(model, records: list[dict], max_tokens: int = 2000, exit_hea
             break
     if n == 0:
         raise SpeculantError("no held-out response positions to evaluate")
-    return {"positions": n, "layers": {l + 1: agree[l].item() / n for l in range(L - 1)},
+    return {"positions": n, "layers": {layer + 1: agree[layer].item() / n for layer in range(L - 1)},
             "adapter": ad_agree / n if exit_head is not None else None, "adapter_exit_layer": exit_layer}
 
 

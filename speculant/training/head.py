@@ -20,7 +20,7 @@ agreement with the target's argmax (greedy acceptance of the first drafted token
 
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from ..drafters.draft_head import DraftHead, load_head, new_head, save_head
 from ..errors import SpeculantError, check_range
 from .losses import topk_distill_loss
+from .run import RunConfig, check_positions, optimize, read_checkpoint, seeded
 
 
 def corpus_list(text: str) -> list[str]:
@@ -281,146 +282,220 @@ Decoding results (block efficiency, speed) are in BENCHMARKS.md ("Draft head (EA
 """
 
 
-def train_draft_head(model, corpora: list[str], out: str, *, steps: int = 1000, lr: float = 1e-3,
-                     warmup: float = 0.05, batch_seqs: int = 8, seq_len: int = 256, draft_vocab: int = 16384,
-                     topk: int = 32, feature: str = "post-norm", init: str = "random", v_weight: float = 1.0,
-                     p_weight: float = 1.0, hard_weight: float = 0.5, noise: float = 0.0, positions: str = "all",
-                     unroll: int = 1, seed: int = 0, max_minutes: float | None = None, resume: bool = False,
-                     checkpoint_every: int = 100, eval_every: int = 100, eval_tokens: int = 4000,
-                     cache_dir: str | None = None, max_train_tokens: int | None = None, progress: bool = True,
-                     command: str = "") -> dict:
+@dataclass(frozen=True)
+class DraftHeadConfig(RunConfig):
+    """Settings of ``--recipe draft-head`` (the flags of the same names, ``--head-batch``/``--head-seq-len`` for
+    ``batch_seqs``/``seq_len``, ``--feature-noise`` for ``noise``; :class:`RunConfig` has the common ones).
+
+    Attributes:
+        batch_seqs, seq_len: windows per step and entries per window [positions].
+        draft_vocab: draft vocabulary size (0: the full vocabulary).
+        topk: teacher top-k log-probs cached per position.
+        feature: target feature the head reads, ``post-norm`` or ``pre-norm``; init: ``random`` or ``last-layer``.
+        v_weight, p_weight, hard_weight: weights of the feature regression, the distribution loss, and the hard
+            cross-entropy inside it (:func:`head_loss`).
+        noise: uniform input-feature noise, width in units of the features' RMS (EAGLE's augmentation).
+        positions: train on ``all`` positions or ``response`` positions only.
+        unroll: 1, or 2 for the second, self-fed pass of :func:`head_loss`.
+        cache_dir: feature cache (``None``: :func:`default_cache_dir`).
+        max_train_tokens: training positions cached at most (``None``: every train split).
+        command: the command line the model card records.
+
+    Raises:
+        SpeculantError: a value out of range (one line naming it and what is allowed).
+    """
+
+    checkpoint_every: int = 100
+    eval_every: int = 100
+    batch_seqs: int = 8
+    seq_len: int = 256
+    draft_vocab: int = 16384
+    topk: int = 32
+    feature: str = "post-norm"
+    init: str = "random"
+    v_weight: float = 1.0
+    p_weight: float = 1.0
+    hard_weight: float = 0.5
+    noise: float = 0.0
+    positions: str = "all"
+    unroll: int = 1
+    cache_dir: str | None = None
+    max_train_tokens: int | None = None
+    command: str = ""
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("batch_seqs", "seq_len", "topk"):
+            check_range(name, getattr(self, name), 1)
+        check_range("draft_vocab", self.draft_vocab, 0)
+        check_range("unroll", self.unroll, 1, 2)
+        check_positions(self.positions)
+
+    @classmethod
+    def from_args(cls, args) -> DraftHeadConfig:
+        """From ``speculant train``'s parsed flags (:func:`speculant.training.train.add_train_args`)."""
+        from .train import command_line
+        return cls(**RunConfig.args_of(args, lr=1e-3), batch_seqs=args.head_batch, seq_len=args.head_seq_len,
+                   draft_vocab=args.draft_vocab, topk=args.topk, feature=args.feature, init=args.init,
+                   v_weight=args.v_weight, p_weight=args.p_weight, hard_weight=args.hard_weight,
+                   noise=args.feature_noise, positions=args.positions, unroll=args.unroll, cache_dir=args.cache_dir,
+                   max_train_tokens=args.max_train_tokens, command=command_line())
+
+    def settings(self) -> dict:
+        """What a checkpoint must match to be resumed."""
+        return {"feature": self.feature, "draft_vocab": self.draft_vocab, "init": self.init}
+
+
+@dataclass
+class _HeadData:
+    """The draft-head recipe's tensors: features (``train``/``heldout``: :func:`load_split`), head inputs
+    ``f_train``/``f_heldout`` ``[N, D]``, which positions count (``weight [N]``), sequences ``[S, 2]`` (training: of
+    2 or more positions), the teacher's ids in the draft vocabulary ``t_map [N, k]``."""
+
+    train: dict
+    heldout: dict
+    f_train: torch.Tensor
+    f_heldout: torch.Tensor
+    weight: torch.Tensor
+    seqs: torch.Tensor
+    heldout_seqs: torch.Tensor
+    vocab_ids: torch.Tensor | None
+    t_map: torch.Tensor
+
+
+def _head_data(model, corpora: list[str], cfg: DraftHeadConfig) -> _HeadData:
+    from .train import remap, select_vocab
+
+    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+    V = model.config.vocab_size
+    tr = load_split(model, corpora, "train", cfg.topk, cache_dir, cfg.max_train_tokens, cfg.progress)
+    ho = load_split(model, corpora, "heldout", cfg.topk, cache_dir, None, cfg.progress)
+    weight = tr["response"] if cfg.positions == "response" else torch.ones_like(tr["response"])
+    seqs = sequences(tr["seq"])
+    vocab_ids = None
+    if cfg.draft_vocab and cfg.draft_vocab < V:
+        vocab_ids = select_vocab(tr["t_idx"], tr["t_logp"], cfg.draft_vocab, V, model.eos_token_ids)
+    return _HeadData(tr, ho, head_inputs(model, tr, cfg.feature), head_inputs(model, ho, cfg.feature), weight,
+                     seqs[seqs[:, 1] >= 2], sequences(ho["seq"]), vocab_ids, remap(tr["t_idx"], vocab_ids, V))
+
+
+def _resume_head(ckpt: Path, cfg: DraftHeadConfig, head, opt, gen) -> tuple[int, list, int]:
+    """Load ``ckpt`` into the head, optimizer and generator; returns ``(step, history, positions seen)``."""
+    st = read_checkpoint(ckpt)
+    if st.get("recipe") != "draft-head" or st["settings"] != cfg.settings():
+        raise SpeculantError(f"checkpoint {str(ckpt)!r} is for {st.get('recipe')} {st.get('settings')}; "
+                             f"allowed: recipe draft-head with {cfg.settings()}")
+    head.load_state_dict(st["head"], strict=False)
+    opt.load_state_dict(st["opt"])
+    gen.set_state(st["gen"])
+    return st["step"], st["history"], st["seen"]
+
+
+def _windows(seqs: torch.Tensor, lengths: torch.Tensor, cfg: DraftHeadConfig, gen) -> list[tuple[int, int, int]]:
+    """``batch_seqs`` windows ``(sequence start, first entry, entries)``: sequences drawn by length, a window of up
+    to ``seq_len`` entries at a uniform offset in each."""
+    pick = torch.multinomial(lengths, cfg.batch_seqs, replacement=True, generator=gen)
+    spans = []
+    for s, length in seqs[pick].tolist():
+        entries = length - 1
+        t = min(cfg.seq_len, entries)
+        a = s + int(torch.randint(entries - t + 1, (1,), generator=gen))
+        spans.append((s, a, t))
+    return spans
+
+
+def train_draft_head(model, corpora: list[str], out: str, config: DraftHeadConfig = DraftHeadConfig()) -> dict:
     """Train a draft head (recipe ``draft-head``); writes ``out/`` (head + card + metrics + checkpoint).
 
     Args:
         corpora: make-data JSONL paths (train and held-out splits).
-        batch_seqs, seq_len: windows per step and entries per window [positions].
-        draft_vocab: draft vocabulary size (0 = the full vocabulary).
-        unroll: 1, or 2 for the second, self-fed pass of :func:`head_loss`.
     Returns:
         metrics (held-out top-1 / T=1 acceptance before and after, the learning curve, throughput).
     Raises:
-        SpeculantError: bad settings, or ``resume`` without a compatible checkpoint.
+        SpeculantError: no records of a split, or ``resume`` without a compatible checkpoint.
     """
-    from tqdm import tqdm
-
-    from .train import _seed, check_positions, lr_at, remap, select_vocab
-
-    for name, value in (("steps", steps), ("batch_seqs", batch_seqs), ("seq_len", seq_len)):
-        check_range(name, value, 1)
-    check_range("unroll", unroll, 1, 2)
-    check_positions(positions)
+    cfg = config
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
-    gen = _seed(seed)
-    V = model.config.vocab_size
-    tr = load_split(model, corpora, "train", topk, cache_dir, max_train_tokens, progress)
-    ho = load_split(model, corpora, "heldout", topk, cache_dir, None, progress)
-    f_tr, f_ho = head_inputs(model, tr, feature), head_inputs(model, ho, feature)
-    weight = tr["response"] if positions == "response" else torch.ones_like(tr["response"])
-    seqs = sequences(tr["seq"])
-    seqs = seqs[seqs[:, 1] >= 2]
-    ho_seqs = sequences(ho["seq"])
-    vocab_ids = None
-    if draft_vocab and draft_vocab < V:
-        vocab_ids = select_vocab(tr["t_idx"], tr["t_logp"], draft_vocab, V, model.eos_token_ids)
-    head = new_head(model, vocab_ids, feature, init)
-    t_map = remap(tr["t_idx"], vocab_ids, V)
-    noise_width = noise * float(f_tr[:20000].float().pow(2).mean().sqrt())
+    gen = seeded(cfg.seed)
+    data = _head_data(model, corpora, cfg)
+    head = new_head(model, data.vocab_ids, cfg.feature, cfg.init)
+    noise_width = cfg.noise * float(data.f_train[:20000].float().pow(2).mean().sqrt())
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    settings = {"feature": feature, "draft_vocab": draft_vocab, "init": init}
-    start, history, seen = 0, [], 0
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     ckpt = out / "checkpoint.pt"
-    if resume:
-        if not ckpt.is_file():
-            raise SpeculantError(f"--resume given but {str(ckpt)!r} does not exist; allowed: a previous --out")
-        st = torch.load(ckpt, weights_only=False)
-        if st.get("recipe") != "draft-head" or st["settings"] != settings:
-            raise SpeculantError(f"checkpoint {str(ckpt)!r} is for {st.get('recipe')} {st.get('settings')}; "
-                                 f"allowed: recipe draft-head with {settings}")
-        head.load_state_dict(st["head"], strict=False)
-        opt.load_state_dict(st["opt"])
-        gen.set_state(st["gen"])
-        start, history, seen = st["step"], st["history"], st["seen"]
+    start, history, seen = _resume_head(ckpt, cfg, head, opt, gen) if cfg.resume else (0, [], 0)
+    ho = data.heldout
+    last = {"loss": torch.tensor(float("nan")), "v": float("nan"), "p": float("nan"), "seen": seen}
 
     def evaluate(h):
-        return evaluate_head(h, f_ho, ho["ids"], ho["t_idx"], ho["t_logp"], ho["response"], ho_seqs, eval_tokens)
+        return evaluate_head(h, data.f_heldout, ho["ids"], ho["t_idx"], ho["t_logp"], ho["response"],
+                             data.heldout_seqs, cfg.eval_tokens)
+
+    def record(done):
+        history.append({"step": done, "train_positions": last["seen"], "loss": last["loss"].item(), "v": last["v"],
+                        "p": last["p"], "eval": evaluate(head)})
 
     if start == 0:
         history.append({"step": 0, "train_positions": 0, "eval": evaluate(head)})
 
     def checkpoint(step):
-        torch.save({"recipe": "draft-head", "settings": settings, "head": head.state_dict(), "opt": opt.state_dict(),
-                    "gen": gen.get_state(), "step": step, "history": history, "seen": seen}, ckpt)
+        torch.save({"recipe": "draft-head", "settings": cfg.settings(), "head": head.state_dict(),
+                    "opt": opt.state_dict(), "gen": gen.get_state(), "step": step, "history": history,
+                    "seen": last["seen"]}, ckpt)
 
-    lengths = (seqs[:, 1] - 1).double()
-    t0 = time.perf_counter()
-    done, parts = start, {"v": float("nan"), "p": float("nan")}
-    loss = torch.tensor(float("nan"))
-    head.train()
-    bar = tqdm(range(start, steps), desc="train draft-head", unit="step", disable=not progress)
-    for step in bar:
-        for g in opt.param_groups:
-            g["lr"] = lr * lr_at(step, steps, warmup)
-        pick = torch.multinomial(lengths, batch_seqs, replacement=True, generator=gen)
-        spans = []
-        for s, length in seqs[pick].tolist():
-            entries = length - 1
-            t = min(seq_len, entries)
-            a = s + int(torch.randint(entries - t + 1, (1,), generator=gen))
-            spans.append((s, a, t))
-        loss, parts = head_loss(head, f_tr, tr["ids"], t_map, tr["t_logp"], weight, spans, v_weight, p_weight,
-                                hard_weight, noise_width, gen, unroll)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        seen += sum(t for _, _, t in spans)
-        done = step + 1
-        if step == 0:
+    lengths = (data.seqs[:, 1] - 1).double()
+
+    def batch_loss(step):
+        spans = _windows(data.seqs, lengths, cfg, gen)
+        loss, parts = head_loss(head, data.f_train, data.train["ids"], data.t_map, data.train["t_logp"], data.weight,
+                                spans, cfg.v_weight, cfg.p_weight, cfg.hard_weight, noise_width, gen, cfg.unroll)
+        positions = sum(t for _, _, t in spans)
+        last.update(parts, loss=loss, seen=last["seen"] + positions)
+        return loss, positions
+
+    def after_step(done, loss):
+        if done == 1:
             history[0]["first_loss"] = loss.item()
-        bar.set_postfix(loss=f"{loss.item():.3f}", pos_s=f"{(seen) / (time.perf_counter() - t0 + 1e-9):.0f}")
-        if done % eval_every == 0 or done == steps:
-            history.append({"step": done, "train_positions": seen, "loss": loss.item(), **parts,
-                            "eval": evaluate(head)})
-        if done % checkpoint_every == 0:
-            checkpoint(done)
-        if max_minutes is not None and time.perf_counter() - t0 > max_minutes * 60:
-            break
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            record(done)
+
+    head.train()
+    done, _, secs = optimize(cfg, opt, params, start, "train draft-head", batch_loss, after_step, checkpoint,
+                             unit="pos_s")
     if history[-1]["step"] != done:
-        history.append({"step": done, "train_positions": seen, "loss": loss.item(), **parts, "eval": evaluate(head)})
+        record(done)
     checkpoint(done)
-    secs = time.perf_counter() - t0
     head.eval()
-    metrics = {"recipe": "draft-head", **settings, "corpora": [str(c) for c in corpora], "topk": topk, "lr": lr,
-               "v_weight": v_weight, "p_weight": p_weight, "hard_weight": hard_weight, "noise": noise, "unroll": unroll,
-               "batch_seqs": batch_seqs, "seq_len": seq_len, "positions": positions, "seed": seed,
-               "steps_done": done, "steps_planned": steps, "train_positions": int(tr["tokens"]),
-               "train_positions_by_corpus": tr["by_corpus"], "parameters": sum(p.numel() for p in params),
-               "positions_seen": seen, "feature_cache_tokens_per_second": tr["tokens"] / max(tr["seconds"], 1e-9),
-               "train_positions_per_second": (seen - (history[0].get("train_positions", 0))) / max(secs, 1e-9),
-               "train_seconds": secs, "first_loss": history[0].get("first_loss"), "last_loss": loss.item(), "last_v": parts["v"], "last_p": parts["p"],
-               "vocab_coverage": vocab_coverage(tr["t_idx"], tr["t_logp"], ho["t_idx"],
-                                                [4096, 8192, 16384, 32768], V),
-               "history": history}
+    metrics = _head_metrics(cfg, corpora, data, params, history, last, done, secs, model.config.vocab_size)
+    return _save_head_and_card(model, head, out, cfg, metrics, evaluate)
+
+
+def _head_metrics(cfg: DraftHeadConfig, corpora, data: _HeadData, params, history, last, done, secs,
+                  vocab_size: int) -> dict:
+    tr, seen = data.train, last["seen"]
+    return {"recipe": "draft-head", **cfg.settings(), "corpora": [str(c) for c in corpora], "topk": cfg.topk,
+            "lr": cfg.lr, "v_weight": cfg.v_weight, "p_weight": cfg.p_weight, "hard_weight": cfg.hard_weight,
+            "noise": cfg.noise, "unroll": cfg.unroll, "batch_seqs": cfg.batch_seqs, "seq_len": cfg.seq_len,
+            "positions": cfg.positions, "seed": cfg.seed, "steps_done": done, "steps_planned": cfg.steps,
+            "train_positions": int(tr["tokens"]), "train_positions_by_corpus": tr["by_corpus"],
+            "parameters": sum(p.numel() for p in params), "positions_seen": seen,
+            "feature_cache_tokens_per_second": tr["tokens"] / max(tr["seconds"], 1e-9),
+            "train_positions_per_second": (seen - (history[0].get("train_positions", 0))) / max(secs, 1e-9),
+            "train_seconds": secs, "first_loss": history[0].get("first_loss"), "last_loss": last["loss"].item(),
+            "last_v": last["v"], "last_p": last["p"],
+            "vocab_coverage": vocab_coverage(tr["t_idx"], tr["t_logp"], data.heldout["t_idx"],
+                                             [4096, 8192, 16384, 32768], vocab_size),
+            "history": history}
+
+
+def _save_head_and_card(model, head, out: Path, cfg: DraftHeadConfig, metrics: dict, evaluate) -> dict:
+    """Write the head, evaluate what was written (bfloat16 round trip, the model's dtype), write the card, the
+    metrics and the learning curve."""
     save_head(head, out)
-    stored = load_head(out, model)          # evaluate what was written (bf16 round trip, model dtype)
-    metrics["final"] = evaluate_head(stored.float(), f_ho, ho["ids"], ho["t_idx"], ho["t_logp"], ho["response"],
-                                     ho_seqs, eval_tokens)
-    save_head(head, out, card=model_card(stored.config, metrics, command), metrics=metrics)
-    plot_learning_curve(history + [{"train_positions": seen, "eval": metrics["final"]}], out / "learning_curve.png")
+    stored = load_head(out, model)
+    metrics["final"] = evaluate(stored.float())
+    save_head(head, out, card=model_card(stored.config, metrics, cfg.command), metrics=metrics)
+    plot_learning_curve(metrics["history"] + [{"train_positions": metrics["positions_seen"], "eval": metrics["final"]}],
+                        out / "learning_curve.png")
     return {k: v for k, v in metrics.items() if k != "history"}
-
-
-def train_head_from_args(model, args, common: dict) -> dict:
-    """``speculant train --recipe draft-head`` (flags: :func:`speculant.training.train.add_train_args`)."""
-    import sys
-    return train_draft_head(model, corpus_list(args.corpus), args.out, lr=args.lr or 1e-3,
-                            batch_seqs=args.head_batch, seq_len=args.head_seq_len, draft_vocab=args.draft_vocab,
-                            topk=args.topk, feature=args.feature, init=args.init, v_weight=args.v_weight,
-                            p_weight=args.p_weight, hard_weight=args.hard_weight, noise=args.feature_noise,
-                            unroll=args.unroll,
-                            positions=args.positions, eval_every=args.eval_every, eval_tokens=args.eval_tokens,
-                            cache_dir=args.cache_dir, max_train_tokens=args.max_train_tokens,
-                            command="speculant " + " ".join(sys.argv[1:]), **common)

@@ -29,17 +29,17 @@ def exit_scales(num_layers: int, enabled: list[int], e_scale: float = 1.0) -> di
     if e_scale < 0:
         raise SpeculantError(f"e_scale={e_scale} is out of range; allowed: >= 0")
     raw = {}
-    for l in enabled:
-        if not 0 <= l < num_layers:
-            raise SpeculantError(f"exit layer {l} is out of range; allowed: 0..{num_layers - 1}")
-        if l == num_layers - 1:
-            raw[l] = (num_layers - 1) + e_scale * sum(range(num_layers - 1))
+    for layer in enabled:
+        if not 0 <= layer < num_layers:
+            raise SpeculantError(f"exit layer {layer} is out of range; allowed: 0..{num_layers - 1}")
+        if layer == num_layers - 1:
+            raw[layer] = (num_layers - 1) + e_scale * sum(range(num_layers - 1))
         else:
-            raw[l] = e_scale * sum(range(l + 1))
+            raw[layer] = e_scale * sum(range(layer + 1))
     total = sum(raw.values())
     if total <= 0:                      # e.g. only exit 0 with e_scale small: weight it fully
-        return {l: 1.0 / len(raw) for l in raw}
-    return {l: v / total for l, v in raw.items()}
+        return {layer: 1.0 / len(raw) for layer in raw}
+    return {layer: v / total for layer, v in raw.items()}
 
 
 def early_exit_loss(exit_logits: dict[int, torch.Tensor], targets: torch.Tensor, scales: dict[int, float],
@@ -54,8 +54,8 @@ def early_exit_loss(exit_logits: dict[int, torch.Tensor], targets: torch.Tensor,
         scalar loss [nats].
     """
     loss = targets.new_zeros((), dtype=torch.float32)
-    for l, logits in exit_logits.items():
-        loss = loss + scales[l] * F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
+    for layer, logits in exit_logits.items():
+        loss = loss + scales[layer] * F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
     return loss
 
 

@@ -51,7 +51,7 @@ def layer_dropout_rates(num_layers: int, p_max: float, step: int = 0, total_step
     check_range("p_max", p_max, 0.0, 1.0)
     check_range("num_layers", num_layers, 1)
     d = time_scale(step, total_steps, time_curriculum)
-    return [depth_scale(l, num_layers) * d * p_max for l in range(num_layers)]
+    return [depth_scale(layer, num_layers) * d * p_max for layer in range(num_layers)]
 
 
 def sample_keep_mask(rates: list[float], batch: int, generator: torch.Generator | None = None) -> torch.Tensor:

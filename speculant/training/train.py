@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-import random
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +28,11 @@ import torch
 from ..errors import SpeculantError, check_range
 from .curricula import CURRICULA, enabled_exits
 from .losses import early_exit_loss, exit_scales, topk_distill_loss
+from .run import RunConfig, check_positions, lr_at, optimize, read_checkpoint, seeded
 from .schedules import TIME_CURRICULA, layer_dropout_rates, sample_keep_mask
+
+__all__ = ["RECIPES", "ExitAdapterConfig", "LayerSkipConfig", "add_train_args", "lr_at", "train_exit_adapter",
+           "train_layerskip", "train_from_args"]
 
 RECIPES = ("layerskip", "exit-adapter", "draft-head")
 LORA_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
@@ -85,27 +88,6 @@ def add_train_args(p) -> None:
     ls.add_argument("--seq-len", type=int, default=128)
     ls.add_argument("--batch", type=int, default=4)
     ls.add_argument("--eval-exit", type=int, default=8, help="exit layer whose agreement is reported")
-
-
-def lr_at(step: int, steps: int, warmup: float) -> float:
-    """Linear warm-up then cosine decay to 10%: a multiplier of the peak learning rate."""
-    w = max(1, int(steps * warmup))
-    if step < w:
-        return (step + 1) / w
-    t = (step - w) / max(1, steps - w)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
-
-
-def check_positions(positions: str) -> None:
-    """Raise :class:`SpeculantError` unless ``positions`` (which positions train) is ``all`` or ``response``."""
-    if positions not in ("all", "response"):
-        raise SpeculantError(f"positions={positions!r} is unknown; allowed: all, response")
-
-
-def _seed(seed: int) -> torch.Generator:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    return torch.Generator().manual_seed(seed)
 
 
 # ----------------------------------------------------------------------------- exit adapter
@@ -218,110 +200,169 @@ Draft-vocabulary coverage of the teacher argmax: {m['final']['coverage']:.3f}; K
 """
 
 
-def train_exit_adapter(model, corpus: str, out: str, *, exit_layer: int = 6, blocks: int = 2, draft_vocab: int = 8192,
-                       topk: int = 32, steps: int = 1000, lr: float = 1e-3, warmup: float = 0.05,
-                       batch_tokens: int = 512, hard_weight: float = 0.5, positions: str = "all", seed: int = 0,
-                       max_minutes: float | None = None, resume: bool = False, checkpoint_every: int = 200,
-                       eval_every: int = 200, eval_tokens: int = 4000, cache_dir: str | None = None,
-                       max_train_tokens: int | None = None, cache_exits: tuple[int, ...] = (), progress: bool = True,
-                       command: str = "") -> dict:
+@dataclass(frozen=True)
+class ExitAdapterConfig(RunConfig):
+    """Settings of ``--recipe exit-adapter`` (the flags of the same names; :class:`RunConfig` has the common ones).
+
+    Attributes:
+        exit_layer: exit layer E (the adapter reads the hidden state leaving layer E-1).
+        blocks: residual SwiGLU blocks, initialised from the MLPs of layers E, E+1, ...
+        draft_vocab: reduced draft vocabulary size (0: the full vocabulary).
+        topk: teacher top-k log-probs cached per position.
+        batch_tokens: positions per step.
+        hard_weight: extra cross-entropy weight on the teacher's argmax.
+        positions: train on ``all`` positions or ``response`` positions only.
+        cache_dir: feature cache (``None``: ``out/cache``).
+        max_train_tokens: training positions cached at most (``None``: the whole train split).
+        cache_exits: extra exit layers cached in the same pass.
+        command: the command line the model card records.
+
+    Raises:
+        SpeculantError: a value out of range (one line naming it and what is allowed).
+    """
+
+    exit_layer: int = 6
+    blocks: int = 2
+    draft_vocab: int = 8192
+    topk: int = 32
+    batch_tokens: int = 512
+    hard_weight: float = 0.5
+    positions: str = "all"
+    cache_dir: str | None = None
+    max_train_tokens: int | None = None
+    cache_exits: tuple[int, ...] = ()
+    command: str = ""
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_range("exit_layer", self.exit_layer, 1)
+        check_range("blocks", self.blocks, 0)
+        check_range("draft_vocab", self.draft_vocab, 0)
+        check_range("topk", self.topk, 1)
+        check_range("batch_tokens", self.batch_tokens, 1)
+        check_positions(self.positions)
+
+    @classmethod
+    def from_args(cls, args) -> ExitAdapterConfig:
+        """From ``speculant train``'s parsed flags."""
+        return cls(**RunConfig.args_of(args, lr=1e-3), exit_layer=args.exit_layer, blocks=args.blocks,
+                   draft_vocab=args.draft_vocab, topk=args.topk, batch_tokens=args.batch_tokens,
+                   hard_weight=args.hard_weight, positions=args.positions, cache_dir=args.cache_dir,
+                   max_train_tokens=args.max_train_tokens, cache_exits=_int_list("--cache-exits", args.cache_exits),
+                   command=command_line())
+
+
+@dataclass
+class _AdapterData:
+    """The exit-adapter recipe's tensors: training positions (``hidden [N, D]``, teacher top-k ``t_idx``/``t_logp``
+    ``[N, k]``, ``t_map``: ``t_idx`` in the draft vocabulary), the held-out evaluation subset and the features."""
+
+    hidden: torch.Tensor
+    t_idx: torch.Tensor
+    t_logp: torch.Tensor
+    t_map: torch.Tensor
+    vocab_ids: torch.Tensor | None
+    heldout: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    train_features: dict
+    heldout_features: dict
+
+
+def _adapter_data(model, corpus: str, cfg: ExitAdapterConfig, cache_dir: Path) -> _AdapterData:
+    from .features import cached_features
+
+    V = model.config.vocab_size
+    exits = sorted({cfg.exit_layer, *cfg.cache_exits})
+    tr = cached_features(model, corpus, "train", exits, cfg.topk, cache_dir, cfg.max_train_tokens, cfg.progress)
+    ho = cached_features(model, corpus, "heldout", exits, cfg.topk, cache_dir, None, cfg.progress)
+    H = tr[f"hidden/{cfg.exit_layer}"]
+    if cfg.positions == "response":
+        keep = tr["response"].nonzero().squeeze(1)
+        H, t_idx, t_logp = H[keep], tr["t_idx"][keep], tr["t_logp"][keep]
+    else:
+        t_idx, t_logp = tr["t_idx"], tr["t_logp"]
+    vocab_ids = None
+    if cfg.draft_vocab and cfg.draft_vocab < V:
+        vocab_ids = select_vocab(t_idx, t_logp, cfg.draft_vocab, V, model.eos_token_ids)
+    return _AdapterData(H, t_idx, t_logp, remap(t_idx, vocab_ids, V), vocab_ids,
+                        _eval_subset(ho, cfg.exit_layer, cfg.eval_tokens), tr, ho)
+
+
+def _resume_adapter(ckpt: Path, cfg: ExitAdapterConfig, adapter, opt, gen) -> tuple[int, list]:
+    """Load ``ckpt`` into the adapter, optimizer and generator; returns ``(step, history)``."""
+    st = read_checkpoint(ckpt)
+    if st["recipe"] != "exit-adapter" or st["exit_layer"] != cfg.exit_layer:
+        raise SpeculantError(f"checkpoint {str(ckpt)!r} is for {st['recipe']} at E={st['exit_layer']}; "
+                             f"allowed: the same recipe and --exit-layer")
+    adapter.load_state_dict(st["adapter"])
+    opt.load_state_dict(st["opt"])
+    gen.set_state(st["gen"])
+    return st["step"], st["history"]
+
+
+def train_exit_adapter(model, corpus: str, out: str, config: ExitAdapterConfig = ExitAdapterConfig()) -> dict:
     """Train an exit adapter (recipe ``exit-adapter``); writes ``out/`` (adapter + card + metrics + checkpoint).
 
     Returns:
         metrics dict (held-out top-1 agreement before/after, coverage, KL, training positions/s).
     Raises:
-        SpeculantError: bad settings (message names the value and what is allowed).
+        SpeculantError: ``resume`` without a checkpoint of this recipe and exit layer.
     """
-    from tqdm import tqdm
+    from .adapter import new_adapter
 
-    from .adapter import new_adapter, save_adapter
-    from .features import cached_features
-
-    check_range("steps", steps, 1)
-    check_range("batch_tokens", batch_tokens, 1)
-    check_positions(positions)
+    cfg = config
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cache_dir = Path(cache_dir) if cache_dir else out / "cache"
-    gen = _seed(seed)
+    gen = seeded(cfg.seed)
     V = model.config.vocab_size
-    exits = sorted({exit_layer, *cache_exits})
-    tr = cached_features(model, corpus, "train", exits, topk, cache_dir, max_train_tokens, progress)
-    ho = cached_features(model, corpus, "heldout", exits, topk, cache_dir, None, progress)
-    H = tr[f"hidden/{exit_layer}"]
-    if positions == "response":
-        keep = tr["response"].nonzero().squeeze(1)
-        H, T_idx, T_logp = H[keep], tr["t_idx"][keep], tr["t_logp"][keep]
-    else:
-        T_idx, T_logp = tr["t_idx"], tr["t_logp"]
-    vocab_ids = None
-    if draft_vocab and draft_vocab < V:
-        vocab_ids = select_vocab(T_idx, T_logp, draft_vocab, V, model.eos_token_ids)
-    adapter = new_adapter(model, exit_layer, blocks, vocab_ids)
-    T_map = remap(T_idx, vocab_ids, V)
-    eh, ei, el = _eval_subset(ho, exit_layer, eval_tokens)
+    data = _adapter_data(model, corpus, cfg, Path(cfg.cache_dir) if cfg.cache_dir else out / "cache")
+    adapter = new_adapter(model, cfg.exit_layer, cfg.blocks, data.vocab_ids)
     params = [p for p in adapter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    start, history = 0, []
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     ckpt = out / "checkpoint.pt"
-    if resume:
-        if not ckpt.is_file():
-            raise SpeculantError(f"--resume given but {str(ckpt)!r} does not exist; allowed: a previous --out")
-        st = torch.load(ckpt, weights_only=False)
-        if st["recipe"] != "exit-adapter" or st["exit_layer"] != exit_layer:
-            raise SpeculantError(f"checkpoint {str(ckpt)!r} is for {st['recipe']} at E={st['exit_layer']}; "
-                                 f"allowed: the same recipe and --exit-layer")
-        adapter.load_state_dict(st["adapter"])
-        opt.load_state_dict(st["opt"])
-        gen.set_state(st["gen"])
-        start, history = st["step"], st["history"]
+    start, history = _resume_adapter(ckpt, cfg, adapter, opt, gen) if cfg.resume else (0, [])
+    eh, ei, el = data.heldout
     baseline = shared_head_top1(model, eh, ei)
     init_eval = evaluate_adapter(adapter, eh, ei, el, V) if start == 0 else history[0]["eval"]
     if start == 0:
         history.append({"step": 0, "eval": init_eval})
 
     def checkpoint(step):
-        torch.save({"recipe": "exit-adapter", "exit_layer": exit_layer, "adapter": adapter.state_dict(),
+        torch.save({"recipe": "exit-adapter", "exit_layer": cfg.exit_layer, "adapter": adapter.state_dict(),
                     "opt": opt.state_dict(), "gen": gen.get_state(), "step": step, "history": history}, ckpt)
 
-    t0 = time.perf_counter()
-    seen, done = 0, start
-    N = H.shape[0]
-    adapter.train()
-    bar = tqdm(range(start, steps), desc="train exit-adapter", unit="step", disable=not progress)
-    for step in bar:
-        for g in opt.param_groups:
-            g["lr"] = lr * lr_at(step, steps, warmup)
-        idx = torch.randint(N, (batch_tokens,), generator=gen)
-        loss = topk_distill_loss(adapter(H[idx].float()), T_map[idx], T_logp[idx], hard_weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        seen += batch_tokens
-        tps = seen / (time.perf_counter() - t0)
-        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tps:.0f}")
-        done = step + 1
-        if done % eval_every == 0 or done == steps:
+    def batch_loss(step):
+        idx = torch.randint(data.hidden.shape[0], (cfg.batch_tokens,), generator=gen)
+        return topk_distill_loss(adapter(data.hidden[idx].float()), data.t_map[idx], data.t_logp[idx],
+                                 cfg.hard_weight), cfg.batch_tokens
+
+    def after_step(done, loss):
+        if done % cfg.eval_every == 0 or done == cfg.steps:
             history.append({"step": done, "loss": loss.item(), "eval": evaluate_adapter(adapter, eh, ei, el, V)})
-        if done % checkpoint_every == 0:
-            checkpoint(done)
-        if max_minutes is not None and time.perf_counter() - t0 > max_minutes * 60:
-            break
+
+    adapter.train()
+    done, seen, secs = optimize(cfg, opt, params, start, "train exit-adapter", batch_loss, after_step, checkpoint)
     checkpoint(done)
     adapter.eval()
-    metrics = {"recipe": "exit-adapter", "exit_layer": exit_layer, "blocks": blocks, "draft_vocab": draft_vocab,
-               "topk": topk, "lr": lr, "hard_weight": hard_weight, "batch_tokens": batch_tokens, "seed": seed,
-               "steps_done": done, "steps_planned": steps, "train_positions": int(N),
-               "heldout_positions_total": int(ho["response"].sum()),
-               "feature_cache_tokens_per_second": tr["tokens"] / max(tr["seconds"], 1e-9),
-               "train_tokens_per_second": seen / max(time.perf_counter() - t0, 1e-9),
-               "train_seconds": time.perf_counter() - t0,
+    metrics = {"recipe": "exit-adapter", "exit_layer": cfg.exit_layer, "blocks": cfg.blocks,
+               "draft_vocab": cfg.draft_vocab, "topk": cfg.topk, "lr": cfg.lr, "hard_weight": cfg.hard_weight,
+               "batch_tokens": cfg.batch_tokens, "seed": cfg.seed, "steps_done": done, "steps_planned": cfg.steps,
+               "train_positions": int(data.hidden.shape[0]),
+               "heldout_positions_total": int(data.heldout_features["response"].sum()),
+               "feature_cache_tokens_per_second": data.train_features["tokens"] / max(data.train_features["seconds"],
+                                                                                      1e-9),
+               "train_tokens_per_second": seen / max(secs, 1e-9), "train_seconds": secs,
                "baseline_shared_head_top1": baseline, "init": init_eval, "history": history}
+    return _save_adapter_and_card(model, adapter, out, metrics, data.heldout, cfg.command)
+
+
+def _save_adapter_and_card(model, adapter, out: Path, metrics: dict, heldout, command: str) -> dict:
+    """Write the adapter, evaluate what was written (the bfloat16 round trip) and write its card and metrics."""
+    from ..drafters.exit_adapter import load_adapter
+    from .adapter import save_adapter
+
     save_adapter(adapter, out, metrics=None)
-    from ..drafters.exit_adapter import load_adapter   # evaluate what was written (bf16 round trip)
     stored = load_adapter(out, model)
-    metrics["final"] = evaluate_adapter(stored, eh, ei, el, V)
+    metrics["final"] = evaluate_adapter(stored, *heldout, model.config.vocab_size)
     save_adapter(adapter, out, card=model_card(stored.config | {"stored_dtype": "bfloat16"}, metrics, command),
                  metrics=metrics)
     return {k: v for k, v in metrics.items() if k != "history"}
@@ -354,13 +395,13 @@ def layerskip_forward(decoder, ids: torch.Tensor, keep: torch.Tensor | None, exi
     h = decoder.embed(ids)
     out = {}
     want = set(exits)
-    for l in range(decoder.num_layers):
-        if keep is None or bool(keep[l].all()):
-            h = decoder.run_layers(h, l, l + 1, pos)
-        elif bool(keep[l].any()):
-            h = torch.where(keep[l][:, None, None], decoder.run_layers(h, l, l + 1, pos), h)
-        if l in want:
-            out[l] = decoder.lm_head(decoder.final_norm(h))
+    for layer in range(decoder.num_layers):
+        if keep is None or bool(keep[layer].all()):
+            h = decoder.run_layers(h, layer, layer + 1, pos)
+        elif bool(keep[layer].any()):
+            h = torch.where(keep[layer][:, None, None], decoder.run_layers(h, layer, layer + 1, pos), h)
+        if layer in want:
+            out[layer] = decoder.lm_head(decoder.final_norm(h))
     return out
 
 
@@ -427,104 +468,131 @@ def save_hf_dir(model, out: Path) -> Path:
     return out
 
 
-def train_layerskip(model, corpus: str, out: str, *, steps: int = 100, lr: float = 1e-4, warmup: float = 0.05,
-                    lora_rank: int = 8, lora_alpha: float = 16.0, p_max: float = 0.1,
-                    dropout_curriculum: str = "constant", exit_curriculum: str = "rotational", rotation: int = 4,
-                    e_scale: float = 1.0, seq_len: int = 128, batch: int = 4, seed: int = 0,
-                    max_minutes: float | None = None, resume: bool = False, checkpoint_every: int = 200,
-                    eval_tokens: int = 2000, eval_exit: int | None = 8, progress: bool = True,
+@dataclass(frozen=True)
+class LayerSkipConfig(RunConfig):
+    """Settings of ``--recipe layerskip`` (Elhoushi et al. 2024, Sec. 4; the flags of the same names).
+
+    Attributes:
+        lora_rank: LoRA rank (0: full fine-tune); lora_alpha: LoRA's alpha.
+        p_max: layer dropout at the last layer (:mod:`.schedules`, Eq. 1).
+        dropout_curriculum: one of :data:`~.schedules.TIME_CURRICULA`; exit_curriculum: one of
+            :data:`~.curricula.CURRICULA`; rotation: R of the rotational curriculum.
+        e_scale: early-exit loss scale (:mod:`.losses`, Eq. 2).
+        seq_len: tokens per training row; batch: rows per step.
+        eval_exit: exit layer whose agreement with the last layer is reported (``None``: none).
+
+    Raises:
+        SpeculantError: a value out of range or an unknown curriculum (one line naming it and what is allowed).
+    """
+
+    steps: int = 100
+    lr: float = 1e-4
+    eval_tokens: int = 2000
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    p_max: float = 0.1
+    dropout_curriculum: str = "constant"
+    exit_curriculum: str = "rotational"
+    rotation: int = 4
+    e_scale: float = 1.0
+    seq_len: int = 128
+    batch: int = 4
+    eval_exit: int | None = 8
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_range("p_max", self.p_max, 0.0, 1.0)
+        check_range("lora_rank", self.lora_rank, 0)
+        check_range("seq_len", self.seq_len, 1)
+        check_range("batch", self.batch, 1)
+        if self.exit_curriculum not in CURRICULA:
+            raise SpeculantError(f"exit_curriculum={self.exit_curriculum!r} is unknown; "
+                                 f"allowed: {', '.join(CURRICULA)}")
+        layer_dropout_rates(1, self.p_max, 0, 1, self.dropout_curriculum)   # validates the curriculum's name
+
+    @classmethod
+    def from_args(cls, args) -> LayerSkipConfig:
+        """From ``speculant train``'s parsed flags."""
+        return cls(**RunConfig.args_of(args, lr=1e-4), lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                   p_max=args.p_max, dropout_curriculum=args.dropout_curriculum,
+                   exit_curriculum=args.exit_curriculum, rotation=args.rotation, e_scale=args.e_scale,
+                   seq_len=args.seq_len, batch=args.batch, eval_exit=args.eval_exit)
+
+
+def _resume_layerskip(ckpt: Path, dec, opt, gen) -> tuple[int, list]:
+    """Load ``ckpt`` into the trainable weights, optimizer and generator; returns ``(step, losses)``."""
+    st = read_checkpoint(ckpt)
+    if st["recipe"] != "layerskip":
+        raise SpeculantError(f"checkpoint {str(ckpt)!r} is for recipe {st['recipe']}; allowed: layerskip")
+    dec.load_state_dict(st["trainable"], strict=False)
+    opt.load_state_dict(st["opt"])
+    gen.set_state(st["gen"])
+    return st["step"], st["losses"]
+
+
+def train_layerskip(model, corpus: str, out: str, config: LayerSkipConfig = LayerSkipConfig(),
                     records: tuple[list[dict], list[dict]] | None = None) -> dict:
     """LayerSkip fine-tuning (Elhoushi et al. 2024, Sec. 4); writes the merged model to ``out/model``.
 
+    Args:
+        records: ``(train, heldout)`` corpus records to use instead of reading ``corpus``.
     Returns:
         metrics: held-out last-layer perplexity and exit top-1 agreement before/after, tokens/s.
     Raises:
-        SpeculantError: bad settings.
+        SpeculantError: a corpus shorter than one row, or ``resume`` without a layerskip checkpoint.
     """
-    from tqdm import tqdm
-
     from .data import read_corpus
-    check_range("steps", steps, 1)
-    check_range("p_max", p_max, 0.0, 1.0)
-    if exit_curriculum not in CURRICULA:
-        raise SpeculantError(f"exit_curriculum={exit_curriculum!r} is unknown; allowed: {', '.join(CURRICULA)}")
-    layerskip_check = layer_dropout_rates(1, p_max, 0, 1, dropout_curriculum)   # validates the curriculum name
-    del layerskip_check
+
+    cfg = config
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    gen = _seed(seed)
+    gen = seeded(cfg.seed)
     dec = model.decoder
     L = dec.num_layers
     tr_recs, ho_recs = records if records is not None else (read_corpus(corpus, "train"), read_corpus(corpus, "heldout"))
     eos = model.eos_token_ids[0] if model.eos_token_ids else None
-    chunks = token_chunks(tr_recs, seq_len, eos)
-    before = heldout_eval(dec, ho_recs, eval_tokens, eval_exit)
-    if lora_rank:
-        add_lora(dec, lora_rank, lora_alpha)
+    chunks = token_chunks(tr_recs, cfg.seq_len, eos)
+    before = heldout_eval(dec, ho_recs, cfg.eval_tokens, cfg.eval_exit)
+    if cfg.lora_rank:
+        add_lora(dec, cfg.lora_rank, cfg.lora_alpha)
     else:
         dec.requires_grad_(True)
     dec.train()
     params = [p for p in dec.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    start, losses = 0, []
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     ckpt = out / "checkpoint.pt"
-
-    def trainable_state():
-        return {n: p.detach().clone() for n, p in dec.named_parameters() if p.requires_grad}
-
-    if resume:
-        if not ckpt.is_file():
-            raise SpeculantError(f"--resume given but {str(ckpt)!r} does not exist; allowed: a previous --out")
-        st = torch.load(ckpt, weights_only=False)
-        if st["recipe"] != "layerskip":
-            raise SpeculantError(f"checkpoint {str(ckpt)!r} is for recipe {st['recipe']}; allowed: layerskip")
-        dec.load_state_dict(st["trainable"], strict=False)
-        opt.load_state_dict(st["opt"])
-        gen.set_state(st["gen"])
-        start, losses = st["step"], st["losses"]
+    start, losses = _resume_layerskip(ckpt, dec, opt, gen) if cfg.resume else (0, [])
 
     def checkpoint(step):
-        torch.save({"recipe": "layerskip", "trainable": trainable_state(), "opt": opt.state_dict(),
+        trainable = {n: p.detach().clone() for n, p in dec.named_parameters() if p.requires_grad}
+        torch.save({"recipe": "layerskip", "trainable": trainable, "opt": opt.state_dict(),
                     "gen": gen.get_state(), "step": step, "losses": losses}, ckpt)
 
-    t0 = time.perf_counter()
-    seen, done = 0, start
-    bar = tqdm(range(start, steps), desc="train layerskip", unit="step", disable=not progress)
-    for step in bar:
-        for g in opt.param_groups:
-            g["lr"] = lr * lr_at(step, steps, warmup)
-        rows = chunks[torch.randint(len(chunks), (batch,), generator=gen)]
+    def batch_loss(step):
+        rows = chunks[torch.randint(len(chunks), (cfg.batch,), generator=gen)]
         x, y = rows[:, :-1], rows[:, 1:]
-        rates = layer_dropout_rates(L, p_max, step, steps, dropout_curriculum)
-        keep = sample_keep_mask(rates, batch, gen)
-        exits = enabled_exits(exit_curriculum, step, L, rotation, steps)
+        rates = layer_dropout_rates(L, cfg.p_max, step, cfg.steps, cfg.dropout_curriculum)
+        keep = sample_keep_mask(rates, cfg.batch, gen)
+        exits = enabled_exits(cfg.exit_curriculum, step, L, cfg.rotation, cfg.steps)
         logits = layerskip_forward(dec, x, keep, exits)
-        loss = early_exit_loss({l: v.reshape(-1, v.shape[-1]) for l, v in logits.items()}, y.reshape(-1),
-                               exit_scales(L, exits, e_scale))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        losses.append(loss.item())
-        seen += x.numel()
-        done = step + 1
-        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{seen / (time.perf_counter() - t0):.0f}")
-        if done % checkpoint_every == 0:
-            checkpoint(done)
-        if max_minutes is not None and time.perf_counter() - t0 > max_minutes * 60:
-            break
+        loss = early_exit_loss({layer: v.reshape(-1, v.shape[-1]) for layer, v in logits.items()}, y.reshape(-1),
+                               exit_scales(L, exits, cfg.e_scale))
+        return loss, x.numel()
+
+    done, seen, secs = optimize(cfg, opt, params, start, "train layerskip", batch_loss,
+                                lambda done, loss: losses.append(loss.item()), checkpoint)
     checkpoint(done)
-    secs = time.perf_counter() - t0
     dec.eval()
-    if lora_rank:
+    if cfg.lora_rank:
         merge_lora(dec)
     dec.requires_grad_(False)
-    after = heldout_eval(dec, ho_recs, eval_tokens, eval_exit)
+    after = heldout_eval(dec, ho_recs, cfg.eval_tokens, cfg.eval_exit)
     save_hf_dir(model, out / "model")
-    metrics = {"recipe": "layerskip", "steps_done": done, "steps_planned": steps, "lora_rank": lora_rank,
-               "p_max": p_max, "dropout_curriculum": dropout_curriculum, "exit_curriculum": exit_curriculum,
-               "rotation": rotation, "e_scale": e_scale, "seq_len": seq_len, "batch": batch, "lr": lr,
-               "seed": seed, "train_tokens_per_second": seen / max(secs, 1e-9), "train_seconds": secs,
+    metrics = {"recipe": "layerskip", "steps_done": done, "steps_planned": cfg.steps, "lora_rank": cfg.lora_rank,
+               "p_max": cfg.p_max, "dropout_curriculum": cfg.dropout_curriculum,
+               "exit_curriculum": cfg.exit_curriculum, "rotation": cfg.rotation, "e_scale": cfg.e_scale,
+               "seq_len": cfg.seq_len, "batch": cfg.batch, "lr": cfg.lr, "seed": cfg.seed,
+               "train_tokens_per_second": seen / max(secs, 1e-9), "train_seconds": secs,
                "first_losses": losses[:5], "last_losses": losses[-5:], "heldout_before": before,
                "heldout_after": after}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
@@ -538,33 +606,28 @@ def _int_list(flag: str, text: str) -> tuple[int, ...]:
         raise SpeculantError(f"{flag}={text!r} is invalid; allowed: comma-separated integers, e.g. 6,8") from None
 
 
+def command_line() -> str:
+    """The command being run, as a model card records it (``speculant ...``)."""
+    import sys
+    return "speculant " + " ".join(sys.argv[1:])
+
+
 def train_from_args(args) -> dict:
-    """Dispatch ``speculant train`` by ``--recipe``.
+    """Dispatch ``speculant train`` by ``--recipe``: the recipe's config from the flags (checked before the model
+    loads), then the recipe.
 
     Raises:
-        SpeculantError: unknown recipe.
+        SpeculantError: unknown recipe, or a bad flag value.
     """
-    import sys
-
     from ..models.loading import load_model
+    from .head import DraftHeadConfig, corpus_list, train_draft_head
     if args.recipe not in RECIPES:
         raise SpeculantError(f"recipe={args.recipe!r} is unknown; allowed: {', '.join(RECIPES)}")
-    model = load_model(args.model, args.dtype)
-    common = dict(steps=args.steps, warmup=args.warmup, seed=args.seed, max_minutes=args.max_minutes,
-                  resume=args.resume, checkpoint_every=args.checkpoint_every, progress=not args.no_progress)
     if args.recipe == "draft-head":
-        from .head import train_head_from_args
-        return train_head_from_args(model, args, common)
+        head_config, corpora = DraftHeadConfig.from_args(args), corpus_list(args.corpus)
+        return train_draft_head(load_model(args.model, args.dtype), corpora, args.out, head_config)
     if args.recipe == "exit-adapter":
-        return train_exit_adapter(model, args.corpus, args.out, exit_layer=args.exit_layer, blocks=args.blocks,
-                                  draft_vocab=args.draft_vocab, topk=args.topk, lr=args.lr or 1e-3,
-                                  batch_tokens=args.batch_tokens, hard_weight=args.hard_weight,
-                                  positions=args.positions, eval_every=args.eval_every, eval_tokens=args.eval_tokens,
-                                  cache_dir=args.cache_dir, max_train_tokens=args.max_train_tokens,
-                                  cache_exits=_int_list("--cache-exits", args.cache_exits),
-                                  command="speculant " + " ".join(sys.argv[1:]), **common)
-    return train_layerskip(model, args.corpus, args.out, lr=args.lr or 1e-4, lora_rank=args.lora_rank,
-                           lora_alpha=args.lora_alpha, p_max=args.p_max, dropout_curriculum=args.dropout_curriculum,
-                           exit_curriculum=args.exit_curriculum, rotation=args.rotation, e_scale=args.e_scale,
-                           seq_len=args.seq_len, batch=args.batch, eval_tokens=args.eval_tokens,
-                           eval_exit=args.eval_exit, **common)
+        adapter_config = ExitAdapterConfig.from_args(args)
+        return train_exit_adapter(load_model(args.model, args.dtype), args.corpus, args.out, adapter_config)
+    layerskip_config = LayerSkipConfig.from_args(args)
+    return train_layerskip(load_model(args.model, args.dtype), args.corpus, args.out, layerskip_config)

@@ -99,13 +99,6 @@ class DraftTree:
                 table[entry, :len(kids)] = torch.tensor(kids)
         return table
 
-    def draft_prob_matrix(self, vocab_size: int) -> torch.Tensor:
-        """Draft distributions ``[N + 1, V]`` by block entry (zero rows where none was recorded)."""
-        q = torch.zeros(len(self.tokens) + 1, vocab_size)
-        for entry, row in self.draft_probs.items():
-            q[entry] = row
-        return q
-
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node`` (inclusive)."""
         path = []
