@@ -14,6 +14,8 @@ import sys
 from .errors import SpeculantError, check_range
 
 EXIT_BAD_INPUT = 2
+SEED_MAX = 2**63 - 1
+"""Largest ``--seed`` (the server's ``seed`` too): a ``torch.Generator`` seed is a 64-bit integer."""
 
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
@@ -108,6 +110,7 @@ def cmd_generate(args) -> int:
     from .engine.methods import build_generator
     from .sampling.processors import SamplingConfig
 
+    check_range("--seed", args.seed, 0, SEED_MAX)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop or ()),
                               chat=not args.raw)
@@ -174,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling temperature; below 1e-5 (0 included, the default) greedy decoding")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help=f"random seed, 0 to {SEED_MAX} (default: 0)")
     g.add_argument("--stop", action="append", help="stop string (repeatable); output is cut just before it")
     g.add_argument("--raw", action="store_true",
                    help="do not apply the chat template (the tokenizer's special tokens, e.g. BOS, are still added)")

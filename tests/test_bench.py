@@ -34,6 +34,7 @@ def test_files_and_schema(bench):
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk["schema_version"] == 1 and not on_disk["meta"]["interrupted"]
     assert (out / "report.md").read_text().startswith("# speculant bench")
+    assert f"- weights={on_disk['meta']['weights']} " in (out / "report.md").read_text()    # the weight format
     assert (out / "speedup.png").stat().st_size > 0 and (out / "acceptance_by_position.png").stat().st_size > 0
     assert [p["category"] for p in on_disk["prompts"]] == ["mt_bench", "qa", "qa"]
     assert len(on_disk["records"]) == 3 * 3                      # every prompt x every method

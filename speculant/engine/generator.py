@@ -13,7 +13,6 @@ model may be interleaved in any order, each giving what it gives alone.
 
 from __future__ import annotations
 
-import operator
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -25,6 +24,7 @@ from ..errors import SpeculantError, check_range
 from ..models.loading import LoadedModel
 from ..sampling.processors import SamplingConfig
 from ..trees.builders import IIDTreeBuilder, TreeBuilder
+from .prompts import check_prompt_ids, encode_prompt
 from .rounds import accept_and_commit, draft_limits, prefill
 from .stats import GenerationStats
 from .text import StopStringText
@@ -95,41 +95,18 @@ class SpeculativeGenerator:
         self.last_result: GenerationResult | None = None
 
     # ---------------------------------------------------------------- prompts
-    def encode(self, prompt: str, chat: bool = True) -> list[int]:
-        """Prompt ids; the chat template is applied when ``chat`` and the tokenizer has one, else the text is
-        encoded with the tokenizer's special tokens (e.g. the BOS of Llama/Mistral tokenizers).
+    def encode(self, prompt: str | list[dict], chat: bool = True) -> list[int]:
+        """Prompt ids by the one rule of :func:`speculant.engine.prompts.encode_prompt` (chat template when ``chat``
+        and the tokenizer has one, else the text with the tokenizer's special tokens).
 
         Raises:
-            SpeculantError: empty prompt.
+            SpeculantError: empty prompt, invalid Unicode (see :func:`~speculant.engine.prompts.encode_prompt`).
         """
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise SpeculantError("prompt is empty; allowed: a non-empty string")
-        tok = self.model.tokenizer
-        if chat and getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-            if not isinstance(ids, list):
-                ids = ids["input_ids"]
-        else:
-            ids = tok.encode(prompt, add_special_tokens=True)
-        return list(ids)
+        return encode_prompt(self.model.tokenizer, prompt, chat)
 
     def _check_prompt(self, ids) -> list[int]:
-        """``ids`` as a list of ints, checked against the model's context and vocabulary."""
-        ctx = self.model.config.context_length
-        vocab = self.model.config.vocab_size
-        ids = list(ids)
-        if not ids:
-            raise SpeculantError("prompt is empty; allowed: at least one token")
-        if len(ids) >= ctx:
-            raise SpeculantError(f"prompt length={len(ids)} tokens is too long; allowed: < {ctx} (the model's context)")
-        for t in ids:
-            try:
-                ok = not isinstance(t, bool) and 0 <= operator.index(t) < vocab
-            except TypeError:
-                ok = False
-            if not ok:
-                raise SpeculantError(f"prompt token id {t!r} is invalid; allowed: integers in [0, {vocab - 1}]")
-        return [operator.index(t) for t in ids]
+        """``ids`` as a list of ints, checked against the model's context and vocabulary (:func:`check_prompt_ids`)."""
+        return check_prompt_ids(ids, self.model.config.context_length, self.model.config.vocab_size)
 
     # ---------------------------------------------------------------- core loop
     def generate_blocks(self, prompt_ids: list[int], config: GenerationConfig,
@@ -184,20 +161,21 @@ class SpeculativeGenerator:
                                  remaining, eos, stats)
 
     # ---------------------------------------------------------------- text layer
-    def stream(self, prompt: str | list[int], config: GenerationConfig | None = None) -> Iterator[str]:
+    def stream(self, prompt: str | list[int] | list[dict], config: GenerationConfig | None = None) -> Iterator[str]:
         """Yield text pieces as they are produced; ``self.last_result`` holds the result afterwards.
 
-        A string prompt is encoded with :meth:`encode` (chat template unless ``config.chat`` is False);
-        a list is taken as token ids.  ``last_result`` is ``None`` while the stream runs; a stream closed
-        early (``break`` + ``close()``, or garbage-collected) leaves a partial result with
-        ``stop_reason='abandoned'``.
+        A string prompt, or a list of chat messages (``{'role', 'content'}`` dicts), is encoded with :meth:`encode`
+        (chat template unless ``config.chat`` is False); another list is taken as token ids.  ``last_result`` is
+        ``None`` while the stream runs; a stream closed early (``break`` + ``close()``, or garbage-collected) leaves a
+        partial result with ``stop_reason='abandoned'``.
 
         Raises:
             SpeculantError: bad prompt (see :meth:`encode`, :meth:`generate_blocks`).
         """
         self.last_result = None
         config = config or GenerationConfig()
-        ids = self.encode(prompt, config.chat) if isinstance(prompt, str) else list(prompt)
+        messages = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
+        ids = self.encode(prompt, config.chat) if isinstance(prompt, str) or messages else list(prompt)
         eos = set(self.model.eos_token_ids)
         stats = GenerationStats()
         text = StopStringText(self.model.tokenizer, config.stop)
@@ -217,6 +195,9 @@ class SpeculativeGenerator:
                 if text.stopped:
                     break
             piece = text.finish()
+            if text.stopped and reason != "stop":        # a stop string completed by the final flush
+                stats.new_tokens = len(text.token_ids)
+                reason = "stop"
             if piece:
                 yield piece
         except GeneratorExit:

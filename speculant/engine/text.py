@@ -17,12 +17,15 @@ class IncrementalDetokenizer:
     end of the text emitted so far and ``prefix`` the ``read`` before it (the incremental detokenizer of
     vLLM / Hugging Face TGI).  The window starts one emission back so that tokenizers which drop a leading
     space at the start of a decode (SentencePiece) still space words right.  Text ending in an
-    incomplete UTF-8 sequence (decoded as U+FFFD) is held back until a later token completes it.
+    incomplete UTF-8 sequence (decoded as U+FFFD) is held back until a later token completes it; the complete
+    characters before those bytes are known already (:attr:`pending`), and :attr:`ends` counts them, so a
+    token's end is where its own complete characters end.
 
     Attributes:
         ids: every token id added.
         text: the text of ``ids`` emitted so far (held-back bytes excluded until :meth:`flush`).
-        ends: ``len(text)`` after each token [characters], one entry per id.
+        pending: complete characters decoded after ``text``, held back with the incomplete bytes after them.
+        ends: ``len(text + pending)`` after each token [characters], one entry per id.
     """
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
@@ -30,8 +33,14 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.text = ""
+        self.pending = ""
         self.ends: list[int] = []
         self._prefix = self._read = 0
+
+    @property
+    def known_text(self) -> str:
+        """``text + pending``: every complete character of ``ids`` (a prefix of the final text)."""
+        return self.text + self.pending
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
@@ -39,23 +48,29 @@ class IncrementalDetokenizer:
     def _step(self, final: bool) -> str:
         before = self._decode(self.ids[self._prefix:self._read])
         now = self._decode(self.ids[self._prefix:])
-        if len(now) <= len(before) or (now.endswith(REPLACEMENT) and not final):
+        if now.endswith(REPLACEMENT) and not final:
+            stable = now.rstrip(REPLACEMENT)
+            self.pending = stable[len(before):] if len(stable) > len(before) else ""
+            return ""
+        if len(now) <= len(before):
             return ""
         new = now[len(before):]
         self._prefix, self._read = self._read, len(self.ids)
         self.text += new
+        self.pending = ""
         return new
 
     def add(self, token: int) -> str:
         """Append ``token``; returns the text it completes (may be empty)."""
         self.ids.append(int(token))
         new = self._step(final=False)
-        self.ends.append(len(self.text))
+        self.ends.append(len(self.text) + len(self.pending))
         return new
 
     def flush(self) -> str:
         """Emit held-back text as the full decode shows it (an incomplete character becomes U+FFFD)."""
         new = self._step(final=True) if self.ids else ""
+        self.pending = ""
         if self.ends:
             self.ends[-1] = len(self.text)
         return new
@@ -77,7 +92,7 @@ class StopStringText:
     Attributes:
         stopped: a stop string was found.
         token_ids: the output's tokens (cut after the token completing a stop string).
-        text: the output's text (cut before the stop string once ``stopped``).
+        text: the output's text, its complete characters (cut before the stop string once ``stopped``).
     """
 
     def __init__(self, tokenizer, stops: tuple[str, ...] = ()):
@@ -94,10 +109,13 @@ class StopStringText:
 
     @property
     def text(self) -> str:
-        return self.detok.text if self._cut is None else self.detok.text[:self._cut]
+        return self.detok.known_text if self._cut is None else self.detok.known_text[:self._cut]
 
     def add(self, block: list[int]) -> str:
-        """Add a block of emitted tokens; returns the text newly safe to show (may be empty)."""
+        """Add a block of emitted tokens; returns the text newly safe to show (may be empty; after a stop string,
+        always: the output has ended)."""
+        if self.stopped:
+            return ""
         first = len(self.detok.ids)
         for tok in block:
             self.detok.add(tok)
@@ -112,7 +130,7 @@ class StopStringText:
         return self._advance(max(first, 0), final=True)
 
     def _advance(self, first: int, final: bool) -> str:
-        text, start = self.detok.text, max(0, self.shown - self.hold)
+        text, start = self.detok.known_text, max(0, self.shown - self.hold)
         if self.stops and find_stop(text, self.stops, start) is not None:
             # the fewest tokens whose text contains a stop string, and the text just before it
             k = next(k for k in range(first + 1, len(self.detok.ids) + 1)

@@ -27,15 +27,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.batch import BatchedGenerator
 from ..engine.generator import GenerationConfig
+from ..engine.prompts import check_prompt_ids, encode_prompt
 from ..errors import SpeculantError
 from ..sampling.processors import SamplingConfig
 from . import protocol as P
+from .fields import RefusedField, settings_of
 from .metrics import ServerMetrics
 from .scheduler import Event, QueueFull, Scheduler, ShuttingDown, Submission
-
-DISCONNECT_POLL_S = 0.25
-"""How often a waiting non-streaming request checks whether its client is still there [s]."""
-
 
 class ApiError(Exception):
     """An error answered with OpenAI's error JSON and HTTP ``status``."""
@@ -77,37 +75,52 @@ class ServingEngine:
         if model != self.name:
             raise ApiError(404, f"model={model!r} does not exist; allowed: {self.name!r}", "model")
 
-    def completion_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ApiError(400, f"prompt token id {bad} is invalid; allowed: 0..{self.vocab_size - 1}", "prompt")
-        return list(prompt)
-
-    def chat_ids(self, messages: list[P.ChatMessage]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ApiError(400, f"model {self.name!r} has no chat template; use /v1/completions", "messages")
-        ids = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
-                                                 add_generation_prompt=True)
-        return list(ids if isinstance(ids, list) else ids["input_ids"])
-
-    def config(self, req: P.CompletionRequest | P.ChatCompletionRequest, ids: list[int],
-               max_tokens: int | None) -> GenerationConfig:
-        """The generation settings of ``req`` for prompt ``ids``; ``max_tokens=None`` means up to the context.
+    def prompt_ids(self, req: P.CompletionRequest | P.ChatCompletionRequest) -> list[int]:
+        """The request's prompt ids by the one rule of :mod:`speculant.engine.prompts` (``/v1/completions``: raw text
+        with the tokenizer's special tokens, or token ids; chat: the chat template), checked against the context
+        and the vocabulary.
 
         Raises:
-            ApiError: 400 for an empty prompt or one that leaves no room in the context.
+            ApiError: 400 for an empty prompt, invalid Unicode, a token id out of range, a prompt that leaves no room
+                in the context, or chat messages on a model without a chat template.
         """
-        prompt_len = len(ids)
+        chat = isinstance(req, P.ChatCompletionRequest)
+        param = "messages" if chat else "prompt"
         try:
-            self.batched.check_prompt(ids)
+            if chat:
+                if not getattr(self.tokenizer, "chat_template", None):
+                    raise ApiError(400, f"model {self.name!r} has no chat template; use /v1/completions", param)
+                ids = encode_prompt(self.tokenizer, [{"role": m.role, "content": m.text()} for m in req.messages],
+                                    chat=True)
+            elif isinstance(req.prompt, str):
+                ids = encode_prompt(self.tokenizer, req.prompt, chat=False)
+            else:
+                ids = req.prompt
+            return check_prompt_ids(ids, self.context, self.vocab_size)
         except SpeculantError as e:
-            raise ApiError(400, str(e), "messages" if isinstance(req, P.ChatCompletionRequest) else "prompt") from None
-        seed = req.seed if req.seed is not None else secrets.randbits(63)
-        sampling = SamplingConfig(temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p, seed=seed)
-        return GenerationConfig(max_new_tokens=max_tokens or self.context - prompt_len, sampling=sampling,
-                                stop=tuple(req.stop or ()))
+            raise ApiError(400, str(e), param) from None
+
+    def config(self, req: P.CompletionRequest | P.ChatCompletionRequest, ids: list[int]) -> GenerationConfig:
+        """The generation settings of ``req`` for prompt ``ids``, mapped by the table of request fields
+        (:func:`speculant.serving.fields.settings_of`); no ``max_tokens`` means up to the context.
+
+        Raises:
+            ApiError: 400 naming a refused field, or a value our configuration refuses.
+        """
+        endpoint = "chat" if isinstance(req, P.ChatCompletionRequest) else "completions"
+        try:
+            s = settings_of(req, endpoint, self.vocab_size)
+            if s.sampling.get("seed") is None:
+                s.sampling["seed"] = secrets.randbits(63)
+            if s.grammar is not None:
+                from ..sampling.grammar import compile_grammar
+                s.generation["grammar"] = compile_grammar(*s.grammar, self.tokenizer)
+            return GenerationConfig(max_new_tokens=s.max_tokens or self.context - len(ids),
+                                    sampling=SamplingConfig(**s.sampling), **s.generation)
+        except RefusedField as e:
+            raise ApiError(400, str(e), e.field) from None
+        except SpeculantError as e:
+            raise ApiError(400, str(e)) from None
 
     def submit(self, ids: list[int], config: GenerationConfig) -> Submission:
         sub = Submission(ids, config, asyncio.get_running_loop(), asyncio.Queue())
@@ -120,32 +133,86 @@ class ServingEngine:
         return sub
 
 
-async def _next_event(sub: Submission, request: Request | None) -> Event:
-    """The next event of ``sub``; with ``request``, cancels ``sub`` and raises when the client went away."""
-    if request is None:
-        return await sub.events.get()
-    while True:
-        try:
-            return await asyncio.wait_for(sub.events.get(), timeout=DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-            if request is not None and await request.is_disconnected():
-                sub.cancel()
-                raise asyncio.CancelledError("client disconnected")
+async def _disconnected(request: Request) -> None:
+    """Return when the client of ``request`` goes away (uvicorn's ``http.disconnect``; the body is read already,
+    so nothing else arrives on ``receive``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _collect(sub: Submission, request: Request) -> tuple[str, Event]:
-    """Wait for a whole (non-streaming) result: (text, the final event)."""
+    """Wait for a whole (non-streaming) result: (text, the final event).  A client that goes away meanwhile cancels
+    ``sub`` at once (its sequence leaves the batch before the next round; a waiting one never starts).  The
+    disconnect is awaited beside the events, not polled when they pause: a running request's events never pause."""
     parts = []
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
         while True:
-            ev = await _next_event(sub, request)
+            get = asyncio.ensure_future(sub.events.get())
+            await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                raise asyncio.CancelledError("client disconnected")
+            ev = get.result()
             if ev.kind == "error":
                 raise ApiError(ev.status, ev.error)
             parts.append(ev.text)
             if ev.kind == "done":
                 return "".join(parts), ev
     finally:
+        gone.cancel()
         sub.cancel()          # a no-op once finished; frees the slot if we leave early
+
+
+class RefuseWhenDraining:
+    """ASGI middleware: while the server drains, a ``POST /v1/...`` gets 503 in OpenAI's error JSON.
+
+    A plain ASGI middleware, not ``@app.middleware("http")``: Starlette's ``BaseHTTPMiddleware`` hands the endpoint
+    a ``receive`` that does not pass the client's ``http.disconnect`` on, so a waiting non-streaming request never
+    saw its client go (``request.is_disconnected()`` stayed false) and kept its batch slot to the end.
+    """
+
+    def __init__(self, app, engine: ServingEngine):
+        self.app, self.engine = app, engine
+
+    async def __call__(self, scope, receive, send):
+        if (scope["type"] == "http" and self.engine.draining and scope["path"].startswith("/v1/")
+                and scope["method"] == "POST"):
+            await JSONResponse(P.error_body("the server is shutting down", 503), status_code=503)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _location(loc) -> str:
+    """A pydantic error location as the request's field path (``messages.0.content``), without the ``body`` prefix
+    and the union-member tags pydantic inserts (``str``, ``list[str]``, ``function-after[...]``)."""
+    return ".".join(str(x) for x in loc if x != "body" and not (isinstance(x, str) and _is_tag(x)))
+
+
+def _is_tag(x: str) -> bool:
+    return x in TYPE_TAGS or "[" in x
+
+
+TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "StreamOptions", "ChatMessage", "TextPart"}
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str]:
+    """(message, field path) for the first of pydantic's ``errors``: a malformed body, a field in no row of the
+    table (OpenAI's "unrecognized request argument"), or a value of the wrong type or range."""
+    first = errors[0] if errors else {}
+    where, msg = _location(first.get("loc", ())), first.get("msg", "invalid request")
+    kind = first.get("type")
+    if kind == "json_invalid":                  # its loc is a character offset, not a field
+        return f"malformed JSON body: {first.get('ctx', {}).get('error', msg)}", ""
+    if kind == "extra_forbidden":
+        return (f"unrecognized request argument supplied: {where} (fields this server does not know are refused; "
+                "README lists every field)"), where
+    top = first.get("loc", ("",) * 2)[:2]
+    tags = [x for e in errors if tuple(e.get("loc", ()))[:2] == tuple(top) for x in e.get("loc", ())
+            if isinstance(x, str) and _is_tag(x)]
+    if len(set(tags)) > 1:                      # no member of a union fits: name them all
+        msg += f" (allowed types: {' | '.join(dict.fromkeys(tags))})"
+    return (f"{where}: {msg}" if where else msg), where
 
 
 def create_app(engine: ServingEngine, start_scheduler: bool = True, drain_timeout: float = 30.0) -> FastAPI:
@@ -173,25 +240,18 @@ def create_app(engine: ServingEngine, start_scheduler: bool = True, drain_timeou
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        msg = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":      # its loc is a character offset, not a field
-            message, where = f"malformed JSON body: {first.get('ctx', {}).get('error', msg)}", ""
-        else:
-            message = f"{where}: {msg}" if where else msg
+        message, where = validation_message(exc.errors())
         return JSONResponse(P.error_body(message, 400, where or None), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):      # a bug: still OpenAI's error JSON
+        return JSONResponse(P.error_body(f"internal error: {type(exc).__name__}: {exc}", 500), status_code=500)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         return JSONResponse(P.error_body(str(exc.detail), exc.status_code), status_code=exc.status_code)
 
-    @app.middleware("http")
-    async def _refuse_when_draining(request: Request, call_next):
-        if engine.draining and request.url.path.startswith("/v1/") and request.method == "POST":
-            return JSONResponse(P.error_body("the server is shutting down", 503), status_code=503)
-        return await call_next(request)
+    app.add_middleware(RefuseWhenDraining, engine=engine)
 
     @app.get("/health")
     async def health():
@@ -211,8 +271,8 @@ def create_app(engine: ServingEngine, start_scheduler: bool = True, drain_timeou
     @app.post("/v1/completions")
     async def completions(req: P.CompletionRequest, request: Request):
         engine.check_model(req.model)
-        ids = engine.completion_ids(req.prompt)
-        config = engine.config(req, ids, req.max_tokens)
+        ids = engine.prompt_ids(req)
+        config = engine.config(req, ids)
         sub = engine.submit(ids, config)
         rid = P.new_id("cmpl")
         if req.stream:
@@ -224,8 +284,8 @@ def create_app(engine: ServingEngine, start_scheduler: bool = True, drain_timeou
     @app.post("/v1/chat/completions")
     async def chat_completions(req: P.ChatCompletionRequest, request: Request):
         engine.check_model(req.model)
-        ids = engine.chat_ids(req.messages)
-        config = engine.config(req, ids, req.max_completion_tokens or req.max_tokens)
+        ids = engine.prompt_ids(req)
+        config = engine.config(req, ids)
         sub = engine.submit(ids, config)
         rid = P.new_id("chatcmpl")
         if req.stream:
@@ -255,7 +315,7 @@ def _stream(engine: ServingEngine, sub: Submission, rid: str, obj: str, prompt_t
             if chat:
                 yield json.dumps(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
             while True:
-                ev = await _next_event(sub, None)
+                ev = await sub.events.get()
                 if ev.kind == "error":
                     yield json.dumps(P.error_body(ev.error, ev.status))
                     break

@@ -15,7 +15,8 @@ text pieces to the requests' ``asyncio.Queue`` objects, a round's events in one 
 
 Shutdown (:meth:`Scheduler.begin_shutdown`): no new request is accepted (:class:`ShuttingDown`), waiting
 ones are refused, running ones go on until they finish or ``drain_timeout`` seconds pass (then they end with
-``finish_reason='abort'``); then the thread exits.
+OpenAI's ``finish_reason='length'``: the output was cut short, as by a token limit; the metrics count them as
+``abort``, vLLM's label); then the thread exits.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class Event:
     Attributes:
         kind: ``'text'`` (a new piece), ``'done'`` (finished: ``finish_reason`` and usage set) or ``'error'``.
         text: the new text (may be empty).
-        finish_reason: ``'stop'`` (EOS or a stop string), ``'length'`` (max_tokens or the context), ``'abort'``.
+        finish_reason: one of OpenAI's: ``'stop'`` (EOS or a stop string), ``'length'`` (max_tokens, the context,
+            or cut by the drain timeout at shutdown).
         completion_tokens: tokens generated so far (cut at a stop string) [tokens].
         error: the message of an ``'error'`` event; ``status`` its HTTP status.
         stats: with ``'done'``: the request's speculative counters (rounds, drafted and accepted tokens,
@@ -269,8 +271,10 @@ class Scheduler:
         self._flush()                 # first tokens now, not after the round
         overdue = self.draining and (self._abort_all or time.perf_counter() - self._draining_since > self.drain_timeout)
         for item in list(self._running):
-            if item.sub.cancelled.is_set() or overdue:
-                self._finish(item, "abort")
+            if item.sub.cancelled.is_set():
+                self._finish(item, "abort")              # nobody listens any more
+            elif overdue:
+                self._finish(item, "length", aborted=True)
         self.metrics.labels(self.metrics.running).set(len(self._running))
         if not self._running:
             return
@@ -303,19 +307,24 @@ class Scheduler:
             return
         self._finish(item, reason, piece)
 
-    def _finish(self, item: _Running, reason: str | None, piece: str = "", error: str = "") -> None:
+    def _finish(self, item: _Running, reason: str | None, piece: str = "", error: str = "",
+                aborted: bool = False) -> None:
+        """End ``item``: ``reason`` is what the client reads (``'abort'``: the client went away, nothing is sent);
+        ``aborted`` counts a drain-timeout cut as ``abort`` in the metrics."""
         if item in self._running:
             self._running.remove(item)
             if not error:                # after a failed round its caches may be half-written
                 self.batched.release(item.seq)
         m, seq, now = self.metrics, item.seq, time.perf_counter()
-        tokens = len(item.text.token_ids)
         if error:
             self._post(item.sub, Event("error", error=error))
             return
         if reason != "abort":
             piece += item.text.finish()
-        m.labels(m.request_success, finished_reason=reason).inc()
+            if item.text.stopped:        # a stop string completed by the final flush
+                reason = "stop"
+        tokens = len(item.text.token_ids)
+        m.labels(m.request_success, finished_reason="abort" if aborted else reason).inc()
         m.labels(m.generation_tokens).inc(tokens)
         m.labels(m.e2e).observe(now - item.sub.arrival)
         if tokens > 1:

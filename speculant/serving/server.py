@@ -8,6 +8,7 @@ On SIGTERM (or Ctrl-C) the server stops accepting connections, answers requests 
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 import threading
 
@@ -133,6 +134,29 @@ def make_server(engine, host: str, port: int, drain_timeout: float, start_schedu
     return server
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raises :class:`SpeculantError` naming ``host`` and ``port`` when the server could not listen there (another
+    process holds the port, or the host is not an address of this machine); port 0 (any free port) always passes.
+
+    Binds and closes a socket with ``SO_REUSEADDR``, as uvicorn binds (so a port in ``TIME_WAIT`` passes, as it
+    does for uvicorn); a process taking the port between this check and uvicorn's start is still reported by uvicorn.
+    """
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise SpeculantError(f"--host={host!r} cannot be resolved ({e.strerror}); allowed: an address or host name "
+                             "of this machine") from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise SpeculantError(f"--port={port} on {host} cannot be used ({e.strerror}); allowed: a free port "
+                                 "(or 0: any free one)") from None
+
+
 def cmd_serve(args) -> int:
     """``speculant serve``: see the module docstring."""
     from ..cli import load_for_decoding, method_spec_from_args
@@ -143,6 +167,7 @@ def cmd_serve(args) -> int:
     check_range("--prefix-cache-tokens", args.prefix_cache_tokens, 0)
     check_speculation(args.speculation)
     method_spec_from_args(args)                 # bad flag combinations fail before the model loads
+    check_port_free(args.host, args.port)       # and a busy port too
     box, ready = {}, threading.Event()
 
     def compute() -> None:
