@@ -140,16 +140,17 @@ def test_vnni_code_gives_the_avx2_bits(monkeypatch):
     on a CPU with VNNI, that is the real instruction against AVX2."""
     from helpers import tiny_model
     in_use = build.load()
-    libs = {"in use": in_use, **{isa: build.load_variant(isa) for isa in ("vnni-emulated", "zmm-emulated")}}
+    libs = {"in use": in_use, **{isa: build.load_variant(isa) for isa in ("vnni-emulated", "zmm-emulated",
+                                                                          "amx-emulated")}}
     avx2 = build.load_variant("avx2")
     g = torch.Generator().manual_seed(5)
     for n in (8, 29, 48):                                 # 1 group; 1 pair, 1 group, 5 outputs; 3 pairs
         w = torch.randn(n, 96, generator=g) * 3.0
         w[0, :32] = -w[0, :32].abs().max()                # a block of Q8 codes -127 (the largest products)
         w[1, 32:64] = 0.0                                 # and of codes 0
-        x = torch.randn(9, 96, generator=g) * 10.0
+        x = torch.randn(20, 96, generator=g) * 10.0
         for lin in (W4A8Linear(quantize_q4(w)), W8A8Linear(quantize_q8(w))):
-            for rows in (1, 2, 5, 6, 9):
+            for rows in (1, 2, 5, 6, 8, 9, 16, 17, 20):      # row tiles of 3..8 rows; AMX tiles from 8 rows
                 monkeypatch.setattr(build, "_LIB", avx2)              # the library the products call
                 want = lin(x[:rows])
                 for name, lib in libs.items():
@@ -178,9 +179,9 @@ def test_the_fastest_variant_is_measured_once_per_machine(monkeypatch, tmp_path)
     time nothing; another thread count is another measurement."""
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
     monkeypatch.delenv("SPECULANT_KERNEL_ISA", raising=False)
-    monkeypatch.setattr(build, "TEST_VARIANTS", frozenset({"vnni-emulated"}))  # zmm-emulated counts as this CPU's
+    monkeypatch.setattr(build, "TEST_VARIANTS", frozenset({"vnni-emulated", "amx-emulated"}))  # zmm-emulated counts as this CPU's
     real_flags = build._cpu_flags()       # a CPU with AVX2 alone: its real variants are avx2 (+ zmm-emulated here)
-    monkeypatch.setattr(build, "_cpu_flags", lambda: real_flags - {"avx512f", "avx512_vnni", "avx_vnni"})
+    monkeypatch.setattr(build, "_cpu_flags", lambda: real_flags - {"avx512f", "avx512_vnni", "avx_vnni", "amx_tile"})
     timed = []
 
     def fake_times(libs, repeats=30):
@@ -230,6 +231,8 @@ def test_kernel_variant_is_chosen_from_the_cpu_flags_and_checked(monkeypatch):
     assert build.isa_candidates(base | {"avx_vnni"}) == ["avx-vnni", "avx2"]
     assert build.isa_candidates(base | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni"}) == [
         "avx512-vnni", "avx512-vnni-ymm", "avx2"]                                   # not avx-vnni: its VEX twin
+    assert build.isa_candidates(base | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"}) == [
+        "avx512-vnni", "avx512-vnni-ymm", "amx-int8", "avx2"]
     assert build.isa_candidates(base | {"avx512f", "avx512_vnni"}) == ["avx2"]      # no AVX512VL: no 256-bit vpdpbusd
     monkeypatch.setenv("SPECULANT_KERNEL_ISA", "vnni-emulated")
     assert build.isa_candidates(base) == ["vnni-emulated"]

@@ -40,23 +40,27 @@ from pathlib import Path
 from ..errors import SpeculantError
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("qgemm.c", "attention.c", "decode_step.c"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("simd.h", "kernels.h", "qgemm_pairs.h"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("simd.h", "kernels.h", "qgemm_pairs.h", "qgemm_amx.h"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mprefer-vector-width=256")
+_AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
 ISA_VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
-    "avx512-vnni": (_AVX512 + ("-DSPEC_DPBUSD=1", "-DSPEC_ZMM=1"),
-                    frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})),
-    "avx512-vnni-ymm": (_AVX512 + ("-DSPEC_DPBUSD=1",), frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})),
+    "avx512-vnni": (_AVX512 + ("-DSPEC_DPBUSD=1", "-DSPEC_ZMM=1"), _AVX512_FLAGS),
+    "avx512-vnni-ymm": (_AVX512 + ("-DSPEC_DPBUSD=1",), _AVX512_FLAGS),
     "avx-vnni": (("-mavxvnni", "-DSPEC_DPBUSD=2"), frozenset({"avx_vnni"})),
+    "amx-int8": (_AVX512 + ("-mamx-tile", "-mamx-int8", "-DSPEC_DPBUSD=1", "-DSPEC_ZMM=1", "-DSPEC_AMX=1"),
+                 _AVX512_FLAGS | {"amx_tile", "amx_int8"}),
     "avx2": ((), frozenset()),
     "vnni-emulated": (("-DSPEC_DPBUSD=3",), frozenset()),
     "zmm-emulated": (("-DSPEC_DPBUSD=3", "-DSPEC_ZMM=2"), frozenset()),
+    "amx-emulated": (("-DSPEC_DPBUSD=3", "-DSPEC_ZMM=2", "-DSPEC_AMX=2"), frozenset()),
 }
-"""Kernel variant -> (extra compiler flags, CPU flags it needs besides AVX2/FMA/F16C).  ``avx512-vnni``: 512-bit
+"""Kernel variant -> (extra compiler flags, CPU flags it needs besides AVX2/FMA/F16C).  ``amx-int8``: ``avx512-vnni``
+with the integer sums of products of a few rows or more by AMX tiles (``qgemm_amx.h``); ``avx512-vnni``: 512-bit
 products of two groups of 8 outputs (``qgemm_pairs.h``); ``avx512-vnni-ymm`` and ``avx-vnni``: ``vpdpbusd`` on
 256-bit vectors; ``avx2``: ``vpmaddubsw``.  The ``-emulated`` ones (:data:`TEST_VARIANTS`) run the VNNI code
-with ``vpdpbusd`` (and 512-bit vectors) emulated exactly by AVX2 instructions, for tests."""
-TEST_VARIANTS = frozenset({"vnni-emulated", "zmm-emulated"})
+with ``vpdpbusd`` (and 512-bit vectors, and AMX tiles) emulated exactly by AVX2 instructions (and C), for tests."""
+TEST_VARIANTS = frozenset({"vnni-emulated", "zmm-emulated", "amx-emulated"})
 _LIB: ctypes.CDLL | None = None
 _WHY_NOT: str | None = None
 _ISA: str | None = None

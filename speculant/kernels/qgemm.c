@@ -52,8 +52,13 @@
 #define QK 32
 #define LANES 8          /* outputs per interleaved group */
 #ifndef MB
-#define MB 5             /* rows per tile: a group's unpacked weights are reused from registers for MB rows (5: the
-                          * most whose sums and accumulators fit the 16 registers; 4 + 1 tiles cost 15% more at M = 5) */
+#ifdef __AVX512F__
+#define MB 8             /* rows per tile: a group's unpacked weights are reused from registers for up to MB rows (with
+                          * AVX-512's 32 vector registers, 8 rows' sums and accumulators fit) */
+#else
+#define MB 5             /* (5: the most whose sums and accumulators fit AVX2's 16 registers; 4 + 1 tiles cost 15% more
+                          * at M = 5) */
+#endif
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
@@ -282,25 +287,59 @@ static void tail_outputs(const uint8_t *c4, const int8_t *c8, const uint16_t *wd
 #else
 #define PAIRS 0
 #endif
+#ifdef SPEC_AMX
+#include "qgemm_amx.h"   /* groups t, t + 1 by AMX tiles from AMX_MIN_ROWS rows on */
+#endif
 
-/* Rows m0 = 0 .. M-1 in tiles of MB, then one tile of the last 1..MB-1 (tiling changes which registers hold an
- * element, never its operations). */
+/* The cases of a switch on a row tile's size 1 .. MB, each calling CALL with that size as a constant. */
+#if MB == 8
+#define ROW_CASES(CALL)                                                                              \
+    case 8: CALL(8); break; case 7: CALL(7); break; case 6: CALL(6); break; case 5: CALL(5); break;  \
+    case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break; case 1: CALL(1); break;
+#elif MB == 5
+#define ROW_CASES(CALL)                                                                              \
+    case 5: CALL(5); break; case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break;  \
+    case 1: CALL(1); break;
+#else
+#error "MB must be 5 or 8"
+#endif
+
+/* Rows m0 = 0 .. M-1 in ceil(M / MB) tiles of near-equal sizes (the first M % tiles one row larger: 6 rows are 3 + 3,
+ * not 5 + 1, whose 1-row tile unpacks the weights for a single row).  Tiling changes which registers hold an
+ * element, never its operations. */
 #define ROW_TILES(CALL)                                                                               \
     do {                                                                                             \
+        const int64_t tiles_ = (M + MB - 1) / MB, base_ = M / (tiles_ + !tiles_), extra_ = M - base_ * tiles_; \
         int64_t m0 = 0;                                                                              \
-        for (; m0 + MB <= M; m0 += MB) CALL(MB);                                                     \
-        switch (M - m0) {             /* MB <= 6 */                                                  \
-            case 5: CALL(5); break;                                                                  \
-            case 4: CALL(4); break;                                                                  \
-            case 3: CALL(3); break;                                                                  \
-            case 2: CALL(2); break;                                                                  \
-            case 1: CALL(1); break;                                                                  \
+        for (int64_t i_ = 0; i_ < tiles_; i_++) {                                                    \
+            const int64_t rows_ = base_ + (i_ < extra_);                                             \
+            switch (rows_) { ROW_CASES(CALL) }                                                       \
+            m0 += rows_;                                                                             \
         }                                                                                            \
     } while (0)
 
 /* Units of work split between threads: P pairs of groups of 8 outputs (512-bit variants; none otherwise), then the
- * groups left, one per unit, then the last N % 8 outputs as one unit. */
-#define FOR_GROUPS(GROUP_CALL, PAIR_CALL, TAIL_CALL)                                                  \
+ * groups left, one per unit, then the last N % 8 outputs as one unit.  With AMX (SPEC_AMX) the pairs are AMX_CALL
+ * (qgemm_amx.h's AMX_ROW_TILES), each thread with its own tile configuration (shaped: its row count, 0: none). */
+#ifdef SPEC_AMX
+#define FOR_GROUPS(GROUP_CALL, PAIR_CALL, TAIL_CALL, AMX_CALL)                                        \
+    do {                                                                                             \
+        const int64_t T = N / LANES, P = T / 2, U = T - P + (N % LANES != 0);                        \
+        const int amx = M >= AMX_MIN_ROWS && amx_permitted();                                        \
+        _Pragma("omp parallel")                                                                      \
+        {                                                                                            \
+            int shaped = 0;                                                                          \
+            _Pragma("omp for schedule(static)")                                                      \
+            for (int64_t u = 0; u < U; u++) {                                                        \
+                if (u >= T - P) { TAIL_CALL; continue; }                                             \
+                const int64_t t = u < P ? 2 * u : u + P;                                             \
+                if (u < P) AMX_CALL; else ROW_TILES(GROUP_CALL);                                     \
+            }                                                                                        \
+            if (shaped) amx_release();                                                               \
+        }                                                                                            \
+    } while (0)
+#else
+#define FOR_GROUPS(GROUP_CALL, PAIR_CALL, TAIL_CALL, AMX_CALL)                                        \
     do {                                                                                             \
         const int64_t T = N / LANES, P = PAIRS ? T / 2 : 0, U = T - P + (N % LANES != 0);             \
         _Pragma("omp parallel for schedule(static)")                                                 \
@@ -310,6 +349,7 @@ static void tail_outputs(const uint8_t *c4, const int8_t *c8, const uint16_t *wd
             if (PAIRS && u < P) ROW_TILES(PAIR_CALL); else ROW_TILES(GROUP_CALL);                    \
         }                                                                                            \
     } while (0)
+#endif
 
 /* y [M, N] = dequant(codes [N, K/2] uint8, wd, wm [N, K/32] fp16; the layout above) applied to the quantized rows */
 void spec_w4a8(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K,
@@ -324,7 +364,11 @@ void spec_w4a8(const int8_t *xq, const float *xd, const float *xs, int64_t M, in
 #else
 #define Q4_PAIR Q4_CALL  /* never reached: no pairs */
 #endif
-    FOR_GROUPS(Q4_CALL, Q4_PAIR, tail_outputs(codes, 0, wd, wm, xq, xd, xs, M, K, N, y));
+#define Q4_AMX AMX_ROW_TILES(4, codes + t * LANES * (K / 2), codes + (t + 1) * LANES * (K / 2), wd + t * LANES * G,   \
+                              wd + (t + 1) * LANES * G, wm + t * LANES * G, wm + (t + 1) * LANES * G, xs, t * LANES, \
+                              Q4_PAIR)
+    FOR_GROUPS(Q4_CALL, Q4_PAIR, tail_outputs(codes, 0, wd, wm, xq, xd, xs, M, K, N, y), Q4_AMX);
+#undef Q4_AMX
 #undef Q4_CALL
 #undef Q4_PAIR
 }
@@ -340,7 +384,10 @@ void spec_w8a8(const int8_t *xq, const float *xd, int64_t M, int64_t K,
 #else
 #define Q8_PAIR Q8_CALL
 #endif
-    FOR_GROUPS(Q8_CALL, Q8_PAIR, tail_outputs(0, codes, wd, 0, xq, xd, 0, M, K, N, y));
+#define Q8_AMX AMX_ROW_TILES(8, (const uint8_t *)codes + t * LANES * K, (const uint8_t *)codes + (t + 1) * LANES * K, \
+                              wd + t * LANES * G, wd + (t + 1) * LANES * G, 0, 0, 0, t * LANES, Q8_PAIR)
+    FOR_GROUPS(Q8_CALL, Q8_PAIR, tail_outputs(0, codes, wd, 0, xq, xd, 0, M, K, N, y), Q8_AMX);
+#undef Q8_AMX
 #undef Q8_CALL
 #undef Q8_PAIR
 }

@@ -40,6 +40,9 @@ INLINE v16f v16_zero_f(void) { return _mm512_setzero_ps(); }
 INLINE v16f v16_mul(v16f a, v16f b) { return _mm512_mul_ps(a, b); }
 INLINE v16f v16_fma(v16f a, v16f b, v16f c) { return _mm512_fmadd_ps(a, b, c); }
 INLINE void v16_store(float *p, v16f v) { _mm512_storeu_ps(p, v); }
+INLINE void v16_store_i(void *p, v16i v) { _mm512_storeu_si512(p, v); }
+INLINE v16i v16_load_i(const void *p) { return _mm512_loadu_si512(p); }
+INLINE v16f v16_load_f(const float *p) { return _mm512_loadu_ps(p); }
 #define V16_PIN(v) __asm__("" : "+v"(v))
 #else
 typedef struct { __m256i lo, hi; } v16i;
@@ -72,6 +75,14 @@ INLINE v16f v16_fma(v16f a, v16f b, v16f c) {
     return (v16f){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
 INLINE void v16_store(float *p, v16f v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+INLINE void v16_store_i(void *p, v16i v) {
+    _mm256_storeu_si256((__m256i *)p, v.lo);
+    _mm256_storeu_si256((__m256i *)p + 1, v.hi);
+}
+INLINE v16i v16_load_i(const void *p) {
+    return (v16i){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)p + 1)};
+}
+INLINE v16f v16_load_f(const float *p) { return (v16f){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 #define V16_PIN(v) do { PIN((v).lo); PIN((v).hi); } while (0)
 #endif
 
