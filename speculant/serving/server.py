@@ -135,7 +135,7 @@ def make_server(engine, host: str, port: int, drain_timeout: float, start_schedu
 
 def cmd_serve(args) -> int:
     """``speculant serve``: see the module docstring."""
-    from ..cli import load_for_decoding, method_spec_from_args
+    from ..arguments import load_for_decoding, method_spec_from_args
     check_range("--port", args.port, 0, 65535)
     check_range("--max-batch", args.max_batch, 1)
     check_range("--max-queue", args.max_queue, 0)
