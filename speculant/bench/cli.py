@@ -28,7 +28,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _setup(args):
     import torch
     from transformers.utils import logging as hf_logging
-    from ..cli import load_for_decoding
+    from ..arguments import load_for_decoding
     from .datasets import load_prompts
     from .runner import BenchConfig
     if args.threads:

@@ -138,14 +138,8 @@ def _model_for(model: LoadedModel, method: BenchMethod, loaded: dict) -> LoadedM
 def machine_info() -> dict:
     """Where the numbers were measured (CPU, cores, torch threads, versions, 1-minute load average at start)."""
     import transformers
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from ..cpu import cpu_model
+    cpu = cpu_model()
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}

@@ -37,7 +37,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..cpu import cpu_flags
 from ..errors import SpeculantError
+from ..paths import cache_root
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("qgemm.c", "attention.c", "decode_step.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("simd.h", "kernels.h", "qgemm_pairs.h", "qgemm_amx.h"))
@@ -68,13 +70,7 @@ _LOCK = threading.Lock()
 
 
 def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return cpu_flags()
 
 
 def _compiler() -> str | None:
@@ -148,7 +144,6 @@ def _build(cc: str, isa: str = "avx2") -> Path:
     Raises:
         SpeculantError: the compiler failed (its last error lines).
     """
-    from ..models.loading import cache_root
     out = cache_root() / "kernels" / f"speculant-kernels-{isa}-{_digest(cc, isa)}.so"
     if out.is_file():
         return out
@@ -253,8 +248,6 @@ projection in 4 bits and a slice of an LM head in 8 bits, each for 1 and 5 rows 
 def _pick_path(cc: str, candidates) -> Path:
     """Where the pick among ``candidates`` is kept: keyed by their builds' :func:`_digest` and torch's thread count."""
     import torch
-
-    from ..models.loading import cache_root
     key = json.dumps({"variants": {isa: _digest(cc, isa) for isa in sorted(candidates)},
                       "threads": torch.get_num_threads()}, sort_keys=True)
     return cache_root() / "kernels" / f"pick-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SpeculantError
+from ..paths import cache_root
 from .config import ModelConfig
 from .llama import LlamaDecoder
 from .rope import rope_tables
@@ -46,11 +47,6 @@ KNOWN_MODELS: dict[str, GGUFSource] = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
-
-
-def cache_root() -> Path:
-    """The weight cache directory: ``$SPECULANT_CACHE`` or ``~/.cache/speculant``."""
-    return Path(os.environ.get("SPECULANT_CACHE") or Path.home() / ".cache" / "speculant")
 
 
 def release_memory() -> None:

@@ -45,7 +45,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -54,6 +53,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import cpu
 from ..models import linear as fp32_linear
 from ..models.linear import DecodeLinear, Routes
 from .formats import FORMATS, PROJECTIONS, format_available, head_format, pack_linear
@@ -138,22 +138,8 @@ class TuneResult:
 
 
 def cpu_description() -> dict:
-    """CPU model name and a digest of its feature flags (Linux ``/proc/cpuinfo``; ``platform`` elsewhere)."""
-    model, flags = platform.processor() or platform.machine(), ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            name, _, value = line.partition(":")
-            name = name.strip()
-            if name == "model name" and model in ("", platform.machine(), platform.processor()):
-                model = value.strip()
-            elif name in ("flags", "Features") and not flags:
-                flags = value.strip()
-    except OSError:
-        pass
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "fma", "f16c")
-    have = sorted(f for f in flags.split() if f in wanted)
-    return {"model": model, "flags_sha1": hashlib.sha1(flags.encode()).hexdigest()[:12], "isa": have,
-            "cores": os.cpu_count()}
+    """CPU model name and a digest of its feature flags (:func:`speculant.cpu.describe`)."""
+    return cpu.describe()
 
 
 def projection_shapes(cfg) -> list[tuple[int, int]]:
@@ -177,7 +163,7 @@ def _key_digest(key: dict) -> str:
 
 
 def cache_path(key: dict) -> Path:
-    from ..models.loading import cache_root
+    from ..paths import cache_root
     return cache_root() / "tune" / f"{_key_digest(key)}.json"
 
 

@@ -159,7 +159,7 @@ def check_port_free(host: str, port: int) -> None:
 
 def cmd_serve(args) -> int:
     """``speculant serve``: see the module docstring."""
-    from ..cli import load_for_decoding, method_spec_from_args
+    from ..arguments import load_for_decoding, method_spec_from_args
     check_range("--port", args.port, 0, 65535)
     check_range("--max-batch", args.max_batch, 1)
     check_range("--max-queue", args.max_queue, 0)

@@ -12,7 +12,7 @@ def _threads(args) -> None:
 
 
 def cmd_make_data(args) -> int:
-    from ..cli import load_for_decoding
+    from ..arguments import load_for_decoding
     from . import data
 
     _threads(args)
