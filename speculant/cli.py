@@ -100,7 +100,7 @@ def method_spec_from_args(args, model=None):
     return MethodSpec(method=args.method, exit_layer=exit_layer, num_speculations=k, draft_model=args.draft_model,
                       max_ngram=args.max_ngram, min_ngram=args.min_ngram, branching=args.branching,
                       beam_width=args.beam_width, draft_length=args.draft_length, exit_adapter=args.exit_adapter,
-                      draft_head=args.draft_head)
+                      draft_head=args.draft_head, verification=getattr(args, "verification", "token"))
 
 
 def cmd_generate(args) -> int:
@@ -179,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true",
                    help="do not apply the chat template (the tokenizer's special tokens, e.g. BOS, are still added)")
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
+    g.add_argument("--verification", default="token", choices=("token", "block", "traversal"),
+                   help="acceptance rule when sampling: token (recursive rejection sampling, default), block "
+                        "(chains, Sun et al. 2025) or traversal (chains, rsd-c, specinfer; Weng et al. 2025); "
+                        "greedy decoding always matches the argmax")
     _add_method_args(g)
     g.set_defaults(func=cmd_generate)
 
