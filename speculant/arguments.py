@@ -94,4 +94,4 @@ def method_spec_from_args(args, model=None):
     return MethodSpec(method=args.method, exit_layer=exit_layer, num_speculations=k, draft_model=args.draft_model,
                       max_ngram=args.max_ngram, min_ngram=args.min_ngram, branching=args.branching,
                       beam_width=args.beam_width, draft_length=args.draft_length, exit_adapter=args.exit_adapter,
-                      draft_head=args.draft_head)
+                      draft_head=args.draft_head, verification=getattr(args, "verification", "token"))

@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true",
                    help="do not apply the chat template (the tokenizer's special tokens, e.g. BOS, are still added)")
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
+    g.add_argument("--verification", default="token", choices=("token", "block", "traversal"),
+                   help="acceptance rule when sampling: token (recursive rejection sampling, default), block "
+                        "(chains, Sun et al. 2025) or traversal (chains, rsd-c, specinfer; Weng et al. 2025); "
+                        "greedy decoding always matches the argmax")
     _add_method_args(g)
     g.set_defaults(func=cmd_generate)
 

@@ -85,13 +85,17 @@ class SpeculativeGenerator:
         model: the target (:func:`speculant.load_model`).
         drafter: ``None`` for autoregressive decoding.
         builder: shapes the draft tree (chain, RSD-C, RSD-S, i.i.d.); ``None`` with no drafter.
+        verification: acceptance rule under sampling, ``token``, ``block`` or ``traversal``
+            (:func:`speculant.verification.sequence.sampling_accept`).
     """
 
-    def __init__(self, model: LoadedModel, drafter: Drafter | None = None, builder: TreeBuilder | None = None):
+    def __init__(self, model: LoadedModel, drafter: Drafter | None = None, builder: TreeBuilder | None = None,
+                 verification: str = "token"):
         self.model = model
         self.drafter = drafter or Drafter()
         self.builder = builder
         self.without_replacement = not isinstance(builder, IIDTreeBuilder)
+        self.verification = verification
         self.last_result: GenerationResult | None = None
 
     # ---------------------------------------------------------------- prompts
@@ -158,7 +162,7 @@ class SpeculativeGenerator:
         logits = self.drafter.verify_logits(state, tree)
         stats.target_forwards += 1
         return accept_and_commit(state, self.drafter, builder, tree, logits, generator, self.without_replacement,
-                                 remaining, eos, stats)
+                                 remaining, eos, stats, verification=self.verification)
 
     # ---------------------------------------------------------------- text layer
     def stream(self, prompt: str | list[int] | list[dict], config: GenerationConfig | None = None) -> Iterator[str]:

@@ -15,6 +15,7 @@ from ..errors import SpeculantError, check_range
 from ..models.loading import LoadedModel, load_model
 from ..trees.builders import (ChainBuilder, ConstantBranchingBuilder, IIDTreeBuilder, StochasticBeamBuilder,
                               TreeBuilder)
+from ..verification.sequence import check_verification
 from .generator import SpeculativeGenerator
 
 METHODS = ("ar", "early-exit", "draft-model", "prompt-lookup", "eagle", "rsd-c", "rsd-s", "specinfer")
@@ -78,8 +79,10 @@ class MethodSpec:
     draft_length: int | None = None
     exit_adapter: str | None = None
     draft_head: str | None = None
+    verification: str = "token"
 
     def __post_init__(self):
+        check_verification(self.verification, self.method, TREE_METHODS, ("rsd-s",))
         if self.method not in METHODS:
             raise SpeculantError(f"method={self.method!r} is unknown; allowed: {', '.join(METHODS)}")
         if self.draft_model and self.draft_head:
@@ -187,4 +190,4 @@ def build_generator(model: LoadedModel, spec: MethodSpec | None = None, **kwargs
     e = spec.exit_layer
     if e is not None and (isinstance(e, bool) or not isinstance(e, int) or not 1 <= e < layers):
         raise SpeculantError(f"exit_layer={spec.exit_layer} is out of range; allowed: 1..{layers - 1}")
-    return SpeculativeGenerator(model, _drafter(spec, model), _builder(spec))
+    return SpeculativeGenerator(model, _drafter(spec, model), _builder(spec), verification=spec.verification)

@@ -15,7 +15,8 @@ from ..models.llama import LlamaDecoder
 from ..sampling.processors import SamplingConfig, logits_to_probs, sample_categorical
 from ..trees.builders import TreeBuilder
 from ..trees.tree import DraftTree
-from ..verification.rules import greedy_accept, recursive_rejection_sampling
+from ..verification.rules import greedy_accept
+from ..verification.sequence import sampling_accept
 from .stats import GenerationStats
 
 
@@ -65,22 +66,23 @@ def draft_limits(state: DecodingState, builder: TreeBuilder | None, budget: int,
 def accept_and_commit(state: DecodingState, drafter: Drafter, builder: TreeBuilder | None, tree: DraftTree,
                       logits: torch.Tensor, generator: torch.Generator | None, without_replacement: bool,
                       remaining: int, eos: set[int], stats: GenerationStats,
-                      target_argmax: list[int] | None = None) -> list[int]:
+                      target_argmax: list[int] | None = None, verification: str = "token") -> list[int]:
     """Accept against the target's logits ``[N + 1, V]``, keep the accepted path in the KV cache, commit the
     drafter and the builder, record the round; returns the emitted tokens (appended to ``state.tokens``).
     ``target_argmax``: the logits' argmax per row when the caller has it (a batched round takes it for all
     sequences in one call), else computed here.
 
     The block ends at the first EOS and holds at most ``remaining`` tokens.  Acceptance: greedy match
-    (Stern et al. 2018) or recursive rejection sampling (:mod:`speculant.verification.rules`) on the target's
-    processed distribution of only the rows the rule visits (the accepted path).
+    (Stern et al. 2018) or, under sampling, ``verification``: recursive rejection sampling
+    (:mod:`speculant.verification.rules`), block or traversal verification (:mod:`speculant.verification.sequence`)
+    on the target's processed distribution of only the rows the rule visits.
     """
     cache, sampling, n = state.cache, state.sampling, state.n
     if sampling.greedy:
         path, token = greedy_accept(tree, logits.argmax(-1).tolist() if target_argmax is None else target_argmax)
     else:
-        path, token = recursive_rejection_sampling(tree, lambda entry: logits_to_probs(logits[entry], sampling),
-                                                   generator, without_replacement)
+        path, token = sampling_accept(tree, lambda entry: logits_to_probs(logits[entry], sampling), generator,
+                                      without_replacement, verification)
     cache.crop(n + 1)
     cache.keep([n + 1 + i for i in path], start=n + 1)
     drafter.commit(state, path)
