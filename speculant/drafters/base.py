@@ -34,6 +34,9 @@ class DecodingState:
         layer_tokens: tokens each target layer has processed in this generation (``[L]``), counted by
             :meth:`run_layers`; the decoder's own ``layer_token_counts`` is shared by every generation.
         drafter_state: the drafter's per-generation state, set by :meth:`Drafter.begin`.
+        controls: the per-position processing that reads the prefix (penalties, logit bias, grammar,
+            ``min_tokens``) and the log-probabilities asked for, a
+            :class:`~speculant.sampling.controls.SequenceControls`; ``None`` = none.
     """
 
     target: LlamaDecoder
@@ -43,6 +46,7 @@ class DecodingState:
     draft_forwards: int = 0
     layer_tokens: list[int] = field(default_factory=list)
     drafter_state: object = None
+    controls: object = None
 
     def __post_init__(self):
         if not self.layer_tokens:
@@ -167,9 +171,32 @@ def full_vocab_logits(logits: torch.Tensor, vocab_ids: torch.Tensor | None, voca
     return full
 
 
-def draft_distribution(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """Draft probabilities ``[F, V]``: processed like the target's, or the plain softmax under greedy decoding."""
-    return torch.softmax(logits.float(), -1) if sampling.greedy else logits_to_probs(logits, sampling)
+def draft_distribution(logits: torch.Tensor, sampling: SamplingConfig, controls=None,
+                       paths: list[tuple[int, ...]] | None = None) -> torch.Tensor:
+    """Draft probabilities ``[F, V]``: processed like the target's, or the plain softmax under greedy decoding.
+
+    With ``controls`` (a :class:`~speculant.sampling.controls.SequenceControls` that is active), row f is
+    first processed for its own prefix, the committed tokens + ``paths[f]`` (the drafted tokens on the
+    frontier node's path), exactly as the target's row at that node will be: a token the grammar or
+    ``min_tokens`` forbids there gets probability 0, so no draft proposes it.
+    """
+    if controls is None or not controls.active:
+        return torch.softmax(logits.float(), -1) if sampling.greedy else logits_to_probs(logits, sampling)
+    logits = controls.process(logits, paths)
+    q = torch.softmax(logits, -1) if sampling.greedy else logits_to_probs(logits, sampling)
+    return torch.nan_to_num(q, nan=0.0)       # a row whose every draft token is forbidden proposes nothing
+
+
+def allowed_children(q: torch.Tensor, kids: list[list[int]]) -> list[list[int]]:
+    """``kids`` without the tokens of draft probability 0 in their parent's row of ``q`` ``[F, V]`` (a tree
+    builder may pick them when fewer tokens than its branching are allowed); such a child could never be
+    accepted (``q(x) = 0``), so dropping it leaves the acceptance rule's output unchanged."""
+    return [[t for t in toks if float(q[f, t]) > 0.0] for f, toks in enumerate(kids)]
+
+
+def frontier_paths(tree: DraftTree, frontier: list[int]) -> list[tuple[int, ...]]:
+    """The drafted tokens from the root down to each frontier node (``-1`` = the root: ``()``)."""
+    return [tuple(tree.tokens[i] for i in tree.path_to(node)) if node >= 0 else () for node in frontier]
 
 
 @dataclass
@@ -211,11 +238,15 @@ class ModelDrafterBase(Drafter):
             logits = self.frontier_logits(state, tree, first_entry, depth - 1)
             state.draft_forwards += 1
             ds.processed = len(tree) + 1
-            q = draft_distribution(logits, state.sampling)
+            controlled = state.controls is not None and state.controls.active
+            paths = frontier_paths(tree, frontier) if controlled else None
+            q = draft_distribution(logits, state.sampling, state.controls, paths)
             if not state.sampling.greedy:
                 for node, row in zip(frontier, q):
                     tree.set_draft_probs(node, row)
             kids = builder.expand(depth, q, state.sampling.greedy, generator)
+            if controlled:
+                kids = allowed_children(q, kids)
             new, full = [], False
             for node, toks in zip(frontier, kids):
                 for tok in toks:

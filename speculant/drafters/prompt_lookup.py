@@ -52,6 +52,9 @@ class PromptLookupDrafter(Drafter):
         tree = DraftTree()
         k = builder.num_speculations if isinstance(builder, ChainBuilder) else max_depth
         cont = find_continuation(state.tokens, self.max_ngram, self.min_ngram, min(k, max_nodes, max_depth))
+        if state.controls is not None and state.controls.active:
+            # never draft a token the grammar or min_tokens forbids after the tokens before it
+            cont = cont[:state.controls.allowed_prefix(cont)]
         vocab = state.target.config.vocab_size
         parent = -1
         for tok in cont:

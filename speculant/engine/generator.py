@@ -15,19 +15,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from ..drafters.base import DecodingState, Drafter
 from ..errors import SpeculantError, check_range
 from ..models.loading import LoadedModel
+from ..sampling.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from ..sampling.processors import SamplingConfig
 from ..trees.builders import IIDTreeBuilder, TreeBuilder
 from .prompts import check_prompt_ids, encode_prompt
+from .requests import check_controls, make_controls, stop_token_set
 from .rounds import accept_and_commit, draft_limits, prefill
 from .stats import GenerationStats
 from .text import StopStringText
+
+if TYPE_CHECKING:
+    from ..sampling.grammar import Grammar
 
 
 @dataclass
@@ -40,19 +45,35 @@ class GenerationConfig:
         stop: stop strings; the text is cut just before the first one.  A single string is one stop
             string (``stop="t33"`` stops at "t33", not at any of its characters).
         chat: apply the tokenizer's chat template to a string prompt (``--raw`` turns it off).
+        logprobs: ``None`` = off; ``k`` (0..20): each emitted token's log-probability and the ``k`` most likely
+            tokens at its position, from the target's raw distribution (:mod:`speculant.sampling.logprobs`).
+        grammar: a :class:`~speculant.sampling.grammar.Grammar` (:func:`~speculant.sampling.grammar.compile_grammar`)
+            the output must follow; every position's distribution (target and draft) is masked to it.  The end
+            token it accepts ends the output (also with ``ignore_eos``).
+        min_tokens: the stop tokens (EOS, ``stop_token_ids``) are masked until this many tokens were
+            generated [tokens] (vLLM's ``min_tokens``; stop strings still apply).
+        ignore_eos: the model's EOS tokens do not end the output (they may be emitted).
+        stop_token_ids: more tokens that end the output (kept in ``token_ids``, as EOS is).
     Raises:
-        SpeculantError: ``max_new_tokens < 1``, an empty or non-string stop, ``sampling`` not a SamplingConfig.
+        SpeculantError: ``max_new_tokens < 1``, an empty or non-string stop, ``sampling`` not a SamplingConfig,
+            ``logprobs`` outside 0..20, ``min_tokens < 0`` or above ``max_new_tokens``, a bad stop token id.
     """
 
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: tuple[str, ...] | str = ()
     chat: bool = True
+    logprobs: int | None = None
+    grammar: "Grammar | None" = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         check_range("max_new_tokens", self.max_new_tokens, 1)
         if not isinstance(self.sampling, SamplingConfig):
             raise SpeculantError(f"sampling={self.sampling!r} is invalid; allowed: a SamplingConfig")
+        check_controls(self, MAX_TOP_LOGPROBS)
         stop = self.stop
         if stop is None:
             stop = ()
@@ -69,10 +90,24 @@ class GenerationResult:
     token_ids: list[int]
     stats: GenerationStats
     stop_reason: str          # 'eos' | 'stop' | 'length', or 'abandoned' (stream closed early: a partial result)
+    logprobs: list[TokenLogprob] | None = None
+    """One per token of ``token_ids`` when ``GenerationConfig.logprobs`` was set: log-probabilities from the
+    target's *raw* distribution (log_softmax of its logits, before temperature, penalties, bias and grammar;
+    see :mod:`speculant.sampling.logprobs`)."""
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "stop_reason": self.stop_reason,
-                "stats": self.stats.to_dict()}
+        d = {"text": self.text, "token_ids": self.token_ids, "stop_reason": self.stop_reason,
+             "stats": self.stats.to_dict()}
+        if self.logprobs is not None:
+            d["logprobs"] = [lp.to_dict() for lp in self.logprobs]
+        return d
+
+
+def _logprobs(controls, text) -> list[TokenLogprob] | None:
+    """The log-probabilities of the output's tokens (the text layer may have cut the last block)."""
+    if controls is None or controls.logprobs_k is None:
+        return None
+    return controls.logprobs[:len(text.token_ids)]
 
 
 class SpeculativeGenerator:
@@ -114,10 +149,13 @@ class SpeculativeGenerator:
 
     # ---------------------------------------------------------------- core loop
     def generate_blocks(self, prompt_ids: list[int], config: GenerationConfig,
-                        stats: GenerationStats) -> Iterator[list[int]]:
-        """Yield each round's emitted tokens (EOS and ``max_new_tokens`` already applied).
+                        stats: GenerationStats, controls=None, shared=None) -> Iterator[list[int]]:
+        """Yield each round's emitted tokens (EOS, stop tokens and ``max_new_tokens`` already applied).
 
-        ``stats`` is filled as the generation goes (it is right after every block).
+        ``stats`` is filled as the generation goes (it is right after every block).  ``controls``: the
+        generation's :class:`~speculant.sampling.controls.SequenceControls` (default: made from ``config``
+        by :func:`~speculant.engine.requests.make_controls`); ``shared``: a
+        :class:`~speculant.engine.multi.SharedPrefill` of this prompt to start from instead of a prefill.
 
         Raises:
             SpeculantError: an empty or too long prompt, or a token id outside the vocabulary.
@@ -127,11 +165,18 @@ class SpeculativeGenerator:
         builder = self.builder.fresh() if self.builder is not None else None
         budget = builder.budget() if builder is not None else 0
         max_new = min(config.max_new_tokens, ctx - len(prompt_ids))
-        eos = set(self.model.eos_token_ids)
+        eos = stop_token_set(config, self.model.eos_token_ids)
+        if controls is None:
+            controls = make_controls(config, self.model, prompt_ids)
         generator = config.sampling.generator()
         t0 = time.perf_counter()
-        state = self._prefill(prompt_ids, config.sampling, min(ctx, len(prompt_ids) + max_new + budget + 2),
-                              generator, stats, t0)
+        if shared is not None:
+            state = shared.start(self.drafter, controls, generator, stats, config.sampling)
+            stats.time_to_first_token_s = stats.seconds = time.perf_counter() - t0
+            stats.new_tokens = 1
+        else:
+            state = self._prefill(prompt_ids, config.sampling, min(ctx, len(prompt_ids) + max_new + budget + 2),
+                                  generator, stats, t0, controls)
         block = state.tokens[-1:]
         while True:
             yield list(block)
@@ -143,10 +188,11 @@ class SpeculativeGenerator:
             stats.seconds = time.perf_counter() - t0
 
     @torch.inference_mode()
-    def _prefill(self, prompt_ids, sampling, cache_length, generator, stats, t0) -> DecodingState:
+    def _prefill(self, prompt_ids, sampling, cache_length, generator, stats, t0, controls=None) -> DecodingState:
         """Run the prompt through the target, pick the first token, start the drafter (:func:`rounds.prefill`);
         returns the generation's state (``tokens`` = prompt + first token)."""
-        state = prefill(self.model.decoder, self.drafter, prompt_ids, cache_length, sampling, generator, stats)
+        state = prefill(self.model.decoder, self.drafter, prompt_ids, cache_length, sampling, generator, stats,
+                        controls)
         stats.time_to_first_token_s = stats.seconds = time.perf_counter() - t0
         stats.new_tokens = 1
         return state
@@ -165,7 +211,8 @@ class SpeculativeGenerator:
                                  remaining, eos, stats, verification=self.verification)
 
     # ---------------------------------------------------------------- text layer
-    def stream(self, prompt: str | list[int] | list[dict], config: GenerationConfig | None = None) -> Iterator[str]:
+    def stream(self, prompt: str | list[int] | list[dict], config: GenerationConfig | None = None,
+               shared=None) -> Iterator[str]:
         """Yield text pieces as they are produced; ``self.last_result`` holds the result afterwards.
 
         A string prompt, or a list of chat messages (``{'role', 'content'}`` dicts), is encoded with :meth:`encode`
@@ -179,21 +226,28 @@ class SpeculativeGenerator:
         self.last_result = None
         config = config or GenerationConfig()
         messages = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
-        ids = self.encode(prompt, config.chat) if isinstance(prompt, str) or messages else list(prompt)
-        eos = set(self.model.eos_token_ids)
+        ids = self._check_prompt(self.encode(prompt, config.chat) if isinstance(prompt, str) or messages
+                                 else list(prompt))
+        eos = stop_token_set(config, self.model.eos_token_ids)
         stats = GenerationStats()
         text = StopStringText(self.model.tokenizer, config.stop)
         reason = "length"
-        blocks = self.generate_blocks(ids, config, stats)
+        controls = make_controls(config, self.model, ids)
+        blocks = self.generate_blocks(ids, config, stats, controls, shared)
+        first = True
         try:
             for block in blocks:
+                before = len(text.token_ids)
                 piece = text.add(block)
                 if text.stopped:
                     stats.new_tokens = len(text.token_ids)
+                    if not first:   # the drafted tokens past the cut were not emitted: not accepted either
+                        stats.cut_last_round(len(text.token_ids) - before)
                     reason = "stop"
                     blocks.close()
                 elif block[-1] in eos:
-                    reason = "eos"
+                    reason = "eos" if block[-1] in self.model.eos_token_ids else "stop"
+                first = False
                 if piece:
                     yield piece
                 if text.stopped:
@@ -208,12 +262,26 @@ class SpeculativeGenerator:
             blocks.close()
             text.finish()
             self.last_result = GenerationResult(text.text, list(text.token_ids), stats,
-                                                "stop" if text.stopped else "abandoned")
+                                                "stop" if text.stopped else "abandoned", _logprobs(controls, text))
             raise
-        self.last_result = GenerationResult(text.text, list(text.token_ids), stats, reason)
+        self.last_result = GenerationResult(text.text, list(text.token_ids), stats, reason, _logprobs(controls, text))
 
     def generate(self, prompt: str | list[int], config: GenerationConfig | None = None) -> GenerationResult:
         """Generate to completion; returns text, token ids (prompt excluded) and stats."""
         for _ in self.stream(prompt, config):
             pass
         return self.last_result
+
+    def generate_n(self, prompt: str | list[int], config: GenerationConfig | None = None,
+                   n: int = 1) -> list[GenerationResult]:
+        """``n`` independent samples of one prompt, sharing its prefill (:mod:`speculant.engine.multi`).
+
+        Sample ``i`` runs with seed ``(config.sampling.seed + i) mod 2**64`` (sample 0 is :meth:`generate`'s
+        output with the same config), from a copy of the KV cache (and drafter state) left by one forward
+        over the prompt; its first token is drawn from the shared logits with its own seed.
+
+        Raises:
+            SpeculantError: ``n`` not an integer in [1, 128]; bad prompt or config (as :meth:`generate`).
+        """
+        from .multi import generate_n
+        return generate_n(self, prompt, config or GenerationConfig(), n)

@@ -17,6 +17,7 @@ from ..trees.builders import TreeBuilder
 from ..trees.tree import DraftTree
 from ..verification.rules import greedy_accept
 from ..verification.sequence import sampling_accept
+from .controlled import block_rows, controlled_accept, controlled_pick
 from .stats import GenerationStats
 
 
@@ -28,7 +29,8 @@ def pick_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.
 
 
 def prefill(target: LlamaDecoder, drafter: Drafter, prompt_ids: list[int], cache_length: int,
-            sampling: SamplingConfig, generator: torch.Generator | None, stats: GenerationStats) -> DecodingState:
+            sampling: SamplingConfig, generator: torch.Generator | None, stats: GenerationStats,
+            controls=None) -> DecodingState:
     """Run the prompt through the target (the drafter's :meth:`~Drafter.prefill`; the LM head on the last
     position only), pick the first token and start the drafter.
 
@@ -37,8 +39,10 @@ def prefill(target: LlamaDecoder, drafter: Drafter, prompt_ids: list[int], cache
     Returns:
         the sequence's :class:`DecodingState`: ``tokens`` = prompt + first token, ``cache.length`` = prompt length;
         ``stats.layer_token_evaluations`` is its per-layer token count (kept up to date as it decodes).
+        ``controls``: the generation's :class:`~speculant.sampling.controls.SequenceControls` (or ``None``).
     """
     state = DecodingState(target, target.new_cache(cache_length), list(prompt_ids), sampling)
+    state.controls = controls
     return first_token(state, drafter, drafter.prefill(state), generator, stats)
 
 
@@ -49,7 +53,14 @@ def first_token(state: DecodingState, drafter: Drafter, logits: torch.Tensor, ge
     run after a batched prefill (:meth:`~speculant.engine.batch.BatchedGenerator.start_many`)."""
     state.cache.crop(len(state.tokens))
     stats.target_forwards += 1
-    state.tokens.append(pick_token(logits[0], state.sampling, generator))
+    controls = state.controls
+    if controls is not None and controls.active:
+        token = controlled_pick(controls, logits[0], state.sampling, generator)
+    else:
+        token = pick_token(logits[0], state.sampling, generator)
+    state.tokens.append(token)
+    if controls is not None:
+        controls.commit([token], [logits[0]])
     drafter.begin(state)
     stats.layer_token_evaluations = state.layer_tokens
     return state
@@ -77,8 +88,11 @@ def accept_and_commit(state: DecodingState, drafter: Drafter, builder: TreeBuild
     (:mod:`speculant.verification.rules`), block or traversal verification (:mod:`speculant.verification.sequence`)
     on the target's processed distribution of only the rows the rule visits.
     """
-    cache, sampling, n = state.cache, state.sampling, state.n
-    if sampling.greedy:
+    cache, sampling, n, controls = state.cache, state.sampling, state.n, state.controls
+    if controls is not None and controls.active:
+        path, token = controlled_accept(controls, tree, logits, sampling, generator, without_replacement,
+                                        verification)
+    elif sampling.greedy:
         path, token = greedy_accept(tree, logits.argmax(-1).tolist() if target_argmax is None else target_argmax)
     else:
         path, token = sampling_accept(tree, lambda entry: logits_to_probs(logits[entry], sampling), generator,
@@ -95,5 +109,7 @@ def accept_and_commit(state: DecodingState, drafter: Drafter, builder: TreeBuild
             break
     # accepted drafted tokens that were emitted (an EOS or max_new_tokens may cut the block)
     stats.record_round(len(tree), tree.max_depth, min(len(path), len(block)))
+    if controls is not None:
+        controls.commit(block, block_rows(logits, path, block))
     state.tokens.extend(block)
     return block

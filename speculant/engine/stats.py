@@ -39,6 +39,7 @@ class GenerationStats:
     tree_nodes_max: int = 0
 
     def record_round(self, tree_size: int, tree_depth: int, accepted: int) -> None:
+        self._last_accepted = accepted
         self.rounds += 1
         self.drafted_tokens += tree_size
         self.accepted_tokens += accepted
@@ -49,6 +50,17 @@ class GenerationStats:
         for d in range(tree_depth):
             self.drafted_at_depth[d] += 1
             self.accepted_at_depth[d] += int(d < accepted)
+
+    def cut_last_round(self, kept: int) -> None:
+        """The last round's block was cut after ``kept`` tokens (a stop string): its accepted drafted tokens
+        past the cut were never emitted, so they leave the acceptance counters (as at an EOS cut)."""
+        accepted = getattr(self, "_last_accepted", 0)
+        if kept >= accepted:
+            return
+        self.accepted_tokens -= accepted - kept
+        for d in range(kept, accepted):
+            self.accepted_at_depth[d] -= 1
+        self._last_accepted = kept
 
     @property
     def tokens_per_second(self) -> float:

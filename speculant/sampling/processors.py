@@ -1,13 +1,16 @@
-"""Logits -> probability vectors: temperature, top-k, top-p.
+"""Logits -> probability vectors: temperature, min-p, top-k, top-p.
 
 The same processing is applied to draft and target logits at every position,
 so speculative sampling reproduces sampling from the *processed* target
-distribution (Leviathan et al. 2023, Sec. 2.3 "any sampling method").
+distribution (Leviathan et al. 2023, Sec. 2.3 "any sampling method").  The controls that depend on the
+tokens before a position (penalties, logit bias, grammar, ``min_tokens``) are applied before this, per
+position, by :mod:`speculant.sampling.controls`.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -35,18 +38,48 @@ class SamplingConfig:
         top_k: keep the k most likely tokens (0 = all).
         top_p: keep the smallest set whose probability reaches top_p (1 = all).
         seed: seed of the ``torch.Generator`` every random draw uses.
+        repetition_penalty: Keskar et al. 2019 as in Hugging Face's ``RepetitionPenaltyLogitsProcessor``: the
+            logit of every token already in the prompt or the output is divided by it when positive,
+            multiplied by it when negative (1 = off; in ``(0, inf)``).
+        frequency_penalty, presence_penalty: OpenAI's definition over the *generated* tokens:
+            ``logit -= frequency_penalty * count + presence_penalty * (count > 0)`` (0 = off; in [-2, 2]).
+        min_p: keep the tokens whose probability (after temperature) is at least ``min_p`` times the most
+            likely one's (Nguyen et al. 2024; 0 = off; in [0, 1]).
+        logit_bias: token id -> bias added to its logit (OpenAI's ``logit_bias``; each bias in [-100, 100]).
+    Raises:
+        SpeculantError: a value out of its range (the message names it and the range).
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         check_range("temperature", self.temperature, 0.0, math.inf, high_open=True)
         check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        if self.top_k < 0:
-            raise SpeculantError(f"top_k={self.top_k} is out of range; allowed: 0 (off) or a positive integer")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
+            raise SpeculantError(f"top_k={self.top_k!r} is out of range; allowed: 0 (off) or a positive integer")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or \
+                not -2 ** 63 <= self.seed < 2 ** 64:
+            raise SpeculantError(f"seed={self.seed!r} is out of range; allowed: an integer in [-2**63, 2**64 - 1]")
+        check_range("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True, high_open=True)
+        check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        check_range("min_p", self.min_p, 0.0, 1.0)
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias))
+
+    @property
+    def penalized(self) -> bool:
+        """True when a penalty or a logit bias is set (the logits then depend on the tokens before)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or bool(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -58,8 +91,25 @@ class SamplingConfig:
         return g
 
 
+def _checked_bias(bias) -> dict[int, float]:
+    """``logit_bias`` as ``{int: float}``, each id a non-negative integer and each bias in [-100, 100]."""
+    if not isinstance(bias, dict):
+        raise SpeculantError(f"logit_bias={bias!r} is invalid; allowed: a mapping token id -> bias in [-100, 100]")
+    out = {}
+    for tok, b in bias.items():
+        try:
+            tid = int(tok) if not isinstance(tok, bool) and str(tok).strip().lstrip("-").isdigit() else None
+        except (TypeError, ValueError):
+            tid = None
+        if tid is None or tid < 0:
+            raise SpeculantError(f"logit_bias token id {tok!r} is invalid; allowed: integers >= 0")
+        out[tid] = float(check_range(f"logit_bias[{tid}]", b, -100.0, 100.0))
+    return out
+
+
 def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """Processed distribution ``[..., V]`` (fp32, rows sum to 1) from logits ``[..., V]``.
+    """Processed distribution ``[..., V]`` (fp32, rows sum to 1) from logits ``[..., V]``: temperature, then
+    min-p, top-k, top-p (vLLM's order).
 
     Greedy configs give the one-hot vector of the argmax.
     """
@@ -67,6 +117,8 @@ def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     if cfg.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     logits = logits / cfg.temperature
+    if cfg.min_p > 0.0:
+        logits = _min_p(logits, cfg.min_p)
     if cfg.top_k and cfg.top_k < logits.shape[-1]:
         kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -74,6 +126,14 @@ def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     if cfg.top_p < 1.0:
         probs = _top_p(probs, cfg.top_p)
     return probs
+
+
+def _min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Min-p filtering (Nguyen et al. 2024): drop the tokens whose probability is below ``min_p`` times the
+    largest one's.  ``[..., V]`` tempered logits -> the same with ``-inf`` for dropped tokens."""
+    probs = torch.softmax(logits, dim=-1)
+    keep = probs >= min_p * probs.amax(-1, keepdim=True)
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 NUCLEUS_CANDIDATES = 1024

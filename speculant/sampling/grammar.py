@@ -1,0 +1,186 @@
+"""Structured output: a grammar masks the tokens that cannot continue a valid output, position by position.
+
+Built on llguidance (Microsoft, https://github.com/guidance-ai/llguidance; an Earley parser over the
+tokenizer's byte trie), chosen by measurement on this project's machines against xgrammar and outlines-core
+(BENCHMARKS.md, "Structured output libraries").  One :class:`Grammar` is compiled per request; every
+generation takes its own :class:`GrammarMatcher` (:meth:`Grammar.matcher`), which the engine moves along
+the committed tokens and, for speculation, along each drafted path (consume, mask, roll back).
+
+Kinds (``compile_grammar``):
+    * ``json_object``: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
+    * ``json_schema``: a JSON schema (a dict or its JSON text).
+    * ``regex``: a regular expression the whole output must match (Rust ``regex`` syntax).
+    * ``ebnf``: a Lark grammar or a GBNF grammar (llama.cpp's format), as llguidance reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+
+import torch
+
+from ..errors import SpeculantError
+
+KINDS = ("json_object", "json_schema", "regex", "ebnf")
+
+_TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _ll_tokenizer(tokenizer, vocab_size: int | None, eos_token_ids):
+    """The llguidance tokenizer of an HF fast tokenizer (building it costs ~0.5 s: kept per tokenizer object)."""
+    import llguidance
+    import llguidance.hf
+    if isinstance(tokenizer, llguidance.LLTokenizer):
+        return tokenizer
+    key = (vocab_size, tuple(eos_token_ids or ()))
+    per_tok = _TOKENIZERS.setdefault(tokenizer, {})
+    if key not in per_tok:
+        try:
+            per_tok[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                        eos_token=list(eos_token_ids) if eos_token_ids else None)
+        except (ValueError, TypeError) as e:
+            raise SpeculantError(f"tokenizer {type(tokenizer).__name__} is unsupported for structured output "
+                                 f"({str(e).splitlines()[0]}); allowed: a fast (tokenizers-backed) tokenizer") from None
+    return per_tok[key]
+
+
+def _grammar_text(kind: str, spec) -> str:
+    """The llguidance grammar of ``spec`` (see the module docstring for each kind)."""
+    import llguidance
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+    if kind == "json_schema":
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise SpeculantError(f"json_schema is not valid JSON ({e}); allowed: a JSON schema object") from None
+        if not isinstance(spec, dict):
+            raise SpeculantError(f"json_schema={spec!r} is invalid; allowed: a JSON schema object")
+        return llguidance.LLMatcher.grammar_from_json_schema(spec)
+    if not isinstance(spec, str) or not spec:
+        raise SpeculantError(f"{kind}={spec!r} is invalid; allowed: a non-empty string")
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec)
+    return llguidance.grammar_from("ebnf", spec)
+
+
+def compile_grammar(kind: str, spec, tokenizer, *, vocab_size: int | None = None,
+                    eos_token_ids=None) -> "Grammar":
+    """Compile a constraint for ``tokenizer``.
+
+    Args:
+        kind: one of :data:`KINDS`.
+        spec: ``None`` (json_object), a JSON-schema dict or str (json_schema), a regex str (regex), a Lark or
+            GBNF grammar str (ebnf).
+        tokenizer: an HF fast tokenizer (or an ``llguidance.LLTokenizer``).
+        vocab_size: the model's vocabulary (masks have this length; default: the tokenizer's).
+        eos_token_ids: the tokens that end the output once the grammar is complete (default: the tokenizer's EOS).
+    Raises:
+        SpeculantError: unknown kind, a spec that does not parse (the parser's first message line).
+    """
+    if kind not in KINDS:
+        raise SpeculantError(f"grammar kind={kind!r} is unknown; allowed: {', '.join(KINDS)}")
+    import llguidance
+    text = _grammar_text(kind, spec)
+    lltok = _ll_tokenizer(tokenizer, vocab_size, eos_token_ids)
+    err = llguidance.LLMatcher.validate_grammar(text, lltok)
+    if err:
+        raise SpeculantError(f"{kind} is invalid ({err.strip().splitlines()[0]}); allowed: a valid {kind}")
+    return Grammar(kind, text, lltok, vocab_size or lltok.vocab_size)
+
+
+class Grammar:
+    """A compiled constraint (:func:`compile_grammar`); immutable, shared by any number of generations.
+
+    Attributes:
+        kind: what it was compiled from (:data:`KINDS`).
+        vocab_size: length of the masks [tokens].
+    """
+
+    def __init__(self, kind: str, text: str, lltokenizer, vocab_size: int):
+        self.kind, self.text, self.lltokenizer, self.vocab_size = kind, text, lltokenizer, vocab_size
+
+    def matcher(self, vocab_size: int | None = None) -> "GrammarMatcher":
+        """A new matcher at the start of the output; masks have ``vocab_size`` entries (default
+        :attr:`vocab_size`; ids past the tokenizer's vocabulary are never allowed)."""
+        import llguidance
+        m = llguidance.LLMatcher(self.lltokenizer, self.text, log_level=0)
+        if m.is_error():
+            raise SpeculantError(f"{self.kind} is invalid ({m.get_error().splitlines()[0]}); allowed: a valid {self.kind}")
+        return GrammarMatcher(m, self.lltokenizer.vocab_size, vocab_size or self.vocab_size,
+                              set(self.lltokenizer.eos_tokens))
+
+    def __repr__(self) -> str:
+        return f"Grammar({self.kind!r})"
+
+
+class GrammarMatcher:
+    """One generation's parser state over the committed tokens, with look-ahead along drafted paths.
+
+    ``allowed(path)`` is the mask after the committed tokens and then ``path``; the parser consumes the path
+    and rolls it back, so the committed state is unchanged (llguidance's rollback is exact: it restores the
+    parser state the tokens were consumed from).
+    """
+
+    def __init__(self, matcher, tokenizer_vocab: int, vocab_size: int, end_tokens: set[int]):
+        import llguidance.torch as lt
+        self._m = matcher
+        self.tokenizer_vocab, self.vocab_size, self.end_tokens = tokenizer_vocab, vocab_size, end_tokens
+        self._bits = lt.allocate_token_bitmask(1, tokenizer_vocab)
+        self._fill = lt.fill_next_token_bitmask
+        self._shifts = torch.arange(32, dtype=torch.int32)
+
+    def fork(self) -> "GrammarMatcher":
+        """An independent copy at the same state."""
+        return GrammarMatcher(self._m.deep_copy(), self.tokenizer_vocab, self.vocab_size, self.end_tokens)
+
+    @property
+    def stopped(self) -> bool:
+        """The output is complete (an end token was accepted) or the parser cannot continue."""
+        return self._m.is_stopped()
+
+    def accept(self, tokens: list[int]) -> None:
+        """Commit ``tokens``.
+
+        Raises:
+            SpeculantError: a token the grammar forbids there (the engine never emits one; a bug if raised).
+        """
+        tokens = list(tokens)
+        if self.valid_prefix(tokens) < len(tokens) or (tokens and not self._m.consume_tokens(tokens)):
+            raise SpeculantError(f"grammar rejected tokens {tokens} ({self._m.get_error()})")
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the grammar allows from the committed state (an end token counts
+        where the grammar is complete before it; nothing is allowed after it)."""
+        tokens = list(tokens)
+        if not tokens:
+            return 0
+        n = self._m.validate_tokens(tokens)
+        if n < len(tokens) and tokens[n] in self.end_tokens:
+            ok = self._m.consume_tokens(tokens[:n]) if n else True
+            complete = ok and self._m.is_accepting()
+            if n:
+                self._m.rollback(n)
+            n += int(complete)
+        return n
+
+    def allowed(self, path: tuple[int, ...] | list[int] = ()) -> torch.Tensor:
+        """Bool ``[V]``: the tokens allowed after the committed tokens and ``path``.
+
+        Raises:
+            SpeculantError: ``path`` holds a token the grammar forbids (a bug in the caller).
+        """
+        path = list(path)
+        if path and (self.valid_prefix(path) < len(path) or not self._m.consume_tokens(path)):
+            raise SpeculantError(f"grammar rejected the drafted path {path} ({self._m.get_error()})")
+        try:
+            self._fill(self._m, self._bits)
+        finally:
+            if path:
+                self._m.rollback(len(path))
+        bits = ((self._bits[0, :, None] >> self._shifts) & 1).bool().flatten()[:self.tokenizer_vocab]
+        if len(bits) >= self.vocab_size:
+            return bits[:self.vocab_size]
+        return torch.cat([bits, bits.new_zeros(self.vocab_size - len(bits))])
