@@ -110,15 +110,12 @@ class _LlamaCpp:
         from .llamacpp import LlamaCppMethod
         p = method.params
         self.m = LlamaCppMethod(model, method.name, torch.get_num_threads(), context, p.get("K"), p.get("N"))
-        self.tokenizer = model.tokenizer
         self.cost_ratio = 0.0
         self.drafter = method.name
 
     def run(self, ids, cfg: BenchConfig, max_new: int):
         r = self.m.run(list(ids), max_new, cfg.temperature, cfg.seed)
-        # llama.cpp returns text: its tokens are our tokenizer's encoding of it (counted by llama.cpp)
-        toks = self.tokenizer.encode(r.text, add_special_tokens=False)
-        return toks, r.seconds, {"new_tokens": r.new_tokens, "llamacpp_timings": r.timings}
+        return r.token_ids, r.seconds, {"new_tokens": r.new_tokens, "llamacpp_timings": r.timings}
 
 
 def _model_for(model: LoadedModel, method: BenchMethod, loaded: dict) -> LoadedModel:

@@ -27,8 +27,9 @@ Transformers (:mod:`speculant.bench.hf_baselines`): ``hf-ar``; ``hf-early-exit[:
 (``assistant_early_exit``; E defaults to ``early-exit``'s default, :func:`~speculant.engine.methods.default_exit_layer`); ``hf-prompt-lookup:K=..[,N=..]`` (``prompt_lookup_num_tokens``,
 ``max_matching_ngram_size``); ``hf-assistant:E=..[,K=..]`` (``assistant_model`` = truncated copy).
 
-llama.cpp (:mod:`speculant.bench.llamacpp`, needs ``xllamacpp``), on the model's own GGUF file: ``llamacpp``;
-``llamacpp-lookup[:K=..,N=..]`` (its n-gram speculation: longest draft K, n-gram size N).
+llama.cpp's ``llama-server`` (:mod:`speculant.bench.llamacpp`, needs the ``llamacpp`` extra), on the model's own
+GGUF file: ``llamacpp``; ``llamacpp-lookup[:K=..,N=..]`` (its ``ngram-simple`` speculation: draft length K,
+lookup n-gram size N).
 """
 
 from __future__ import annotations
