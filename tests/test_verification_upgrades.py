@@ -13,7 +13,7 @@ from stats_helpers import chi_square
 from test_sampling_rules import N_SAMPLES, N_TOKENS, START, P, exact_law, grow_trees
 
 from speculant.errors import SpeculantError
-from speculant.trees import ChainBuilder, ConstantBranchingBuilder, IIDTreeBuilder, StochasticBeamBuilder
+from speculant.trees import ChainBuilder, ConstantBranchingBuilder, IIDTreeBuilder
 from speculant.verification import rules, sequence
 
 
