@@ -408,7 +408,7 @@ def measure_prompt_route(decoder, lengths=PROMPT_LENGTHS, log=None) -> tuple[int
                         decoder.run_layers(hidden, 0, decoder.num_layers, positions, None, cache, 0)
                         if rep or i:                                    # the first pass of all is a warm-up
                             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
-                ms[str(n)] = {k: round(v * 1e3, 1) for k, v in best.items()}
+                ms[str(n)] = {k: round(v * 1e3, 3) for k, v in best.items()}
                 if best["fused"] > best["layer step"]:
                     break
                 limit = n
