@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 from helpers import prefilled_caches, tiny_model
 
 from speculant import GenerationConfig, SamplingConfig, build_generator
-from speculant.drafters.base import DecodingState
+from speculant.drafters.base import DecodingState, DrafterCapabilities
 from speculant.drafters.draft_model import DraftModelDrafter
 from speculant.drafters.early_exit import EarlyExitDrafter
 from speculant.drafters.prompt_lookup import PromptLookupDrafter
@@ -123,20 +124,18 @@ def test_ragged_forward_is_bitwise_the_one_sequence_forward(model):
         assert torch.equal(c.keys, d.keys) and torch.equal(c.values, d.values)
 
 
-def test_forked_drafters_share_networks_and_keep_no_state(model):
-    """A fork shares the drafter's networks; what changes during a generation lives in the sequence's
-    ``DecodingState.drafter_state`` (created by ``begin``), so forks never share it."""
-    ee = EarlyExitDrafter(4, 2)
-    f1, f2 = ee.fork(), ee.fork()
-    assert f1 is not f2 and f1.exit_layer == f2.exit_layer == 2
+def test_one_drafter_serves_many_generations_each_with_its_own_state(model):
+    """A drafter holds configuration and networks only; what changes during a generation is the typed state its
+    ``begin`` returns (``DecodingState.drafter_state``), one per generation, never shared."""
     dm = DraftModelDrafter(model.decoder)
-    fork = dm.fork()
-    assert fork is not dm and fork.model is dm.model
     states = [DecodingState(model.decoder, model.decoder.new_cache(16), [1, 2, 3], SamplingConfig()) for _ in "ab"]
-    for drafter, state in zip((dm, fork), states):
-        drafter.begin(state)
+    for state in states:
+        state.drafter_state = dm.begin(state)
     assert states[0].drafter_state is not states[1].drafter_state
     assert states[0].drafter_state.cache is not states[1].drafter_state.cache
+    ee = EarlyExitDrafter(4, 2)
+    assert ee.begin(states[0]) is not ee.begin(states[0])
+    assert ee.capabilities.drafts_into_target_cache and not dm.capabilities.drafts_into_target_cache
 
 
 class _RowDependent(torch.nn.Module):
@@ -165,22 +164,28 @@ def test_invariant_rows_and_the_batch_limit(monkeypatch, model):
     assert exact_batch_limit(bg, 8) == 8
 
 
+@dataclass
+class _Recorded:
+    hidden: list = field(default_factory=list)
+
+
 class _RecordingLookup(PromptLookupDrafter):
-    """Prompt lookup that keeps the verified blocks' last-layer hidden states (the hook a draft head uses)."""
+    """Prompt lookup that keeps the verified blocks' last-layer hidden states (the hook a draft head uses) in each
+    generation's own state."""
+
+    capabilities = DrafterCapabilities(needs_features=True)
 
     def __init__(self):
         super().__init__()
-        self.hidden: list[torch.Tensor] = []
-        self.forks: list[_RecordingLookup] = []
+        self.states: list[_Recorded] = []
 
-    def fork(self):
-        child = _RecordingLookup()
-        self.forks.append(child)
-        return child
+    def begin(self, state):
+        self.states.append(_Recorded())
+        return self.states[-1]
 
     def verification_hidden(self, state, tree, hidden):
         assert hidden.shape == (len(tree) + 1, state.target.config.hidden_size)
-        self.hidden.append(hidden.clone())
+        state.drafter_state.hidden.append(hidden.clone())
 
 
 def test_verification_hidden_gets_each_sequences_own_states(model):
@@ -192,17 +197,19 @@ def test_verification_hidden_gets_each_sequences_own_states(model):
     for p, c in zip(PROMPTS, configs):
         d = _RecordingLookup()
         SpeculativeGenerator(model, d, builder).generate(p, c)
-        alone.append(d.hidden)
+        alone.append(d.states[0].hidden)
     proto = _RecordingLookup()
     decode_staggered(BatchedGenerator(model, proto, builder), configs)
-    assert len(proto.forks) == len(PROMPTS) and not proto.hidden
-    for fork, want in zip(proto.forks, alone):
-        assert len(fork.hidden) == len(want)
-        assert all(torch.equal(a, b) for a, b in zip(fork.hidden, want))
+    assert len(proto.states) == len(PROMPTS)
+    for st, want in zip(proto.states, alone):
+        assert len(st.hidden) == len(want)
+        assert all(torch.equal(a, b) for a, b in zip(st.hidden, want))
 
 
 class _OwnVerification(PromptLookupDrafter):
     """A drafter that runs its verification itself (no batching hook): verified alone inside the round."""
+
+    capabilities = DrafterCapabilities(batchable_verification=False)
 
     def verify_logits(self, state, tree):
         return super().verify_logits(state, tree)

@@ -3,12 +3,26 @@
 The engine keeps the target's KV cache such that slots ``0 .. n-1`` hold every
 committed token but the last one (the *root* of the next tree, not yet in the
 cache).  A verification block is ``[root] + tree nodes`` at slots ``n ..``.
+
+A drafter's lifecycle, per generation (the engine calls these and nothing else):
+
+1. :meth:`Drafter.begin` returns the drafter's typed per-generation state (``state.drafter_state``), made when
+   the generation's :class:`DecodingState` is, before the prompt's forward;
+2. the prompt's forward: the plain target forward (:func:`target_prefill`, which the engine may batch with other
+   prompts or take from a prefix cache), or :meth:`Drafter.prefill` where the drafter declares ``own_prefill``;
+3. per round: :meth:`Drafter.draft` (which may also run layers the verification resumes from), then
+   :meth:`Drafter.verification_input` (a pure description of the block: no layer runs, no cache changes), the
+   engine's forward of that block (alone, or with other sequences' blocks), :meth:`Drafter.verification_hidden`
+   where the drafter declares ``needs_features``, acceptance, and :meth:`Drafter.commit` with the accepted path.
+
+What the engine may rely on is declared, per class, in :class:`DrafterCapabilities`; the engine reads the
+declaration, never which methods a class overrides.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -19,8 +33,43 @@ from ..trees.builders import TreeBuilder
 from ..trees.tree import DraftTree
 
 
+S = TypeVar("S")
+"""A drafter's per-generation state type."""
+
+
+@dataclass(frozen=True)
+class DrafterCapabilities:
+    """What a drafter class declares to the engine (``Drafter.capabilities``).
+
+    Attributes:
+        batchable_verification: the round's verification is the plain target forward of the block that
+            :meth:`Drafter.verification_input` describes, so the engine may run it together with other sequences'
+            blocks (:mod:`speculant.engine.batch`); ``False``: :meth:`Drafter.verify_logits` runs it alone.
+        own_prefill: the prompt's forward is :meth:`Drafter.prefill` (it keeps more of the prompt than its KV, e.g.
+            the target's features); ``False``: the plain :func:`target_prefill`, which the engine may batch with
+            other prompts or take from a prefix cache.
+        needs_features: :meth:`Drafter.verification_hidden` wants the verified block's last-layer hidden states.
+        drafts_into_target_cache: drafting writes rows of the target's KV cache (early exit: layers < E), so the
+            committed slots are not all from the target's own verification forwards (and not cached for reuse).
+        draft_confidence: the drafter gives each drafted token its draft probability (a distribution per
+            frontier), which a cost-aware policy may read to stop drafting early (EAGLE-2's dynamic tree,
+            llama.cpp's ``--draft-p-min``).
+    """
+
+    batchable_verification: bool = True
+    own_prefill: bool = False
+    needs_features: bool = False
+    drafts_into_target_cache: bool = False
+    draft_confidence: bool = False
+
+
 @dataclass
-class DecodingState:
+class NoDraftState:
+    """The per-generation state of a drafter that keeps none (``ar``, prompt lookup)."""
+
+
+@dataclass
+class DecodingState(Generic[S]):
     """Everything one generation owns: what a drafter may read, and the drafter's own per-generation state.
 
     One object per generation, so generations on one model (even from one generator) may interleave.
@@ -33,10 +82,13 @@ class DecodingState:
         draft_forwards: draft network calls so far.
         layer_tokens: tokens each target layer has processed in this generation (``[L]``), counted by
             :meth:`run_layers`; the decoder's own ``layer_token_counts`` is shared by every generation.
-        drafter_state: the drafter's per-generation state, set by :meth:`Drafter.begin`.
+        drafter_state: the drafter's per-generation state, returned by :meth:`Drafter.begin`.
         controls: the per-position processing that reads the prefix (penalties, logit bias, grammar,
             ``min_tokens``) and the log-probabilities asked for, a
             :class:`~speculant.sampling.controls.SequenceControls`; ``None`` = none.
+        draft_stop: set by a cost-aware policy for the round (else ``None``): ``draft_stop(depth, confidence)``
+            is true when a drafter declaring ``draft_confidence`` should not add the nodes of ``depth`` whose best
+            path confidence (product of draft probabilities, in [0, 1]) is ``confidence``; it then stops drafting.
     """
 
     target: LlamaDecoder
@@ -45,8 +97,9 @@ class DecodingState:
     sampling: SamplingConfig
     draft_forwards: int = 0
     layer_tokens: list[int] = field(default_factory=list)
-    drafter_state: object = None
+    drafter_state: S | None = None
     controls: object = None
+    draft_stop: Callable[[int, float], bool] | None = None
 
     def __post_init__(self):
         if not self.layer_tokens:
@@ -73,7 +126,8 @@ class DecodingState:
 
 @dataclass
 class VerificationInput:
-    """What the target runs to verify one tree: the block's hidden states entering layer ``start_layer``.
+    """What the target runs to verify one tree: the block's hidden states entering layer ``start_layer``
+    (a description: making it runs no layer and changes no cache).
 
     Attributes:
         hidden: ``[1, T, D]`` (``T`` = tree nodes + 1, root first): token embeddings when
@@ -91,68 +145,68 @@ class VerificationInput:
     cache_position: int
 
 
-class Drafter:
-    """Proposes a :class:`DraftTree`; may also run the verification forward (to reuse its work).
+class Drafter(Generic[S]):
+    """Proposes a :class:`DraftTree`, one round at a time (the lifecycle in the module docstring).
 
-    A drafter object holds configuration only; whatever changes during a generation lives in
-    ``state.drafter_state``, created by :meth:`begin` at the start of every generation.
-
-    Verification is split in two hooks so that a batch of sequences can be verified in one target forward
-    (:mod:`speculant.engine.batch`): :meth:`verification_input` says what to run, the engine runs layers
-    ``start_layer .. L-1`` (alone, or with other sequences' blocks), and :meth:`verification_hidden` receives
-    the block's last-layer hidden states.  :meth:`verify_logits` is the one-sequence composition of the two.
+    A drafter object holds configuration (and networks) only, so one object serves any number of generations at
+    once; whatever changes during a generation lives in its typed state ``S`` (``state.drafter_state``), made by
+    :meth:`begin`.  :attr:`capabilities` declares what the engine may rely on.
     """
 
     name = "none"
+    capabilities: ClassVar[DrafterCapabilities] = DrafterCapabilities()
 
-    def fork(self) -> "Drafter":
-        """A drafter for one more sequence: the same networks and settings, its own per-sequence state.
+    def begin(self, state: DecodingState[S]) -> S:
+        """The per-generation state of a new generation (``state.cache`` made, the prompt not yet run)."""
+        return NoDraftState()
 
-        The default (a shallow copy) suits drafters that keep no per-sequence state on the object or
-        re-create it in :meth:`prefill` / :meth:`begin`; drafters holding a cache or buffers override it.
-        """
-        return copy.copy(self)
+    def prefill(self, state: DecodingState[S]) -> torch.Tensor:
+        """The prompt's forward of a drafter that declares ``own_prefill`` (see :func:`target_prefill`, which it
+        must compute, bit for bit): KV of ``state.tokens`` into ``state.cache`` slots ``0 .. T-1``; returns fp32
+        logits ``[1, V]`` of the last position."""
+        return target_prefill(state)
 
-    def prefill(self, state: DecodingState) -> torch.Tensor:
-        """The target's forward over the prompt ``state.tokens`` (KV into ``state.cache`` slots ``0 .. T-1``): the
-        first call of every generation, before :meth:`begin`.  Returns fp32 logits ``[1, V]`` of the last position
-        (the LM head runs on it only).  A drafter that needs more of the prompt than its KV (a draft head reads
-        the target's features) overrides it."""
-        target = state.target
-        ids = torch.tensor([state.tokens], dtype=torch.long)
-        h = state.run_layers(target.embed(ids), 0, target.num_layers, torch.arange(len(state.tokens)), None, 0)
-        return last_position_logits(target, h)
-
-    def begin(self, state: DecodingState) -> None:
-        """Called once per generation after the target's prefill: set ``state.drafter_state``."""
-        state.drafter_state = None
-
-    def draft(self, state: DecodingState, builder: TreeBuilder | None, generator: torch.Generator | None,
+    def draft(self, state: DecodingState[S], builder: TreeBuilder | None, generator: torch.Generator | None,
               max_nodes: int, max_depth: int) -> DraftTree:
-        """A tree of at most ``max_nodes`` nodes and ``max_depth`` depths (both in tokens)."""
+        """A tree of at most ``max_nodes`` nodes and ``max_depth`` depths (both in tokens; 0: an empty tree, an
+        ``ar`` round).  A drafter whose verification resumes from layers it runs itself runs them here."""
         return DraftTree()
 
-    def verification_input(self, state: DecodingState, tree: DraftTree) -> VerificationInput:
-        """The block to verify ``tree``: by default the embedded ``[root] + tree`` tokens from layer 0."""
+    def verification_input(self, state: DecodingState[S], tree: DraftTree) -> VerificationInput:
+        """The block to verify ``tree``: by default the embedded ``[root] + tree`` tokens from layer 0.
+        A description only: no layer runs, no cache changes."""
         n = state.n
         ids = tree.block_tokens(state.tokens[-1])[None]
         return VerificationInput(state.target.embed(ids), 0, tree.block_positions(n),
                                  None if tree.is_chain else tree.attention_mask(n), n)
 
-    def verification_hidden(self, state: DecodingState, tree: DraftTree, hidden: torch.Tensor) -> None:
+    def verification_hidden(self, state: DecodingState[S], tree: DraftTree, hidden: torch.Tensor) -> None:
         """Receives the verified block's hidden states ``[T, D]`` leaving the target's last layer (before the
-        final norm), e.g. for a draft head that reads the target's features.  Default: nothing."""
+        final norm), called only where the class declares ``needs_features`` (a draft head reads the target's
+        features).  Default: nothing."""
 
-    def verify_logits(self, state: DecodingState, tree: DraftTree) -> torch.Tensor:
-        """Target logits ``[N + 1, V]`` (fp32) after each block entry; writes the block's KV at slots ``n ..``."""
+    def verify_logits(self, state: DecodingState[S], tree: DraftTree) -> torch.Tensor:
+        """Target logits ``[N + 1, V]`` (fp32) after each block entry; writes the block's KV at slots ``n ..``.
+        The one-sequence composition of :meth:`verification_input`, the forward and :meth:`verification_hidden`;
+        a drafter declaring ``batchable_verification=False`` overrides it."""
         target, block = state.target, self.verification_input(state, tree)
         h = state.run_layers(block.hidden, block.start_layer, target.num_layers, block.positions, block.mask,
                              block.cache_position)
-        self.verification_hidden(state, tree, h[0])
+        if self.capabilities.needs_features:
+            self.verification_hidden(state, tree, h[0])
         return target.lm_head(target.final_norm(h))[0]
 
-    def commit(self, state: DecodingState, path: list[int]) -> None:
+    def commit(self, state: DecodingState[S], path: list[int]) -> None:
         """Called after acceptance with the accepted node indices (before ``state.tokens`` grows)."""
+
+
+def target_prefill(state: DecodingState) -> torch.Tensor:
+    """The target's forward over the prompt ``state.tokens`` (KV into ``state.cache`` slots ``0 .. T-1``).
+    Returns fp32 logits ``[1, V]`` of the last position (the LM head runs on it only)."""
+    target = state.target
+    ids = torch.tensor([state.tokens], dtype=torch.long)
+    h = state.run_layers(target.embed(ids), 0, target.num_layers, torch.arange(len(state.tokens)), None, 0)
+    return last_position_logits(target, h)
 
 
 def last_position_logits(decoder: LlamaDecoder, hidden: torch.Tensor) -> torch.Tensor:
@@ -210,29 +264,37 @@ class ModelDraftState:
     processed: int = 0
 
 
-class ModelDrafterBase(Drafter):
+MS = TypeVar("MS", bound=ModelDraftState)
+
+
+class ModelDrafterBase(Drafter[MS]):
     """Drafting with a network, one batched forward per depth over the whole frontier.
 
-    Subclasses implement :meth:`frontier_logits`.  ``state.drafter_state.processed`` counts the
-    block entries the draft network has run on; the deepest frontier is never run (its children are
-    not needed).
+    Subclasses implement :meth:`frontier_logits` (and :meth:`begin`, returning their state).
+    ``state.drafter_state.processed`` counts the block entries the draft network has run on; the deepest
+    frontier is never run (its children are not needed).
     """
 
-    def begin(self, state: DecodingState) -> None:
-        state.drafter_state = ModelDraftState()
+    capabilities = DrafterCapabilities(draft_confidence=True)
 
-    def frontier_logits(self, state: DecodingState, tree: DraftTree, first_entry: int, depth: int) -> torch.Tensor:
+    def begin(self, state: DecodingState[MS]) -> MS:
+        return ModelDraftState()
+
+    def frontier_logits(self, state: DecodingState[MS], tree: DraftTree, first_entry: int, depth: int) -> torch.Tensor:
         """Draft logits ``[F, V]`` for block entries ``first_entry .. N`` (the frontier, all of depth ``depth``)."""
         raise NotImplementedError
 
     def draft(self, state, builder, generator, max_nodes, max_depth):
+        """Depth by depth: one :meth:`frontier_logits` call per depth, the builder picks the children.  With a
+        ``state.draft_stop`` rule (a cost-aware policy), a depth whose best path confidence (the product of the
+        draft probabilities of its tokens, EAGLE-2's value of a node) the rule refuses ends the tree before it."""
         tree = DraftTree()
         ds = state.drafter_state
         ds.processed = 0
         if builder is None or max_nodes < 1 or max_depth < 1:
             return tree
         builder.reset()
-        frontier = [-1]
+        frontier, confidence = [-1], {-1: 1.0}
         for depth in range(1, max_depth + 1):
             first_entry = frontier[0] + 1
             logits = self.frontier_logits(state, tree, first_entry, depth - 1)
@@ -247,13 +309,19 @@ class ModelDrafterBase(Drafter):
             kids = builder.expand(depth, q, state.sampling.greedy, generator)
             if controlled:
                 kids = allowed_children(q, kids)
+            if state.draft_stop is not None:
+                paths = [[confidence[node] * float(row[t]) for t in toks] for node, row, toks in zip(frontier, q, kids)]
+                if state.draft_stop(depth, max((c for cs in paths for c in cs), default=0.0)):
+                    break
             new, full = [], False
-            for node, toks in zip(frontier, kids):
-                for tok in toks:
+            for i, (node, toks) in enumerate(zip(frontier, kids)):
+                for j, tok in enumerate(toks):
                     if len(tree) >= max_nodes:
                         full = True
                         break
                     new.append(tree.add(node, tok))
+                    if state.draft_stop is not None:
+                        confidence[new[-1]] = paths[i][j]
             if not new or full:
                 break
             frontier = new

@@ -57,7 +57,7 @@ class DraftModelState(ModelDraftState):
     cache: KVCache | None = None
 
 
-class DraftModelDrafter(ModelDrafterBase):
+class DraftModelDrafter(ModelDrafterBase[DraftModelState]):
     """Drafts with a separate decoder and its own KV cache (one per generation, in ``state.drafter_state``).
 
     A draft model with a shorter context than the target drafts only while the positions it would run stay
@@ -70,11 +70,8 @@ class DraftModelDrafter(ModelDrafterBase):
     def __init__(self, draft: LlamaDecoder):
         self.model = draft
 
-    def fork(self):
-        return DraftModelDrafter(self.model)
-
-    def begin(self, state: DecodingState) -> None:
-        state.drafter_state = DraftModelState(cache=self.model.new_cache(state.cache.max_length))
+    def begin(self, state: DecodingState[DraftModelState]) -> DraftModelState:
+        return DraftModelState(cache=self.model.new_cache(state.cache.max_length))
 
     def draft(self, state, builder, generator, max_nodes, max_depth):
         # the frontier of depth d-1 (children at depth d) runs at position len(tokens) - 1 + d - 1

@@ -20,13 +20,15 @@ import torch
 
 from ..errors import SpeculantError
 from ..models.kv_cache import KVCache
-from .base import DecodingState, ModelDrafterBase, ModelDraftState, full_vocab_logits, last_position_logits
+from .base import (DecodingState, DrafterCapabilities, ModelDrafterBase, ModelDraftState, full_vocab_logits,
+                   last_position_logits)
 from .draft_head import DraftHead
 
 
 @dataclass
 class HeadState(ModelDraftState):
-    """One generation's drafting state (``state.drafter_state``), created by :meth:`DraftHeadDrafter.prefill`.
+    """One generation's drafting state (``state.drafter_state``), made by :meth:`DraftHeadDrafter.begin` and
+    given the prompt's features by :meth:`DraftHeadDrafter.prefill`.
 
     Attributes:
         cache: the head's KV cache; slots ``0 .. cache.length-1`` hold committed entries.
@@ -49,31 +51,29 @@ def target_features(target, hidden: torch.Tensor, feature: str) -> torch.Tensor:
     return target.final_norm(hidden) if feature == "post-norm" else hidden
 
 
-class DraftHeadDrafter(ModelDrafterBase):
+class DraftHeadDrafter(ModelDrafterBase[HeadState]):
     """Drafts with a :class:`~speculant.drafters.draft_head.DraftHead`; verification also hands it the
     target features the head needs next (:meth:`verification_hidden`, so a batch of sequences is verified
-    in one forward too).  Each generation's :class:`HeadState` is created by :meth:`prefill`."""
+    in one forward too).  Its own prefill keeps the prompt's features."""
 
     name = "eagle"
+    capabilities = DrafterCapabilities(own_prefill=True, needs_features=True, draft_confidence=True)
 
     def __init__(self, head: DraftHead):
         self.head = head
 
     # ---------------------------------------------------------------- target forwards
-    def prefill(self, state: DecodingState) -> torch.Tensor:
+    def begin(self, state: DecodingState[HeadState]) -> HeadState:
+        return HeadState(cache=self.head.new_cache(state.cache.max_length))
+
+    def prefill(self, state: DecodingState[HeadState]) -> torch.Tensor:
         """Target forward over the prompt; keeps the prompt's features for the head.  Returns fp32 logits
         ``[1, V]`` of the last position."""
         target = state.target
         ids = torch.tensor([state.tokens], dtype=torch.long)
         h = state.run_layers(target.embed(ids), 0, target.num_layers, torch.arange(ids.shape[1]), None, 0)
-        feats = target_features(target, h, self.head.feature)
-        state.drafter_state = HeadState(cache=self.head.new_cache(state.cache.max_length), pending=feats[0])
+        state.drafter_state.pending = target_features(target, h, self.head.feature)[0]
         return last_position_logits(target, h)
-
-    def begin(self, state: DecodingState) -> None:
-        ds = state.drafter_state
-        if not isinstance(ds, HeadState) or ds.cache.length + len(ds.pending) != state.n:
-            raise SpeculantError("the eagle drafter needs its prefill (Drafter.prefill) before decoding a prompt")
 
     def verification_hidden(self, state: DecodingState, tree, hidden: torch.Tensor) -> None:
         state.drafter_state.block_features = target_features(state.target, hidden, self.head.feature)
@@ -91,6 +91,8 @@ class DraftHeadDrafter(ModelDrafterBase):
         st, head = state.drafter_state, self.head
         n = state.n
         if first_entry == 0:
+            if st.pending is None or st.cache.length + len(st.pending) != n:
+                raise SpeculantError("the eagle drafter needs its own prefill (Drafter.prefill) before drafting")
             # catch up: entries m .. n-1 read the target features of positions m .. n-1 (the last: the root's parent)
             m = st.cache.length
             feats = st.pending[None].to(head.dtype)

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import SpeculantError
 from ..trees.tree import DraftTree
-from .base import DecodingState, ModelDrafterBase, ModelDraftState, VerificationInput
+from .base import DecodingState, DrafterCapabilities, ModelDrafterBase, ModelDraftState, VerificationInput
 
 
 @dataclass
@@ -38,7 +38,7 @@ class EarlyExitState(ModelDraftState):
     exit_queries: list[torch.Tensor] = field(default_factory=list)
 
 
-class EarlyExitDrafter(ModelDrafterBase):
+class EarlyExitDrafter(ModelDrafterBase[EarlyExitState]):
     """Drafts with layers ``[0, exit_layer)`` of the target.
 
     Args:
@@ -52,6 +52,7 @@ class EarlyExitDrafter(ModelDrafterBase):
     """
 
     name = "early-exit"
+    capabilities = DrafterCapabilities(drafts_into_target_cache=True, draft_confidence=True)
 
     def __init__(self, num_layers: int, exit_layer: int, exit_head: Callable | None = None):
         if not 1 <= exit_layer < num_layers:
@@ -60,8 +61,8 @@ class EarlyExitDrafter(ModelDrafterBase):
         self.exit_layer = exit_layer
         self.exit_head = exit_head
 
-    def begin(self, state: DecodingState) -> None:
-        state.drafter_state = EarlyExitState()
+    def begin(self, state: DecodingState[EarlyExitState]) -> EarlyExitState:
+        return EarlyExitState()
 
     def _exit_logits(self, state: DecodingState, h: torch.Tensor) -> torch.Tensor:
         if self.exit_head is not None:
@@ -84,15 +85,25 @@ class EarlyExitDrafter(ModelDrafterBase):
         h = self._run_prefix(state, tree, first_entry)
         return self._exit_logits(state, h[0])
 
-    def verification_input(self, state, tree):
-        """Resume at the exit layer from the exit-query cache (after running layers < E over the deepest
-        frontier, which drafting never runs)."""
-        n, ds = state.n, state.drafter_state
-        if ds.processed < len(tree) + 1:           # the deepest frontier, or everything (nothing drafted)
+    def draft(self, state, builder, generator, max_nodes, max_depth):
+        """The tree (:meth:`ModelDrafterBase.draft`), then layers < E over the block entries drafting did not run
+        (the deepest frontier, or the root alone when nothing was drafted), so that the exit-query cache holds the
+        whole block and verification resumes at the exit layer."""
+        tree = super().draft(state, builder, generator, max_nodes, max_depth)
+        ds = state.drafter_state
+        if ds.processed < len(tree) + 1:
             if ds.processed == 0:
                 ds.exit_queries = []
             self._run_prefix(state, tree, ds.processed)
-        h = torch.cat(ds.exit_queries, dim=1)      # exit-query cache: [1, N+1, D]
-        ds.exit_queries = []
+            ds.processed = len(tree) + 1
+        return tree
+
+    def verification_input(self, state, tree):
+        """Resume at the exit layer from the exit-query cache ``[1, N+1, D]`` that :meth:`draft` filled."""
+        n = state.n
+        h = torch.cat(state.drafter_state.exit_queries, dim=1)
         return VerificationInput(h, self.exit_layer, tree.block_positions(n),
                                  None if tree.is_chain else tree.attention_mask(n), n)
+
+    def commit(self, state, path):
+        state.drafter_state.exit_queries = []

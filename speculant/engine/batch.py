@@ -16,11 +16,13 @@ per-row norms; attention per sequence in float64), its draws come from its own s
 order its own rounds make them, so greedy output equals the sequence's ``ar`` output and a seeded sampled
 output is the same whatever else runs beside it.
 
-Verification hooks: drafters whose verification is a plain forward from a layer (``ar``, prompt lookup,
-a draft model, early exit resuming at its exit layer, a draft head capturing the target's hidden states
-through :meth:`~speculant.drafters.base.Drafter.verification_hidden`) are batched through
-:meth:`~speculant.drafters.base.Drafter.verification_input`; a drafter that overrides
-:meth:`~speculant.drafters.base.Drafter.verify_logits` itself is verified alone inside the round.
+Verification: drafters declaring ``batchable_verification`` (:class:`~speculant.drafters.base.DrafterCapabilities`:
+``ar``, prompt lookup, a draft model, early exit resuming at its exit layer, a draft head that also declares
+``needs_features`` and gets the target's hidden states through
+:meth:`~speculant.drafters.base.Drafter.verification_hidden`) are batched through
+:meth:`~speculant.drafters.base.Drafter.verification_input`; any other is verified alone inside the round
+(:meth:`~speculant.drafters.base.Drafter.verify_logits`).  One drafter object serves every sequence: each
+sequence's drafter state is its own (``state.drafter_state``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..drafters.base import DecodingState, Drafter, ModelDrafterBase
+from ..drafters.base import DecodingState, Drafter
 from ..errors import SpeculantError
 from ..kernels import attention as attention_kernel
 from ..models.loading import LoadedModel
@@ -43,7 +45,7 @@ from .generator import GenerationConfig
 from .goodput import GoodputPolicy
 from .prefix_cache import PrefixCache
 from .prompts import check_prompt_ids
-from .rounds import accept_and_commit, draft_limits, first_token
+from .rounds import accept_and_commit, draft_limits, first_token, new_state, run_prefill
 from .stats import GenerationStats
 
 
@@ -55,7 +57,7 @@ class Sequence:
         prompt_ids: the prompt's token ids.
         config: its generation settings (``max_new_tokens``, sampling, seed; stop strings are the text
             layer's business, see :mod:`speculant.engine.text`).
-        drafter: its own drafter (a :meth:`~Drafter.fork` of the batch's).
+        drafter: the batch's drafter (its per-sequence state is ``state.drafter_state``).
         builder: its own tree builder (a copy of the batch's), or ``None``.
         generator: the ``torch.Generator`` of every random draw of this sequence (seeded from ``config``).
         state: tokens (prompt + emitted), KV cache (``cache.length`` committed slots).
@@ -107,7 +109,7 @@ class BatchedGenerator:
 
     Args:
         model: the target.
-        drafter: the drafter every sequence forks (``None``: autoregressive decoding).
+        drafter: the drafter of every sequence (``None``: autoregressive decoding).
         builder: the tree builder every sequence copies (``None`` with no drafter).
         prefix_cache: where :meth:`start_many` keeps prompts' KV and looks up new prompts' prefixes
             (``None``: no prefix caching).
@@ -127,7 +129,7 @@ class BatchedGenerator:
         self.without_replacement = not isinstance(builder, IIDTreeBuilder)
         self.eos = set(model.eos_token_ids)
         self.target_forwards = 0                   # batched verification forwards + prefills [count]
-        self.batched_verification = type(self.drafter).verify_logits is Drafter.verify_logits
+        self.batched_verification = self.drafter.capabilities.batchable_verification
 
     @property
     def rows_per_sequence(self) -> int:
@@ -152,14 +154,14 @@ class BatchedGenerator:
         new = self._new_state(prompt_ids, config)
         t0 = time.perf_counter()
         self.target_forwards += 1
-        return self._started(new, new.drafter.prefill(new.state), t0)
+        return self._started(new, run_prefill(new.state, new.drafter), t0)
 
     @torch.inference_mode()
     def start_many(self, requests: list[tuple[list[int], GenerationConfig]]) -> list[Sequence | SpeculantError]:
         """Start several sequences (``(prompt_ids, config)`` each); returns per request its :class:`Sequence`, or
         the :class:`SpeculantError` of :meth:`check_prompt` (the others start all the same).
 
-        The prompts whose prefill is the plain target forward (the drafter keeps :meth:`Drafter.prefill`) and runs
+        The prompts whose prefill is the plain target forward (the drafter does not declare ``own_prefill``) and runs
         on the fused step (``len(prompt) <= decoder.fused_prompt_tokens``) share ragged target forwards of up to
         that many rows in all, each prompt causal over itself in its own KV cache, then one LM-head pass over
         their last positions; the others run alone, as :meth:`start` runs them.  The fused step gives each row
@@ -213,16 +215,18 @@ class BatchedGenerator:
                 else:
                     t0 = time.perf_counter()
                     self.target_forwards += 1
-                    out[i] = self._started(n, n.drafter.prefill(n.state), t0)
+                    out[i] = self._started(n, run_prefill(n.state, n.drafter), t0)
         return out
 
     def release(self, seq: Sequence) -> None:
         """``seq`` leaves the batch (finished or dropped): with a :attr:`prefix_cache`, the KV of its committed
         tokens (prompt and emitted ones) is cached, so a conversation's next turn, which repeats them, prefills
         only its new tokens.  Only where every committed row came from the fused step and the target's own
-        verification forwards (``ar``, prompt lookup: drafters that run no network of their own), so the cached
-        slots hold the bits a prefill of those tokens computes."""
-        if (self.prefix_cache is None or isinstance(seq.drafter, ModelDrafterBase) or not self.batched_verification
+        verification forwards (drafters that declare neither ``drafts_into_target_cache`` nor ``own_prefill``, and
+        whose verification is batched: ``ar``, prompt lookup, a draft model), so the cached slots hold the bits a
+        prefill of those tokens computes."""
+        caps = seq.drafter.capabilities
+        if (self.prefix_cache is None or caps.drafts_into_target_cache or not caps.batchable_verification
                 or not self._prefill_shares(seq.state, len(seq.prompt_ids))):
             return
         self.prefix_cache.store(seq.state.tokens[:seq.state.cache.length], seq.state.cache)
@@ -241,7 +245,7 @@ class BatchedGenerator:
         a ragged forward, on the fused step (see :meth:`start_many`)."""
         target = self.model.decoder
         n = len(state.tokens) if prompt_length is None else prompt_length
-        return (type(self.drafter).prefill is Drafter.prefill and n <= target.fused_prompt_tokens
+        return (not self.drafter.capabilities.own_prefill and n <= target.fused_prompt_tokens
                 and state.cache.dtype in attention_kernel.CACHE_DTYPES and target.fused_layers() is not None)
 
     def _new_state(self, prompt_ids: list[int], config: GenerationConfig) -> "_Unstarted":
@@ -249,13 +253,12 @@ class BatchedGenerator:
         :meth:`check_prompt`)."""
         prompt_ids = self.check_prompt(prompt_ids)
         cfg = self.model.config
-        drafter = self.drafter.fork()
+        drafter = self.drafter
         builder = self.builder.fresh() if self.builder is not None else None
         budget = builder.budget() if builder is not None else 0
         max_new = min(config.max_new_tokens, cfg.context_length - len(prompt_ids))
         cache_length = min(cfg.context_length, len(prompt_ids) + max_new + budget + 2)
-        target = self.model.decoder
-        state = DecodingState(target, target.new_cache(cache_length), list(prompt_ids), config.sampling)
+        state = new_state(self.model.decoder, drafter, prompt_ids, cache_length, config.sampling)
         return _Unstarted(list(prompt_ids), config, drafter, builder, budget, max_new, config.sampling.generator(),
                           state)
 
@@ -263,7 +266,7 @@ class BatchedGenerator:
         """The :class:`Sequence` after its prompt's forward (``logits`` ``[1, V]`` of the last position; the caller
         counts that forward in :attr:`target_forwards`)."""
         stats = GenerationStats()
-        first_token(new.state, new.drafter, logits, new.generator, stats)
+        first_token(new.state, logits, new.generator, stats)
         stats.time_to_first_token_s = stats.seconds = time.perf_counter() - t0
         stats.new_tokens = 1
         seq = Sequence(new.prompt_ids, new.config, new.drafter, new.builder, new.generator, new.state, stats,
@@ -373,8 +376,9 @@ class BatchedGenerator:
             v = s.drafter.verification_input(s.state, tree)
             blocks.append(RaggedBlock(v.hidden, v.start_layer, v.positions, v.mask, s.state.cache, v.cache_position))
         hidden = ragged_run_layers(target, blocks, halves=compiled_halves(target))
-        for s, tree, h in zip(seqs, trees, hidden):
-            s.drafter.verification_hidden(s.state, tree, h[0])
+        if self.drafter.capabilities.needs_features:
+            for s, tree, h in zip(seqs, trees, hidden):
+                s.drafter.verification_hidden(s.state, tree, h[0])
         sizes = [h.shape[1] for h in hidden]
         logits = target.lm_head(target.final_norm(torch.cat(hidden, dim=1)))[0]    # one LM-head pass: [R, V]
         return logits, list(logits.split(sizes))

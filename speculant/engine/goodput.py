@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -143,6 +144,24 @@ class GoodputPolicy:
         self._without += 1
         return 0
 
+    def draft_depth(self, batch: int, acceptance: "DepthAcceptance", max_depth: int, nodes_at_depth,
+                    draft_seconds_per_call: float, overhead_seconds: float = 0.0) -> int:
+        """The depth ``d`` in ``0 .. max_depth`` (0: an ``ar`` round) whose round of ``batch`` sequences has the most
+        expected tokens per second: ``batch * E(d) / (cost(batch * (1 + nodes_at_depth(d))) + batch * (d *
+        draft_seconds_per_call + overhead_seconds))``, ``E(d) = 1 + sum_j prod_{i<=j} alpha_i`` from the running
+        acceptance per depth (Leviathan et al. 2023, Sec. 3.1, with a measured cost per row count instead of a
+        constant ratio; SmartSpec's goodput).  Deterministic given its inputs."""
+        best, best_rate = 0, batch / (self.cost(batch) + batch * overhead_seconds)
+        reach = 1.0
+        expected = 1.0
+        for d in range(1, max_depth + 1):
+            reach *= acceptance.alpha(d)
+            expected += reach
+            seconds = self.cost(batch * (1 + nodes_at_depth(d))) + batch * (d * draft_seconds_per_call + overhead_seconds)
+            if batch * expected / seconds > best_rate:
+                best, best_rate = d, batch * expected / seconds
+        return best
+
     def observe(self, sequences: int, rows: int, emitted: int, draft_seconds: float) -> None:
         """A round's ``sequences`` drafting sequences added ``rows`` rows [tokens], emitted ``emitted`` tokens and
         drafted for ``draft_seconds`` seconds in all."""
@@ -165,3 +184,110 @@ class GoodputPolicy:
             return
         o = max(0.0, seconds - draft_seconds - self.cost(rows)) / sequences
         self.overhead_seconds_per_sequence += self.smoothing * (o - self.overhead_seconds_per_sequence)
+
+
+class DepthAcceptance:
+    """Running acceptance per depth of one generation: ``alpha_d`` = P(the depth-``d`` token is accepted | the
+    path up to depth ``d - 1`` was), an exponential mean (weight ``smoothing``) over the rounds that drafted depth
+    ``d`` with ``d - 1`` accepted, starting at ``prior``.  Updated from accepted lengths only (no timing), so a
+    choice made from it is the same whenever the tokens are.
+
+    Raises:
+        SpeculantError: ``smoothing`` outside (0, 1] or ``prior`` outside [0, 1].
+    """
+
+    def __init__(self, smoothing: float = 0.2, prior: float = 1.0):
+        if not 0.0 < smoothing <= 1.0:
+            raise SpeculantError(f"smoothing={smoothing} is out of range; allowed: (0, 1]")
+        if not 0.0 <= prior <= 1.0:
+            raise SpeculantError(f"prior={prior} is out of range; allowed: [0, 1]")
+        self.smoothing, self.prior = smoothing, prior
+        self.alphas: list[float] = []
+
+    def alpha(self, depth: int) -> float:
+        """``alpha_depth`` (depth >= 1)."""
+        return self.alphas[depth - 1] if depth <= len(self.alphas) else self.prior
+
+    def observe(self, drafted_depth: int, accepted: int) -> None:
+        """A round drafted a tree of ``drafted_depth`` depths and accepted ``accepted`` tokens of it."""
+        for d in range(1, min(accepted + 1, drafted_depth) + 1):
+            while len(self.alphas) < d:
+                self.alphas.append(self.prior)
+            self.alphas[d - 1] += self.smoothing * (float(d <= accepted) - self.alphas[d - 1])
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """The costs a one-sequence cost-aware policy decides from, measured once (:func:`measure_costs`) and then
+    fixed, so that its choices, and with them a seeded sampled output, never depend on timing noise.
+
+    Attributes:
+        forward_seconds: ``{rows: seconds}`` of one target forward over ``rows`` new tokens (rows >= 1).
+        draft_seconds: seconds of one draft call (one depth of drafting) [s, >= 0].
+    Raises:
+        SpeculantError: an empty or non-positive ``forward_seconds``, or a negative ``draft_seconds``.
+    """
+
+    forward_seconds: dict
+    draft_seconds: float
+
+    def __post_init__(self):
+        fs = self.forward_seconds
+        if (not isinstance(fs, dict) or not fs
+                or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 or not s > 0 for r, s in fs.items())):
+            raise SpeculantError(f"forward_seconds={fs!r} is invalid; allowed: a non-empty {{rows >= 1: seconds > 0}}")
+        if not isinstance(self.draft_seconds, (int, float)) or not self.draft_seconds >= 0:
+            raise SpeculantError(f"draft_seconds={self.draft_seconds!r} is invalid; allowed: a number >= 0")
+
+
+class SequenceSpeculation:
+    """Cost-aware sizing of one sequence's rounds: the :class:`GoodputPolicy` choice at ``batch = 1`` from a fixed
+    :class:`CostTable` and the sequence's own :class:`DepthAcceptance`; the round's depth is an upper bound that the
+    drafter's own confidence may cut (:meth:`stop_rule`).  After ``explore_every`` rounds in a row without drafts
+    one round drafts its full depth, to keep the acceptance current.  Deterministic given the tokens.
+
+    Raises:
+        SpeculantError: ``explore_every < 1`` (and see :class:`CostTable`, :class:`DepthAcceptance`).
+    """
+
+    def __init__(self, costs: CostTable, explore_every: int = 16, smoothing: float = 0.2):
+        if explore_every < 1:
+            raise SpeculantError(f"explore_every={explore_every} is out of range; allowed: >= 1")
+        self.costs, self.explore_every = costs, explore_every
+        self.policy = GoodputPolicy(costs.forward_seconds, warmup=0, explore_every=explore_every)
+        self.acceptance = DepthAcceptance(smoothing)
+        self._without = 0
+
+    def depth(self, max_depth: int, nodes_at_depth) -> int:
+        """The next round's depth bound (0: an ``ar`` round)."""
+        d = self.policy.draft_depth(1, self.acceptance, max_depth, nodes_at_depth, self.costs.draft_seconds)
+        if d == 0 and max_depth > 0:
+            self._without += 1
+            if self._without >= self.explore_every:
+                self._without = 0
+                return max_depth
+        elif d:
+            self._without = 0
+        return d
+
+    def stop_rule(self, nodes_at_depth):
+        """``draft_stop(depth, confidence)`` for a drafter with draft confidence: refuse a depth when adding its
+        nodes, valued at their path confidence, lowers the expected tokens per second of the round
+        (EAGLE-2's dynamic depth; llama.cpp's ``--draft-p-min`` with the threshold from the costs)."""
+        expected = [1.0]
+        cost, dcall = self.policy.cost, self.costs.draft_seconds
+
+        def stop(depth: int, confidence: float) -> bool:
+            spent = depth * dcall
+            before = expected[0] / (cost(1 + nodes_at_depth(depth - 1)) + spent)
+            after = (expected[0] + confidence) / (cost(1 + nodes_at_depth(depth)) + spent)
+            if after <= before:
+                return True
+            expected[0] += confidence
+            return False
+        return stop
+
+    def observe(self, drafted_depth: int, accepted: int) -> None:
+        """The round drafted ``drafted_depth`` depths and accepted ``accepted`` tokens."""
+        if drafted_depth:
+            self.acceptance.observe(drafted_depth, accepted)

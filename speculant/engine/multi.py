@@ -16,7 +16,7 @@ import torch
 
 from ..drafters.base import DecodingState, Drafter
 from ..errors import SpeculantError
-from .rounds import first_token
+from .rounds import first_token, new_state, run_prefill
 from .stats import GenerationStats
 
 MAX_N = 128
@@ -39,23 +39,23 @@ class SharedPrefill:
 
     @torch.inference_mode()
     def __init__(self, target, drafter: Drafter, prompt_ids: list[int], cache_length: int, sampling):
-        state = DecodingState(target, target.new_cache(cache_length), list(prompt_ids), sampling)
-        self.logits = drafter.prefill(state)
+        state = new_state(target, drafter, prompt_ids, cache_length, sampling)
+        self.logits = run_prefill(state, drafter)
         self.state = state
         self.seconds = 0.0
 
     @torch.inference_mode()
     def start(self, drafter: Drafter, controls, generator: torch.Generator | None,
               stats: GenerationStats, sampling=None) -> DecodingState:
-        """A new generation's state: copies of the cache and drafter state, its first token picked with
-        ``generator`` (and ``controls``), the drafter begun (:func:`~speculant.engine.rounds.first_token`)."""
+        """A new generation's state: copies of the cache and of the drafter state begun before the shared prefill,
+        its first token picked with ``generator`` (and ``controls``; :func:`~speculant.engine.rounds.first_token`)."""
         src = self.state
         state = dataclasses.replace(src, cache=copy.deepcopy(src.cache), tokens=list(src.tokens),
                                     layer_tokens=list(src.layer_tokens),
                                     drafter_state=copy.deepcopy(src.drafter_state),
                                     sampling=sampling or src.sampling)
         state.controls = controls
-        return first_token(state, drafter, self.logits, generator, stats)
+        return first_token(state, self.logits, generator, stats)
 
 
 def generate_n(gen, prompt, config, n: int) -> list:

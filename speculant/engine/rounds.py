@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..drafters.base import DecodingState, Drafter
+from ..drafters.base import DecodingState, Drafter, target_prefill
 from ..models.llama import LlamaDecoder
 from ..sampling.processors import SamplingConfig, logits_to_probs, sample_categorical
 from ..trees.builders import TreeBuilder
@@ -31,8 +31,9 @@ def pick_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.
 def prefill(target: LlamaDecoder, drafter: Drafter, prompt_ids: list[int], cache_length: int,
             sampling: SamplingConfig, generator: torch.Generator | None, stats: GenerationStats,
             controls=None) -> DecodingState:
-    """Run the prompt through the target (the drafter's :meth:`~Drafter.prefill`; the LM head on the last
-    position only), pick the first token and start the drafter.
+    """Start the drafter (:meth:`~Drafter.begin`), run the prompt through the target (:func:`target_prefill`, or the
+    drafter's :meth:`~Drafter.prefill` where it declares ``own_prefill``; the LM head on the last position only) and
+    pick the first token.
 
     Args:
         cache_length: slots of the new KV cache [tokens].
@@ -41,15 +42,31 @@ def prefill(target: LlamaDecoder, drafter: Drafter, prompt_ids: list[int], cache
         ``stats.layer_token_evaluations`` is its per-layer token count (kept up to date as it decodes).
         ``controls``: the generation's :class:`~speculant.sampling.controls.SequenceControls` (or ``None``).
     """
+    state = new_state(target, drafter, prompt_ids, cache_length, sampling, controls)
+    return first_token(state, run_prefill(state, drafter), generator, stats)
+
+
+def new_state(target: LlamaDecoder, drafter: Drafter, prompt_ids: list[int], cache_length: int,
+              sampling: SamplingConfig, controls=None) -> DecodingState:
+    """A generation's :class:`DecodingState` with an empty KV cache of ``cache_length`` slots, its ``controls``
+    (:class:`~speculant.sampling.controls.SequenceControls` or ``None``) and the drafter's state
+    (:meth:`~Drafter.begin`)."""
     state = DecodingState(target, target.new_cache(cache_length), list(prompt_ids), sampling)
     state.controls = controls
-    return first_token(state, drafter, drafter.prefill(state), generator, stats)
+    state.drafter_state = drafter.begin(state)
+    return state
 
 
-def first_token(state: DecodingState, drafter: Drafter, logits: torch.Tensor, generator: torch.Generator | None,
+def run_prefill(state: DecodingState, drafter: Drafter) -> torch.Tensor:
+    """The prompt's forward as the drafter declares it: its own :meth:`~Drafter.prefill`, or the plain
+    :func:`target_prefill`.  Returns fp32 logits ``[1, V]`` of the last position."""
+    return drafter.prefill(state) if drafter.capabilities.own_prefill else target_prefill(state)
+
+
+def first_token(state: DecodingState, logits: torch.Tensor, generator: torch.Generator | None,
                 stats: GenerationStats) -> DecodingState:
     """After the prompt's forward (its KV in ``state.cache``, fp32 ``logits`` ``[1, V]`` of its last position):
-    keep the prompt's slots, pick the first token, start the drafter.  The second half of :func:`prefill`, also
+    keep the prompt's slots, pick the first token.  The second half of :func:`prefill`, also
     run after a batched prefill (:meth:`~speculant.engine.batch.BatchedGenerator.start_many`)."""
     state.cache.crop(len(state.tokens))
     stats.target_forwards += 1
@@ -61,7 +78,6 @@ def first_token(state: DecodingState, drafter: Drafter, logits: torch.Tensor, ge
     state.tokens.append(token)
     if controls is not None:
         controls.commit([token], [logits[0]])
-    drafter.begin(state)
     stats.layer_token_evaluations = state.layer_tokens
     return state
 

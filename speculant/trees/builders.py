@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SpeculantError
-from ..sampling.gumbel import gumbel_like, gumbel_top_k, truncated_gumbel
+from ..sampling.gumbel import sample_without_replacement, truncated_gumbel_below
 from ..sampling.processors import sample_categorical
 
 
@@ -134,7 +134,8 @@ def _parse_branching(branching) -> list[int]:
 
 @dataclass
 class ConstantBranchingBuilder(TreeBuilder):
-    """RSD-C: ``branching[d-1]`` children per node at depth d, sampled without replacement (Gumbel-Top-k)."""
+    """RSD-C: ``branching[d-1]`` children per node at depth d, sampled without replacement (successive
+    sampling, the law of Gumbel-Top-k: :func:`~speculant.sampling.gumbel.sample_without_replacement`)."""
 
     branching: list[int] | str = (2, 2, 2)
 
@@ -153,7 +154,7 @@ class ConstantBranchingBuilder(TreeBuilder):
         b = self.branching[depth - 1]
         if greedy:
             return torch.topk(q, min(b, q.shape[-1]), dim=-1).indices.tolist()
-        return gumbel_top_k(q, b, generator).tolist()
+        return sample_without_replacement(q, b, generator)[0].tolist()
 
 
 @dataclass
@@ -198,26 +199,48 @@ class StochasticBeamBuilder(TreeBuilder):
     def expand_batch(self, q: torch.Tensor, greedy: bool, generator: torch.Generator | None):
         """One depth for B independent trees: ``q`` ``[B, F, V]`` -> (parents, tokens), each ``[B, W']``.
 
-        Survivors are grouped by parent (frontier order), each group in sampling
-        order; that is also the order of the next frontier.  ``W' = min(W, finite scores)``.
+        Survivors are grouped by parent (frontier order), each group in sampling order; that is also the
+        order of the next frontier.  ``W' = min(W, finite scores)``.  Only each parent's W best children can
+        survive, so only they are scored: under sampling a without-replacement sample of W tokens with
+        their top-down truncated Gumbel scores (the best child scores the parent's score T, the next the
+        Gumbel of the mass left truncated at the previous score; Kool et al. 2019, Alg. 1 with Appendix B),
+        the same law as perturbing all V children; under greedy decoding the W most likely.  No pass over
+        the vocabulary but one reduction per parent (:func:`~speculant.sampling.gumbel.sample_without_replacement`).
         """
         b, f, v = q.shape
         if self._log_p.shape[0] != b:
             self._log_p = self._log_p.expand(b, -1)
             self._score = self._score.expand(b, -1)
-        log_p = self._log_p[:, :, None] + torch.log(q)                      # [B, F, V]
         if greedy:
+            top_q, tokens = torch.topk(q, min(self.beam_width, v), dim=-1)       # [B, F, K]
+            log_p = self._log_p[:, :, None] + torch.log(top_q)
             score = log_p
         else:
-            score = truncated_gumbel(log_p + gumbel_like(log_p, generator), self._score[:, :, None])
+            tokens, left = sample_without_replacement(q.reshape(b * f, v), self.beam_width, generator, pad=True)
+            tokens, left = tokens.view(b, f, -1), left.view(b, f, -1)
+            log_p = self._log_p[:, :, None] + torch.log(q.gather(2, tokens.clamp_min(0)))
+            score = self._beam_scores(left, generator)
+            log_p = torch.where(tokens >= 0, log_p, float("-inf"))
+            score = torch.where(tokens >= 0, score, float("-inf"))
+        k = tokens.shape[-1]
         flat = score.reshape(b, -1)
         w = min(self.beam_width, int(torch.isfinite(flat).sum(-1).min()))
         top = torch.topk(flat, w, dim=-1).indices                            # descending score
-        order = torch.sort(top // v, dim=-1, stable=True).indices            # group by parent
+        order = torch.sort(top // k, dim=-1, stable=True).indices            # group by parent
         top = top.gather(1, order)
         self._log_p = log_p.reshape(b, -1).gather(1, top)
         self._score = flat.gather(1, top)
-        return top // v, top % v
+        return top // k, tokens.reshape(b, -1).gather(1, top)
+
+    def _beam_scores(self, left: torch.Tensor, generator) -> torch.Tensor:
+        """Perturbed scores ``[B, F, K]`` (float64) of each parent's children in sampling order, from the mass
+        ``left`` before each draw: the first child scores the parent's score, child j the Gumbel at
+        ``log p(parent) + log left_j`` truncated at child j-1's score (:func:`truncated_gumbel_below`)."""
+        parent_log_p = self._log_p.double()
+        scores = [self._score.double()]
+        for j in range(1, left.shape[-1]):
+            scores.append(truncated_gumbel_below(parent_log_p + torch.log(left[..., j]), scores[-1], generator))
+        return torch.stack(scores, -1)
 
     def expand(self, depth, q, greedy, generator):
         parents, tokens = self.expand_batch(q[None], greedy, generator)

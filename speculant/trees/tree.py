@@ -17,6 +17,10 @@ import torch
 class DraftTree:
     """A growing tree of drafted tokens.
 
+    The ancestor mask, the depths (RoPE positions), the children table and whether the tree is a chain are
+    kept up to date by :meth:`add` (one row each per node, in buffers that double when full), so the
+    drafters' per-depth masks and the verification's tables are slices, not rebuilt from the parents.
+
     Attributes:
         tokens: drafted token ids, ``N`` ints.
         parents: parent of each node, ``N`` ints; -1 is the root.
@@ -26,12 +30,18 @@ class DraftTree:
             node's children were sampled from (block index 0 = root).  Empty under greedy decoding.
     """
 
-    def __init__(self):
+    def __init__(self, capacity: int = 16):
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.depths: list[int] = []
         self.children: list[list[int]] = [[]]
         self.draft_probs: dict[int, torch.Tensor] = {}
+        self._chain = True
+        self._width = 1                                                          # most children of an entry
+        self._anc = torch.zeros(capacity + 1, capacity + 1, dtype=torch.bool)   # [entry, entry] ancestor-or-self
+        self._anc[0, 0] = True
+        self._depth = torch.zeros(capacity + 1, dtype=torch.long)              # [entry] depth
+        self._kids = torch.full((capacity + 1, 1), -1, dtype=torch.long)       # [entry, C] children table
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -39,20 +49,44 @@ class DraftTree:
     @property
     def is_chain(self) -> bool:
         """True when every node's parent is the node before it (causal mask suffices)."""
-        return all(p == i - 1 for i, p in enumerate(self.parents))
+        return self._chain
 
     @property
     def max_depth(self) -> int:
         return max(self.depths, default=0)
 
+    def _grow(self, entries: int, width: int) -> None:
+        """Buffers for at least ``entries`` block entries and ``width`` children per entry."""
+        cap = self._anc.shape[0]
+        if entries > cap:
+            new = max(entries, 2 * cap)
+            anc = torch.zeros(new, new, dtype=torch.bool)
+            anc[:cap, :cap] = self._anc
+            self._anc = anc
+            self._depth = torch.cat([self._depth, self._depth.new_zeros(new - cap)])
+            self._kids = torch.cat([self._kids, self._kids.new_full((new - cap, self._kids.shape[1]), -1)])
+        if width > self._kids.shape[1]:
+            extra = max(width, 2 * self._kids.shape[1]) - self._kids.shape[1]
+            self._kids = torch.cat([self._kids, self._kids.new_full((self._kids.shape[0], extra), -1)], 1)
+
     def add(self, parent: int, token: int) -> int:
         """Append a child of ``parent`` (-1 = root); returns the new node index."""
         idx = len(self.tokens)
+        depth = 1 if parent < 0 else self.depths[parent] + 1
         self.tokens.append(int(token))
         self.parents.append(parent)
-        self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
-        self.children[parent + 1].append(idx)
+        self.depths.append(depth)
+        siblings = self.children[parent + 1]
+        self._grow(idx + 2, len(siblings) + 1)
+        self._kids[parent + 1, len(siblings)] = idx
+        siblings.append(idx)
+        self._width = max(self._width, len(siblings))
         self.children.append([])
+        self._chain = self._chain and parent == idx - 1
+        row = idx + 1
+        self._anc[row] = self._anc[parent + 1]
+        self._anc[row, row] = True
+        self._depth[row] = depth
         return idx
 
     def set_draft_probs(self, node: int, q: torch.Tensor) -> None:
@@ -65,19 +99,13 @@ class DraftTree:
 
     def block_positions(self, prefix_length: int) -> torch.Tensor:
         """RoPE positions ``[N + 1]``: ``prefix_length + depth`` (root depth 0)."""
-        return torch.tensor([0] + self.depths, dtype=torch.long) + prefix_length
+        return self._depth[:len(self.tokens) + 1] + prefix_length
 
     def ancestor_mask(self) -> torch.Tensor:
-        """Bool ``[N + 1, N + 1]``: entry (i, j) is True when block entry j is i itself or an ancestor of i."""
+        """Bool ``[N + 1, N + 1]``: entry (i, j) is True when block entry j is i itself or an ancestor of i.
+        A view of the tree's own buffer: read it, do not write to it."""
         n = len(self.tokens) + 1
-        m = torch.zeros(n, n, dtype=torch.bool)
-        m[:, 0] = True
-        for i, p in enumerate(self.parents):
-            row = i + 1
-            if p >= 0:
-                m[row] = m[p + 1]
-            m[row, row] = True
-        return m
+        return self._anc[:n, :n]
 
     def attention_mask(self, prefix_length: int, rows: slice | None = None) -> torch.Tensor:
         """Tree attention mask ``[R, prefix_length + N + 1]`` for block rows ``rows`` (default: all).
@@ -91,13 +119,8 @@ class DraftTree:
         return torch.cat([torch.ones(anc.shape[0], prefix_length, dtype=torch.bool), anc], dim=1)
 
     def children_table(self) -> torch.Tensor:
-        """Children of every block entry in sampling order, ``[N + 1, C]`` int64, -1 padded."""
-        width = max((len(c) for c in self.children), default=0)
-        table = torch.full((len(self.children), max(width, 1)), -1, dtype=torch.long)
-        for entry, kids in enumerate(self.children):
-            if kids:
-                table[entry, :len(kids)] = torch.tensor(kids)
-        return table
+        """Children of every block entry in sampling order, ``[N + 1, C]`` int64, -1 padded (a view)."""
+        return self._kids[:len(self.children), :self._width]
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node`` (inclusive)."""
