@@ -65,11 +65,11 @@ def cmd_models(args) -> int:
 def cmd_tune(args) -> int:
     from dataclasses import asdict
 
-    from .models.loading import load_model
+    from .models.loading import read_checkpoint
     from .runtime import tune
     if args.threads is not None:
         check_range("--threads", args.threads, 1)
-    model = load_model(args.model)
+    model = read_checkpoint(args.model)
     result = tune.load_or_measure(model.decoder, args.threads, force=True)
     del model
     if result.weights == "w4a8":             # the prompt route is timed on the model in that format (fused step)

@@ -31,9 +31,6 @@ FORBIDDEN = {
     "engine": set(ENTRY_POINTS),
 }
 """Package -> packages it must not import (at any depth of a function)."""
-PENDING = pytest.mark.xfail(strict=True, reason="issue 24, not done yet: models/ imports kernels/ (attention), "
-                             "kernels/decode_step reads runtime.formats' classes, no runtime/executor.py yet; "
-                             "strict: remove the mark once the layering holds")
 KERNELS_MAY_IMPORT = {"kernels"} | LEAVES
 """The kernels know no modules: they take buffers, shapes and paths, and import only the leaf helpers."""
 
@@ -105,7 +102,6 @@ def test_the_reader_sees_imports_inside_functions_and_relative_ones(tmp_path):
                                                          "speculant.runtime.tune"}
 
 
-@PENDING
 def test_no_forbidden_direction():
     bad = []
     for (a, b), example in sorted(_graph().items()):
@@ -124,7 +120,6 @@ def test_nothing_imports_the_cli_module():
         + "\n".join(users)
 
 
-@PENDING
 def test_no_cycle_between_packages():
     edges = _graph()
     graph: dict[str, set[str]] = {}
@@ -153,7 +148,7 @@ def test_no_cycle_between_packages():
 
 
 @pytest.mark.parametrize("module", ["speculant.models.llama", "speculant.kernels.decode_step",
-                                    pytest.param("speculant.runtime.executor", marks=PENDING)])
+                                    "speculant.runtime.executor"])
 def test_the_layering_test_reads_real_modules(module):
     """The test is not vacuous: the modules it reasons about exist and have imports."""
     known = _modules()

@@ -17,12 +17,13 @@ from speculant.drafters.prompt_lookup import PromptLookupDrafter
 from speculant.engine.generator import SpeculativeGenerator
 from speculant.engine.batch import BatchedGenerator
 from speculant.engine.methods import MethodSpec
-from speculant.models.ragged import RaggedBlock, ragged_run_layers
+from speculant.runtime.ragged import RaggedBlock, ragged_run_layers
 from speculant.runtime import tune
 from speculant.runtime.formats import apply_weight_format, format_available
 from speculant.serving.server import exact_batch_limit
 from speculant.trees.builders import ChainBuilder
 from speculant.trees.tree import DraftTree
+from speculant.runtime.executor import executor_of
 
 METHODS = [("ar", {}), ("prompt-lookup", {}), ("early-exit", {"exit_layer": 2}),
            ("draft-model", {"draft_model": "truncated:2"}), ("rsd-c", {"exit_layer": 2, "branching": "2,2"}),
@@ -98,9 +99,9 @@ def test_batched_sampling_draws_what_each_seed_draws_alone(model, method, kw):
 
 
 def test_ragged_forward_is_bitwise_the_one_sequence_forward(model):
-    dec = model.decoder
+    dec = executor_of(model)
     rows = 3 + 4 + 2
-    assert tune.invariant_rows(tune.invariance_sample(dec), (rows,)) >= rows      # the premise (the fixture's)
+    assert tune.invariant_rows(tune.invariance_sample(dec.decoder), (rows,)) >= rows      # the premise (the fixture's)
     torch.manual_seed(0)
     with torch.inference_mode():
         caches = prefilled_caches(dec, [[5, 9, 2, 7], [1, 2, 3, 4, 5, 6], [8, 8]], 32)
@@ -128,7 +129,7 @@ def test_one_drafter_serves_many_generations_each_with_its_own_state(model):
     """A drafter holds configuration and networks only; what changes during a generation is the typed state its
     ``begin`` returns (``DecodingState.drafter_state``), one per generation, never shared."""
     dm = DraftModelDrafter(model.decoder)
-    states = [DecodingState(model.decoder, model.decoder.new_cache(16), [1, 2, 3], SamplingConfig()) for _ in "ab"]
+    states = [DecodingState(model.decoder, executor_of(model).new_cache(16), [1, 2, 3], SamplingConfig()) for _ in "ab"]
     for state in states:
         state.drafter_state = dm.begin(state)
     assert states[0].drafter_state is not states[1].drafter_state
@@ -189,8 +190,8 @@ class _RecordingLookup(PromptLookupDrafter):
 
 
 def test_verification_hidden_gets_each_sequences_own_states(model):
-    dec = model.decoder
-    assert tune.invariant_rows(tune.invariance_sample(dec), (BATCH_ROWS,)) >= BATCH_ROWS      # the premise
+    dec = executor_of(model)
+    assert tune.invariant_rows(tune.invariance_sample(dec.decoder), (BATCH_ROWS,)) >= BATCH_ROWS      # the premise
     builder = ChainBuilder(3)
     configs = [GenerationConfig(max_new_tokens=n) for n in LENGTHS]
     alone = []

@@ -11,6 +11,7 @@ from speculant.cli import main
 from speculant.kernels import qgemm
 from speculant.runtime.formats import FORMATS, format_available
 from speculant.models.loading import save_hf_dir
+from speculant.runtime.executor import executor_of
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +190,8 @@ def test_loader_takes_the_measured_kv_cache_dtype(model_dir, tmp_path, monkeypat
         pytest.skip(f"our attention kernel: {qgemm.unavailable_reason()}")
     model = load_model(str(model_dir), weights="fp32", compile=False)
     assert model.tune.attention == measured
-    assert model.decoder.attention_dtype == getattr(torch, measured)
-    assert model.decoder.new_cache(8).dtype == getattr(torch, measured)
+    assert executor_of(model).kv_dtype == getattr(torch, measured)
+    assert executor_of(model).new_cache(8).dtype == getattr(torch, measured)
 
 
 def test_streamed_safetensors_file_reads_back_with_safetensors(tmp_path):

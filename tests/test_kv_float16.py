@@ -17,9 +17,10 @@ from speculant.errors import SpeculantError
 from speculant.kernels import attention as kernel
 from speculant.kernels import build
 from speculant.models.kv_cache import KVCache
-from speculant.models.ragged import RaggedBlock, ragged_run_layers
+from speculant.runtime.ragged import RaggedBlock, ragged_run_layers
 from speculant.runtime import loader
 from speculant.runtime.formats import apply_weight_format
+from speculant.runtime.executor import executor_of
 
 pytestmark = pytest.mark.skipif(not build.available(), reason=f"kernels: {build.unavailable_reason()}")
 
@@ -58,24 +59,24 @@ def model16(request):
     """A tiny model with float16 KV caches: w4a8 (the fused C step) and int8 (the torch layer step)."""
     m = tiny_model(seed=7, scale=2.0, vocab=96, layers=4)
     apply_weight_format(m.decoder, request.param)
-    loader.set_kv_cache(m.decoder, "float16")
-    assert m.decoder.new_cache(8).dtype == torch.float16
-    assert (m.decoder.fused_layers() is not None) == (request.param == "w4a8")
+    loader.set_kv_cache(executor_of(m), "float16")
+    assert executor_of(m).new_cache(8).dtype == torch.float16
+    assert (executor_of(m).fused_layers() is not None) == (request.param == "w4a8")
     return m
 
 
 def test_a_prompt_stores_its_float32_keys_rounded(model16):
     """A prompt's forward attends over its own keys/values as computed (float32) and stores them rounded: its
     float16 cache is its float32 cache rounded, in every layer."""
-    dec = model16.decoder
+    dec = executor_of(model16)
     ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
     caches = {}
     with torch.inference_mode():
         for dt in (torch.float16, torch.float32):
-            dec.attention_dtype = dt
+            dec.kv_dtype = dt
             caches[dt] = dec.new_cache(16)
             dec(ids, None, None, caches[dt], 0)
-    dec.attention_dtype = torch.float16
+    dec.kv_dtype = torch.float16
     assert torch.equal(caches[torch.float16].keys[..., :6, :], caches[torch.float32].keys[..., :6, :].half())
     assert torch.equal(caches[torch.float16].values[..., :6, :], caches[torch.float32].values[..., :6, :].half())
 
@@ -84,12 +85,12 @@ def test_float16_keys_move_the_logits_by_their_rounding():
     """Float32 weights (no activation quantization to amplify it): decoding over a float16 cache moves the logits
     by about float16's relative rounding (2^-11) of the attention, far from what would change a token."""
     m = tiny_model(seed=7, scale=1.0, vocab=96, layers=4)
-    dec = m.decoder
+    dec = executor_of(m)
     ids = torch.tensor([[4, 8, 15, 16, 23, 42, 7, 1, 2, 3]])
     out = {}
     with torch.inference_mode():
         for dt in (torch.float16, torch.float32):
-            dec.attention_dtype = dt
+            dec.kv_dtype = dt
             cache = dec.new_cache(16)
             dec(ids[:, :6], None, None, cache, 0)
             out[dt] = torch.cat([dec(ids[:, 6 + j:7 + j], None, None, cache, 6 + j) for j in range(4)], 1)
@@ -97,7 +98,7 @@ def test_float16_keys_move_the_logits_by_their_rounding():
 
 
 def test_float16_block_rows_get_the_one_token_steps_bits(model16):
-    dec = model16.decoder
+    dec = executor_of(model16)
     prompt, block = [5, 9, 2, 7, 1], [11, 12, 13, 14, 15, 16, 17]
     with torch.inference_mode():
         c1, c2 = dec.new_cache(32), dec.new_cache(32)
@@ -123,7 +124,7 @@ def test_every_method_is_exact_over_a_float16_cache(model16, method, kw):
 
 
 def test_a_batched_round_over_float16_caches_gives_each_sequence_its_own_bits(model16):
-    dec = model16.decoder
+    dec = executor_of(model16)
     with torch.inference_mode():
         caches = prefilled_caches(dec, [[5, 9, 2, 7], [1, 2, 3, 4, 5, 6], [8, 8]], 32)
         blocks = [RaggedBlock(dec.embed(torch.tensor([[11, 12, 13]])), 0, torch.arange(4, 7), None, caches[0], 4),
@@ -146,15 +147,15 @@ def test_a_batched_round_over_float16_caches_gives_each_sequence_its_own_bits(mo
 def test_the_kv_cache_choices_that_are_refused(monkeypatch):
     m = tiny_model(seed=3, layers=2)
     with pytest.raises(SpeculantError, match="kv_cache='bfloat16'.*allowed: float32, float16, float64"):
-        loader.set_kv_cache(m.decoder, "bfloat16")
+        loader.set_kv_cache(executor_of(m), "bfloat16")
     with pytest.raises(SpeculantError, match="kv_cache='half'.*allowed: auto, float32, float16, float64"):
         loader.load_model("tiny-that-is-never-loaded", kv_cache="half")
     monkeypatch.setattr(kernel, "supports", lambda head_dim, dtype=torch.float32: False)
     with pytest.raises(SpeculantError, match="float16' needs our attention kernel.*allowed here: auto, float32"):
-        loader.set_kv_cache(m.decoder, "float16")
-    assert m.decoder.attention_dtype == torch.float32                      # unchanged
+        loader.set_kv_cache(executor_of(m), "float16")
+    assert executor_of(m).kv_dtype == torch.float32                      # unchanged
     monkeypatch.undo()
-    loader.set_kv_cache(m.decoder, "float16")
+    loader.set_kv_cache(executor_of(m), "float16")
     cache = KVCache(2, m.config.num_key_value_heads, m.config.head_dim, 8, batch=2, dtype=torch.float16)
     with torch.inference_mode(), pytest.raises(SpeculantError, match="float16 KV cache is read by our attention"):
-        m.decoder(torch.tensor([[1, 2], [3, 4]]), None, None, cache, 0)
+        executor_of(m)(torch.tensor([[1, 2], [3, 4]]), None, None, cache, 0)

@@ -2,7 +2,7 @@
 
 Tiny random transformers models of the Llama-3.x (llama3 RoPE scaling; also linear and dynamic),
 Qwen2 (q/k/v biases, sliding window) and Mistral (head_dim, sliding window) families are saved with
-``save_pretrained`` and loaded with ``load_model``; our logits must match transformers'.  Every config
+``save_pretrained`` and loaded with ``read_checkpoint``; our logits must match transformers'.  Every config
 field or weight we do not implement is refused with a one-line error naming it.
 """
 
@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from speculant import GenerationConfig, SpeculantError, build_generator
-from speculant.models.loading import load_model
+from speculant.models.loading import read_checkpoint
 from speculant.cli import main
 from speculant.models.config import FAMILY_DEFAULTS, ModelConfig
 
@@ -42,7 +42,7 @@ def save_hf(path, model_cls, config_cls, seed=0, **kw):
 
 
 def logits_match(path, hf, length):
-    model = load_model(str(path))
+    model = read_checkpoint(str(path))
     ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours, ref = model.decoder(ids), hf(ids).logits
@@ -92,7 +92,7 @@ def test_legacy_rope_scaling_keys(tmp_path):
 def test_sliding_window_limits_the_context(tmp_path):
     """Inside the window a sliding window attends everything, so the context is capped there (exact)."""
     save_hf(tmp_path, MistralForCausalLM, MistralConfig, sliding_window=40, max_position_embeddings=128)
-    model = load_model(str(tmp_path))
+    model = read_checkpoint(str(tmp_path))
     assert model.config.context_length == 40 and model.config.max_position_embeddings == 128
     gen = build_generator(model, method="ar")
     out = gen.generate(list(range(1, 31)), GenerationConfig(max_new_tokens=50))
@@ -104,7 +104,7 @@ def test_sliding_window_limits_the_context(tmp_path):
 def test_biases_through_speculative_methods(tmp_path):
     """Qwen2 biases in every partial forward (early-exit drafting, tree verification): greedy == AR."""
     save_hf(tmp_path, Qwen2ForCausalLM, Qwen2Config, max_position_embeddings=128)
-    model = load_model(str(tmp_path))
+    model = read_checkpoint(str(tmp_path))
     cfg = GenerationConfig(max_new_tokens=24)
     ar = build_generator(model, method="ar").generate([5, 9, 2, 7], cfg).token_ids
     for spec in (dict(method="rsd-s", exit_layer=1, beam_width=3, draft_length=3),
@@ -188,7 +188,7 @@ def test_unsupported_is_refused_with_one_line(tmp_path, llama_dir, capsys, case)
     edit, needle = REFUSED[case]
     edit(path)
     with pytest.raises(SpeculantError, match=re.escape(needle)) as e:
-        load_model(str(path))
+        read_checkpoint(str(path))
     assert "\n" not in str(e.value)
     code = main(["generate", "t1 t2", "--model", str(path), "--raw", "--max-new-tokens", "2"])
     err = capsys.readouterr().err
@@ -208,7 +208,7 @@ def test_tied_copy_of_the_embedding_and_old_rotary_buffers_are_accepted(tmp_path
     state["model.layers.0.self_attn.rotary_emb.inv_freq"] = inv_frequencies(16, 500.0)
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(SpeculantError, match="rotary_emb.inv_freq differs"):
-        load_model(str(tmp_path))
+        read_checkpoint(str(tmp_path))
 
 
 def test_round_trip_keeps_family_and_biases(tmp_path):
@@ -216,9 +216,9 @@ def test_round_trip_keeps_family_and_biases(tmp_path):
     from speculant.bench.hf_baselines import hf_model_from_decoder
     from speculant.models.loading import save_hf_dir
     save_hf(tmp_path / "a", Qwen2ForCausalLM, Qwen2Config, max_position_embeddings=128)
-    model = load_model(str(tmp_path / "a"))
+    model = read_checkpoint(str(tmp_path / "a"))
     save_hf_dir(model, tmp_path / "b")
-    again = load_model(str(tmp_path / "b"))
+    again = read_checkpoint(str(tmp_path / "b"))
     assert again.config == model.config
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.no_grad():
@@ -256,4 +256,4 @@ def test_sharded_checkpoint_and_other_safetensors_files(tmp_path):
     shard = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
     (tmp_path / shard).unlink()
     with pytest.raises(SpeculantError, match="which is missing"):
-        load_model(str(tmp_path))
+        read_checkpoint(str(tmp_path))

@@ -8,6 +8,7 @@ from speculant.errors import SpeculantError
 from speculant.kernels import build, qgemm
 from speculant.runtime import formats, tune
 from speculant.runtime.formats import W4A8Linear, W8A8Linear, pack_linear, quantize_q4, quantize_q8
+from speculant.runtime.executor import executor_of
 
 needs_kernel = pytest.mark.skipif(not qgemm.available(), reason=f"w4a8 kernel: {qgemm.unavailable_reason()}")
 
@@ -158,7 +159,7 @@ def test_vnni_code_gives_the_avx2_bits(monkeypatch):
                     assert torch.equal(lin(x[:rows]), want), (name, type(lin).__name__, n, rows)
     model = tiny_model(seed=11, scale=2.0, vocab=96, layers=3)
     formats.apply_weight_format(model.decoder, "w4a8")
-    dec, ids = model.decoder, torch.tensor([[4, 8, 15, 16, 23, 42, 7, 1, 2, 3, 9, 9, 5]])
+    dec, ids = executor_of(model), torch.tensor([[4, 8, 15, 16, 23, 42, 7, 1, 2, 3, 9, 9, 5]])
     fused = dec.fused_layers()
     assert fused is not None
     logits = {}
@@ -308,7 +309,7 @@ def test_without_the_kernels_every_method_runs_on_float64_attention(monkeypatch,
     monkeypatch.setattr(build, "_LIB", None)
     monkeypatch.setattr(build, "_WHY_NOT", "needs an x86-64 CPU with AVX2 and FMA")
     model = tiny_model(seed=3, vocab=96, hidden=64, heads=4, kv_heads=2, inter=128, scale=2.5)
-    assert model.decoder.attention_dtype == torch.float64
+    assert executor_of(model).kv_dtype == torch.float64
     torch.manual_seed(0)
     save_head(new_head(model, torch.arange(0, 96, 2)), tmp_path / "head")
     cfg = GenerationConfig(max_new_tokens=16)

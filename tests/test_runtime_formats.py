@@ -18,6 +18,7 @@ from speculant.runtime import formats
 from speculant.runtime.formats import (PROJECTIONS, Int4Linear, PackedLinear, apply_weight_format, format_available,
                                        head_format, pack_linear, quantize_q4)
 from speculant.runtime.store import load_packed, save_packed
+from speculant.runtime.executor import executor_of
 
 FORMATS = tuple(f for f in formats.FORMATS if format_available(f))     # w4a8: where our AVX2 kernel runs
 QUANTIZED = ("int8", "int4", "w4a8")
@@ -117,7 +118,7 @@ def test_verification_logits_equal_decoding_logits_bit_for_bit(fmt):
     """The premise of greedy exactness: a row of a verification block gets exactly the logits of the
     one-token step at that position (batch-invariant kernels + float64 attention)."""
     model = in_format(packable_tiny(scale=2.0), fmt)
-    step_logits, blocks = _ar_then_blocks(model.decoder, [3, 17, 42, 8, 25, 60, 1])
+    step_logits, blocks = _ar_then_blocks(executor_of(model), [3, 17, 42, 8, 25, 60, 1])
     for t, block in blocks.items():
         for j in range(t):
             assert torch.equal(block[j], step_logits[j]), (fmt, t, j)
@@ -220,9 +221,9 @@ def test_eager_fallback_without_a_compiler(monkeypatch):
     monkeypatch.setattr(compiled, "compiler_available", lambda: False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert compiled.enable_compile(model.decoder) is False
+        assert compiled.enable_compile(executor_of(model)) is False
     assert sum("no C++ compiler" in str(w.message) for w in caught) == 1
-    assert model.decoder.layer_step is compiled.decoder_layer_step
+    assert executor_of(model).layer_step is compiled.decoder_layer_step
     assert _greedy(model, [3, 4, 5], method="prompt-lookup") == _greedy(model, [3, 4, 5], method="ar")
 
 
@@ -231,12 +232,12 @@ def test_compiled_steps_keep_speculation_exact(tmp_path, monkeypatch):
     """Compiled one-token steps and compiled verification blocks: every chain/tree method equals AR."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     model = in_format(packable_tiny(scale=2.5), "int4")
-    assert compiled.enable_compile(model.decoder, warm_up=False)
+    assert compiled.enable_compile(executor_of(model), warm_up=False)
     prompt = [3, 17, 42, 8, 25, 60, 1]
     ar = _greedy(model, prompt, method="ar")
     for spec in (METHODS[0], METHODS[2], METHODS[4]):
         assert _greedy(model, prompt, **spec) == ar, spec
-    step_logits, blocks = _ar_then_blocks(model.decoder, prompt)
+    step_logits, blocks = _ar_then_blocks(executor_of(model), prompt)
     assert all(torch.equal(b[j], step_logits[j]) for t, b in blocks.items() for j in range(t))
 
 
@@ -248,8 +249,8 @@ def test_smollm2_int4_uses_the_gguf_codes_and_stays_exact():
     """SmolLM2's Q4_1 codes, packed as they are: the kernel weight equals the GGUF's dequantized weight up to
     bfloat16 rounding of scale and min; two speculative methods are token-identical to AR (40 tokens)."""
     from speculant.models.gguf_codes import index_tensors, read_group_quantized
-    from speculant.models.loading import KNOWN_MODELS, find_gguf, load_model
-    fp32 = load_model("smollm2-135m")
+    from speculant.models.loading import KNOWN_MODELS, find_gguf, read_checkpoint
+    fp32 = read_checkpoint("smollm2-135m")
     codes = read_group_quantized(find_gguf(KNOWN_MODELS["smollm2-135m"]), fp32.config)
     qkv = codes["layers.0.self_attn.qkv_proj"]
     assert torch.equal(qkv.dequantize(), fp32.decoder.layers[0].self_attn.qkv_proj.weight)   # codes read exactly

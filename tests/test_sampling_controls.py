@@ -17,6 +17,7 @@ from speculant import GenerationConfig, SamplingConfig, build_generator
 from speculant.engine import controlled
 from speculant.engine.stats import GenerationStats
 from speculant.sampling.processors import logits_to_probs
+from speculant.runtime.executor import executor_of
 
 RUNS = 2_000
 PROMPT = [1, 2, 3, 1, 2]
@@ -129,8 +130,8 @@ def fused16():
         pytest.skip(f"kernels: {build.unavailable_reason()}")
     m = tiny_model(seed=3, scale=1.5, vocab=16, layers=2, hidden=32, heads=2, kv_heads=1, inter=64)
     apply_weight_format(m.decoder, "w4a8")
-    m.decoder.fused_prompt_tokens = 64
-    assert m.decoder.fused_layers() is not None
+    executor_of(m).fused_prompt_tokens = 64
+    assert executor_of(m).fused_layers() is not None
     return m
 
 

@@ -18,6 +18,7 @@ from stats_helpers import chi_square, exact_law
 from speculant import GenerationConfig, SamplingConfig, build_generator
 from speculant.engine.stats import GenerationStats
 from speculant.verification import rules
+from speculant.runtime.executor import executor_of
 
 RUNS = 5_000
 PROMPT = [1, 2, 3, 1, 2]           # repeats, so prompt lookup finds n-gram drafts
@@ -80,8 +81,8 @@ def fused_model():
         pytest.skip(f"kernels: {build.unavailable_reason()}")
     m = tiny_model(seed=5, scale=1.5, vocab=4, layers=2, hidden=32, heads=2, kv_heads=1, inter=64)
     apply_weight_format(m.decoder, "w4a8")
-    m.decoder.fused_prompt_tokens = 64          # the prompt's forward through the fused step as well
-    assert m.decoder.fused_layers() is not None
+    executor_of(m).fused_prompt_tokens = 64          # the prompt's forward through the fused step as well
+    assert executor_of(m).fused_layers() is not None
     return m
 
 

@@ -22,6 +22,7 @@ from speculant.kernels import build
 from speculant.models.loading import save_hf_dir
 from speculant.runtime.formats import apply_weight_format
 from speculant.runtime.loader import load_model
+from speculant.runtime.executor import executor_of
 
 SPEC = MethodSpec(method="rsd-c", exit_layer=2, branching="2,2")     # self-speculative trees, batched verification
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -186,7 +187,7 @@ def test_chats_sharing_a_prefix_reuse_its_kv_and_keep_their_output(method):
     tiny = tiny_model(seed=11, scale=2.5, vocab=64, layers=4, ctx=1024)
     tiny.tokenizer.chat_template = CHAT_TEMPLATE
     apply_weight_format(tiny.decoder, "w4a8")
-    tiny.decoder.fused_prompt_tokens = 256
+    executor_of(tiny).fused_prompt_tokens = 256
     system = "t1 t2 t3 t4 t5 t6 t7 t8"
     engine = serve_engine(tiny, SPEC if method == "rsd-c" else MethodSpec(method="ar"), prefix_cache_tokens=256)
     with ServerThread(engine) as s:

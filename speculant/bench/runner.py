@@ -32,6 +32,7 @@ from ..engine.methods import build_generator, default_exit_layer
 from ..engine.stats import GenerationStats
 from ..errors import SpeculantError, check_range
 from ..models.loading import KNOWN_MODELS, LoadedModel
+from ..runtime.executor import executor_of
 from ..sampling.processors import SamplingConfig, is_greedy
 from .datasets import Prompt
 from .mbsu import draft_cost_ratio, exit_head_bytes
@@ -63,7 +64,7 @@ class _Ours:
         d = self.gen.drafter
         self.drafter = type(d).__name__ + (" + exit adapter" if getattr(d, "exit_head", None) is not None else "")
         if isinstance(d, DraftModelDrafter):
-            self.cost_ratio = draft_cost_ratio(model.decoder, draft=d.model)
+            self.cost_ratio = draft_cost_ratio(model.decoder, draft=d.model.decoder)
         elif isinstance(d, DraftHeadDrafter):
             self.cost_ratio = draft_cost_ratio(model.decoder, exit_layer=0, head_bytes=d.head.weight_bytes())
         elif isinstance(d, EarlyExitDrafter):
@@ -122,7 +123,7 @@ def _model_for(model: LoadedModel, method: BenchMethod, loaded: dict) -> LoadedM
     """The run's model, or the same model in the runtime of the method's ``rt=`` key (loaded once per runtime)."""
     from .specs import runtime_of
     rt = runtime_of(method)
-    own_kv = str(model.decoder.attention_dtype).removeprefix("torch.")
+    own_kv = str(executor_of(model).kv_dtype).removeprefix("torch.")
     if rt is None or (rt[:2] == (model.weights, model.compiled) and rt[2] in (None, own_kv)):
         return model
     if rt not in loaded:

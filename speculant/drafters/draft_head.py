@@ -34,7 +34,8 @@ from ..errors import SpeculantError
 from ..models.config import ModelConfig
 from ..models.kv_cache import KVCache
 from ..models.linear import DecodeLinear
-from ..models.llama import DecoderLayer, RMSNorm, attend, attention_inputs, causal_mask, layer_output
+from ..models.llama import DecoderLayer, RMSNorm, attention_inputs, causal_mask, layer_output
+from ..runtime.steps import attend
 from ..models.rope import rope_tables
 from ..runtime.formats import select_rows
 from .artifacts import check_compatible, read_config, resolve_dir, shipped_names

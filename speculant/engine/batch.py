@@ -2,7 +2,7 @@
 
 Each round drafts for every active sequence (each with its own drafter state, tree builder, sampling
 ``torch.Generator`` and KV cache), then verifies *all* their trees in one ragged target forward
-(:func:`~speculant.models.ragged.ragged_run_layers`: the rows of every block concatenated for the projections
+(:meth:`~speculant.runtime.executor.Executor.run_blocks`: the rows of every block concatenated for the projections
 and the MLP, attention per sequence against its own cache and mask), then accepts and commits each sequence
 with its own accepted length (:func:`~speculant.engine.rounds.accept_and_commit`, the same code the
 one-sequence generator runs).  Sequences join (:meth:`BatchedGenerator.start`: their own prefill forward) and
@@ -37,8 +37,8 @@ from ..drafters.base import DecodingState, Drafter
 from ..errors import SpeculantError
 from ..kernels import attention as attention_kernel
 from ..models.loading import LoadedModel
-from ..models.ragged import RaggedBlock, ragged_run_layers
-from ..runtime.compiled import compiled_halves
+from ..runtime.executor import executor_of
+from ..runtime.ragged import RaggedBlock
 from ..trees.builders import IIDTreeBuilder, TreeBuilder
 from ..trees.tree import DraftTree
 from .generator import GenerationConfig
@@ -162,7 +162,7 @@ class BatchedGenerator:
         the :class:`SpeculantError` of :meth:`check_prompt` (the others start all the same).
 
         The prompts whose prefill is the plain target forward (the drafter does not declare ``own_prefill``) and runs
-        on the fused step (``len(prompt) <= decoder.fused_prompt_tokens``) share ragged target forwards of up to
+        on the fused step (``len(prompt) <=`` the executor's ``fused_prompt_tokens``) share ragged target forwards of up to
         that many rows in all, each prompt causal over itself in its own KV cache, then one LM-head pass over
         their last positions; the others run alone, as :meth:`start` runs them.  The fused step gives each row
         the bits it gets alone (:mod:`speculant.kernels.decode_step`), so every sequence's cache and first token
@@ -175,7 +175,7 @@ class BatchedGenerator:
         rows, see :mod:`speculant.engine.prefix_cache`), so the cache and first token are still those of
         :meth:`start`.  ``state.layer_tokens`` counts the rows actually computed.
         """
-        target = self.model.decoder
+        target = executor_of(self.model)
         self._last_round = None                   # a prefill between two rounds is not a round's overhead
         new: list = []
         for ids, config in requests:
@@ -200,7 +200,7 @@ class BatchedGenerator:
             blocks = [RaggedBlock(target.embed(torch.tensor([st.tokens[cached[i]:]])), 0,
                                   torch.arange(cached[i], len(st.tokens)), None, st.cache, cached[i])
                       for i, st in zip(group, states)]
-            hidden = ragged_run_layers(target, blocks)
+            hidden = target.run_blocks(blocks)
             logits = target.lm_head(target.final_norm(torch.cat([h[0, -1:] for h in hidden])))    # [G, V]
             self.target_forwards += 1
             for k, (i, st) in enumerate(zip(group, states)):
@@ -243,7 +243,7 @@ class BatchedGenerator:
     def _prefill_shares(self, state: DecodingState, prompt_length: int | None = None) -> bool:
         """Whether this sequence's prefill (of ``prompt_length`` tokens, default all of ``state.tokens``) may share
         a ragged forward, on the fused step (see :meth:`start_many`)."""
-        target = self.model.decoder
+        target = executor_of(self.model)
         n = len(state.tokens) if prompt_length is None else prompt_length
         return (not self.drafter.capabilities.own_prefill and n <= target.fused_prompt_tokens
                 and state.cache.dtype in attention_kernel.CACHE_DTYPES and target.fused_layers() is not None)
@@ -258,7 +258,7 @@ class BatchedGenerator:
         budget = builder.budget() if builder is not None else 0
         max_new = min(config.max_new_tokens, cfg.context_length - len(prompt_ids))
         cache_length = min(cfg.context_length, len(prompt_ids) + max_new + budget + 2)
-        state = new_state(self.model.decoder, drafter, prompt_ids, cache_length, config.sampling)
+        state = new_state(executor_of(self.model), drafter, prompt_ids, cache_length, config.sampling)
         return _Unstarted(list(prompt_ids), config, drafter, builder, budget, max_new, config.sampling.generator(),
                           state)
 
@@ -348,7 +348,7 @@ class BatchedGenerator:
         ragged forward runs the layer halves (compiled separately when the model is compiled) instead of
         the fused one-sequence step, which an optimizing compiler could round differently.
         """
-        target = self.model.decoder
+        target = executor_of(self.model)
         g = torch.Generator().manual_seed(seed)
         vocab = self.model.config.vocab_size
         prompt = torch.randint(vocab, (1, 6), generator=g)
@@ -362,7 +362,7 @@ class BatchedGenerator:
             alone = target(ids[0], torch.arange(6, 6 + sizes[0]), None, caches[-1], 6)[0]
             blocks = [RaggedBlock(target.embed(x), 0, torch.arange(6, 6 + x.shape[1]), None, c, 6)
                       for x, c in zip(ids, caches)]
-            hidden = ragged_run_layers(target, blocks, halves=compiled_halves(target))
+            hidden = target.run_blocks(blocks)
             logits = target.lm_head(target.final_norm(torch.cat(hidden, dim=1)))[0, :sizes[0]]
             same &= torch.equal(alone, logits)
         return bool(same)
@@ -370,12 +370,12 @@ class BatchedGenerator:
     def _verify(self, seqs: list[Sequence], trees: list[DraftTree]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Every sequence's tree in one ragged target forward; returns the fp32 logits of all rows ``[R, V]`` and
         their views per sequence ``[N_i + 1, V]``."""
-        target = self.model.decoder
+        target = executor_of(self.model)
         blocks = []
         for s, tree in zip(seqs, trees):
             v = s.drafter.verification_input(s.state, tree)
             blocks.append(RaggedBlock(v.hidden, v.start_layer, v.positions, v.mask, s.state.cache, v.cache_position))
-        hidden = ragged_run_layers(target, blocks, halves=compiled_halves(target))
+        hidden = target.run_blocks(blocks)
         if self.drafter.capabilities.needs_features:
             for s, tree, h in zip(seqs, trees, hidden):
                 s.drafter.verification_hidden(s.state, tree, h[0])

@@ -22,6 +22,7 @@ import torch
 from ..drafters.base import DecodingState, Drafter
 from ..errors import SpeculantError, check_range
 from ..models.loading import LoadedModel
+from ..runtime.executor import executor_of
 from ..sampling.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from ..sampling.processors import SamplingConfig
 from ..trees.builders import IIDTreeBuilder, TreeBuilder
@@ -191,7 +192,7 @@ class SpeculativeGenerator:
     def _prefill(self, prompt_ids, sampling, cache_length, generator, stats, t0, controls=None) -> DecodingState:
         """Run the prompt through the target, pick the first token, start the drafter (:func:`rounds.prefill`);
         returns the generation's state (``tokens`` = prompt + first token)."""
-        state = prefill(self.model.decoder, self.drafter, prompt_ids, cache_length, sampling, generator, stats,
+        state = prefill(executor_of(self.model), self.drafter, prompt_ids, cache_length, sampling, generator, stats,
                         controls)
         stats.time_to_first_token_s = stats.seconds = time.perf_counter() - t0
         stats.new_tokens = 1

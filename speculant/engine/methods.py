@@ -12,7 +12,8 @@ from ..drafters.early_exit import EarlyExitDrafter
 from ..drafters.exit_adapter import default_adapter_exit_layer, default_adapter_for, load_exit_adapter
 from ..drafters.prompt_lookup import PromptLookupDrafter
 from ..errors import SpeculantError, check_range
-from ..models.loading import LoadedModel, load_model
+from ..models.loading import LoadedModel, read_checkpoint
+from ..runtime.executor import executor_of
 from ..trees.builders import (ChainBuilder, ConstantBranchingBuilder, IIDTreeBuilder, StochasticBeamBuilder,
                               TreeBuilder)
 from ..verification.sequence import check_verification
@@ -145,7 +146,7 @@ def default_exit_layer(model: LoadedModel) -> int:
 
 
 def _drafter(spec: MethodSpec, model: LoadedModel) -> Drafter | None:
-    target = model.decoder
+    target = executor_of(model)
     if spec.method == "ar":
         return None
     if spec.method == "prompt-lookup":
@@ -165,10 +166,10 @@ def _drafter(spec: MethodSpec, model: LoadedModel) -> Drafter | None:
                 e = int(name.split(":", 1)[1])
             except ValueError:
                 raise SpeculantError(f"draft_model={name!r} is invalid; allowed: truncated:E with an integer E") from None
-            return DraftModelDrafter(truncated_copy(target, e))
-        draft = load_model(name, dtype=target.dtype)
+            return DraftModelDrafter(target.like(truncated_copy(target.decoder, e)))
+        draft = read_checkpoint(name, dtype=target.dtype)
         check_vocab_compatible(model.tokenizer, draft.tokenizer, target, draft.decoder)
-        return DraftModelDrafter(draft.decoder)
+        return DraftModelDrafter(executor_of(draft))
     exit_layer, head, adapter = spec.exit_layer, None, spec.exit_adapter
     if adapter is None:              # early-exit drafting (chain or tree): a shipped default adapter, if it fits
         adapter = default_adapter_for(model.name, exit_layer)

@@ -16,6 +16,7 @@ import torch
 
 from ..drafters.base import DecodingState, Drafter
 from ..errors import SpeculantError
+from ..runtime.executor import executor_of
 from .rounds import first_token, new_state, run_prefill
 from .stats import GenerationStats
 
@@ -32,7 +33,7 @@ class SharedPrefill:
     """The state after one forward over a prompt, to start any number of generations from.
 
     Args:
-        target, drafter: the generator's target decoder and drafter.
+        target, drafter: the generator's target executor and drafter.
         prompt_ids: the (checked) prompt.
         cache_length: slots of the KV cache [tokens] (each sample's copy has as many).
     """
@@ -69,7 +70,7 @@ def generate_n(gen, prompt, config, n: int) -> list:
     budget = gen.builder.fresh().budget() if gen.builder is not None else 0
     cache_length = min(ctx, len(ids) + min(config.max_new_tokens, ctx - len(ids)) + budget + 2)
     t0 = time.perf_counter()
-    shared = SharedPrefill(gen.model.decoder, gen.drafter, ids, cache_length, config.sampling)
+    shared = SharedPrefill(executor_of(gen.model), gen.drafter, ids, cache_length, config.sampling)
     shared.seconds = time.perf_counter() - t0
     results = []
     for i in range(n):

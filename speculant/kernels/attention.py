@@ -85,7 +85,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
 
 
 class RaggedPlan:
-    """What one batched pass (:func:`speculant.models.ragged.ragged_run_layers`) tells the kernel about its
+    """What one batched pass (:func:`speculant.runtime.ragged.ragged_run_layers`) tells the kernel about its
     sequences, prepared once and used at every layer: rows per sequence, first slot written, the caches' storage
     (:class:`~speculant.models.kv_cache.KVCache` ``keys``/``values``, batch 1, all in one of
     :data:`CACHE_DTYPES`) and the masks ``[rows[j], starts[j] + rows[j]]`` (bool).
@@ -114,7 +114,7 @@ class RaggedPlan:
 
 def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RaggedPlan, layer: int,
                      scale: float) -> torch.Tensor:
-    """Several sequences' blocks of one layer in one call (a batched round, :mod:`speculant.models.ragged`).
+    """Several sequences' blocks of one layer in one call (a batched round, :mod:`speculant.runtime.ragged`).
 
     ``q`` ``[1, H, R, D]`` and the new ``k``/``v`` ``[1, Hkv, R, D]`` hold the rows of every sequence of ``plan``
     in order (``R`` = the plan's rows summed); sequence ``j``'s new keys/values are written to slots

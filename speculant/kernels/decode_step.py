@@ -12,10 +12,10 @@ to trace or load.
 Every row is computed on its own with a fixed sequence of operations, so a row's result does not depend on how
 many rows or sequences share the call: verification blocks, tree frontiers and batched rounds give each row the
 one-token step's bits (tested in ``tests/test_decode_step.py``).  Prompts (an empty cache) run here under a causal
-mask up to ``LlamaDecoder.fused_prompt_tokens`` tokens (measured per machine by
+mask up to the executor's ``fused_prompt_tokens`` (:mod:`speculant.runtime.executor`, measured per machine by
 :func:`speculant.runtime.tune.measure_prompt_route`; each prompt row then gets the bits of a one-token step, and a
-server's new prompts can share one call), longer ones through the torch path
-(:func:`speculant.models.llama.prefill_layer_step`), the same for every method.
+server's new prompts can share one call), longer ones through the torch path, the same for every method.
+This module knows no torch modules: the executor hands it plain buffers and shapes (:class:`ModelBuffers`).
 
 One sequence's forward (:meth:`FusedLayers.step`) also gathers its RoPE rows and builds its causal mask in C, and
 the final norm and LM head are one call each (:meth:`FusedLayers.final_norm`, :meth:`FusedLayers.lm_head`): after
@@ -26,6 +26,7 @@ fetched again), ~1.2 ms of a 9 ms one-token step on the 2-core AMD EPYC before (
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -50,80 +51,116 @@ class _Model(ctypes.Structure):
                 ("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer))]
 
 
-def _projection(module, keep: list) -> _Projection | None:
-    from ..runtime.formats import W4A8Linear, W8A8Linear
-    if type(module) is W4A8Linear:
-        bits, offsets = 4, module.offsets
-    elif type(module) is W8A8Linear:
-        bits, offsets = 8, None
-    else:
-        return None
-    tensors = [module.codes, module.scales] + ([offsets] if offsets is not None else []) + \
-              ([module.bias] if module.bias is not None else [])
-    if not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
-        return None
-    keep.extend(tensors)
-    return _Projection(bits, module.in_features, module.out_features, module.codes.data_ptr(),
-                       module.scales.data_ptr(), 0 if offsets is None else offsets.data_ptr(),
-                       0 if module.bias is None else module.bias.data_ptr())
+@dataclass(frozen=True)
+class ProjectionBuffers:
+    """One block-quantized projection as the C step reads it (W4A8: ``bits`` 4, codes + scales + offsets; W8A8:
+    ``bits`` 8, codes + scales), every tensor contiguous on the CPU; ``bias`` ``[out_features]`` float32 or None."""
+
+    bits: int
+    in_features: int
+    out_features: int
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.codes, self.scales, self.offsets, self.bias) if t is not None]
+
+    def struct(self) -> _Projection:
+        return _Projection(self.bits, self.in_features, self.out_features, self.codes.data_ptr(),
+                           self.scales.data_ptr(), 0 if self.offsets is None else self.offsets.data_ptr(),
+                           0 if self.bias is None else self.bias.data_ptr())
 
 
-def why_not(decoder) -> str | None:
-    """Why :class:`FusedLayers` cannot run ``decoder`` (a :class:`~speculant.models.llama.LlamaDecoder`), or ``None``."""
+@dataclass(frozen=True)
+class LayerBuffers:
+    """One decoder layer's buffers: the two RMSNorm weights ``[D]`` float32 and the four projections."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: ProjectionBuffers
+    o: ProjectionBuffers
+    gate_up: ProjectionBuffers
+    down: ProjectionBuffers
+
+
+@dataclass(frozen=True)
+class ModelBuffers:
+    """What :class:`FusedLayers` runs: the shapes of a Llama-family decoder and its buffers.
+
+    Attributes:
+        hidden, heads, kv_heads, head_dim, intermediate: sizes (``D``, ``H``, ``Hkv``, ``Dh``, MLP width).
+        eps: RMSNorm epsilon.
+        layers: per-layer buffers, layer 0 first.
+        rope_cos, rope_sin: RoPE tables ``[P, Dh]`` float32 (``sin`` signed, see the torch reference forward).
+        norm: the final RMSNorm weight ``[D]`` float32; ``norm_eps`` its epsilon.
+        head: the LM head's projection (no bias), or ``None`` where the torch head runs.
+    """
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    layers: list[LayerBuffers]
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+    norm: torch.Tensor
+    norm_eps: float
+    head: ProjectionBuffers | None = None
+
+
+def why_not(model: ModelBuffers, cache_dtype: torch.dtype) -> str | None:
+    """Why :class:`FusedLayers` cannot run ``model`` over a KV cache of ``cache_dtype``, or ``None``."""
     if not build.available():
         return f"the kernels {build.unavailable_reason()}"
-    cfg = decoder.config
-    if not attention_kernel.supports(cfg.head_dim, decoder.attention_dtype):
+    if not attention_kernel.supports(model.head_dim, cache_dtype):
         return "needs a float32 or float16 KV cache and a head size that is a multiple of 8 (at most 256)"
-    if cfg.hidden_size % 32 or cfg.intermediate_size % 32 or (cfg.num_attention_heads * cfg.head_dim) % 32:
+    if model.hidden % 32 or model.intermediate % 32 or (model.heads * model.head_dim) % 32:
         return "needs hidden, intermediate and attention sizes that are multiples of 32"
-    for i, layer in enumerate(decoder.layers):
-        projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        if any(_projection(p, []) is None for p in projections):
-            return f"layer {i} has a projection that is not w4a8/w8a8 ({type(projections[0]).__name__})"
-        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+    for i, layer in enumerate(model.layers):
+        for p in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            if not all(t.is_contiguous() and t.device.type == "cpu" for t in p.tensors()):
+                return f"layer {i} has a projection whose buffers are not contiguous CPU tensors"
+        if any(w.dtype != torch.float32 or not w.is_contiguous() for w in (layer.input_norm, layer.post_norm)):
             return "needs float32 norm weights"
     return None
 
 
 class FusedLayers:
-    """The decoder layers of ``decoder`` (every projection :class:`~speculant.runtime.formats.W4A8Linear` or
-    :class:`~speculant.runtime.formats.W8A8Linear`, float32 or float16 KV cache) as one C call per forward.
+    """A decoder's layers (:class:`ModelBuffers`: W4A8/W8A8 projections, float32 or float16 KV cache) as one C
+    call per forward.
 
-    It holds pointers into the decoder's tensors: build it after the weights are packed and rebuild it if they
-    are replaced.
+    It holds pointers into the buffers' tensors (and keeps them alive): build it after the weights are packed and
+    rebuild it if they are replaced.
 
     Raises:
         SpeculantError: the kernels cannot run here.
-        ValueError: the decoder cannot run this way (:func:`why_not` says why).
+        ValueError: the model cannot run this way over a ``cache_dtype`` cache (:func:`why_not` says why).
     """
 
-    def __init__(self, decoder):
+    def __init__(self, model: ModelBuffers, cache_dtype: torch.dtype = torch.float32):
         self.lib = build.require("the fused decoding step", "the torch layer step")
-        reason = why_not(decoder)
+        reason = why_not(model, cache_dtype)
         if reason is not None:
             raise ValueError(f"fused decoding step: {reason}")
-        cfg = decoder.config
-        self._keep: list[torch.Tensor] = []
-        layers = (_Layer * decoder.num_layers)()
-        for i, layer in enumerate(decoder.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            norms = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
-            self._keep.extend(norms)
-            layers[i] = _Layer(norms[0].data_ptr(), norms[1].data_ptr(),
-                               *(_projection(p, self._keep) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                                      mlp.down_proj)))
+        self.buffers = model
+        layers = (_Layer * len(model.layers))()
+        for i, layer in enumerate(model.layers):
+            layers[i] = _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
+                               *(p.struct() for p in (layer.qkv, layer.o, layer.gate_up, layer.down)))
         self._layers = layers
-        self.model = _Model(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                            cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim ** -0.5, layers)
-        self.hidden = cfg.hidden_size
-        self.num_layers = decoder.num_layers
-        self._rope = (decoder.rope_cos.float().contiguous(), decoder.rope_sin.float().contiguous())
-        self._norm = (decoder.norm.weight.detach().float().contiguous(), float(decoder.norm.eps))
-        head = _projection(decoder.lm_head_proj, [])
-        self._head = None if head is None or head.bias else (
-            "spec_w4a8_f32" if head.bits == 4 else "spec_w8a8_f32", decoder.lm_head_proj)
+        self.model = _Model(model.hidden, model.heads, model.kv_heads, model.head_dim, model.intermediate,
+                            model.eps, model.head_dim ** -0.5, layers)
+        self.hidden = model.hidden
+        self.num_layers = len(model.layers)
+        self._rope = (model.rope_cos, model.rope_sin)
+        self._norm = (model.norm, float(model.norm_eps))
+        head = model.head
+        self._head = None if head is None or head.bias is not None else (
+            "spec_w4a8_f32" if head.bits == 4 else "spec_w8a8_f32", head)
 
     def run(self, x: torch.Tensor, start: int, end: int, cos: torch.Tensor, sin: torch.Tensor,
             plan: attention_kernel.RaggedPlan) -> torch.Tensor:

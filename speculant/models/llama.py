@@ -1,4 +1,4 @@
-"""Our forward pass of a Llama-family decoder, in pieces the drafters need.
+"""A Llama-family decoder: configuration, weights and the torch reference forward, in pieces the drafters need.
 
 The pieces are ``embed`` -> ``run_layers(start, end)`` -> ``final_norm`` ->
 ``lm_head``, so the early-exit drafter can stop at any exit layer E and the
@@ -8,7 +8,10 @@ mask (True = may attend), which is how tree attention is expressed.
 Projections are fused (``qkv_proj``, ``gate_up_proj``): fewer kernel launches
 per layer, the same bytes read, which is what decoding on a CPU is bound by.  Every projection is a
 :class:`~speculant.models.linear.DecodeLinear`, which keeps a K+1-token verification block at about
-the cost of one decoding step on CPU.
+the cost of one decoding step on CPU.  The layer's semantics are written here once (:func:`attention_inputs`,
+attention, :func:`layer_output`); the runtime (:mod:`speculant.runtime.executor`) runs them, or their C twin
+(:mod:`speculant.kernels.decode_step`), which the tests hold equal.  This module imports nothing of the runtime or
+the kernels.
 """
 
 from __future__ import annotations
@@ -17,16 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import SpeculantError
-from ..kernels import attention as attention_kernel
 from .config import ModelConfig
 from .kv_cache import KVCache, mark_dynamic
 from .linear import DecodeLinear
 from .rope import rope_tables
-
-COMPILED_MAX_ROWS = 64
-"""Forwards of more tokens run the eager layer step (as prefills do): they are compute-bound, and every
-compiled graph fewer shortens loading."""
 
 
 class RMSNorm(nn.Module):
@@ -100,97 +97,38 @@ def layer_output(layer: DecoderLayer, x: torch.Tensor, attended: torch.Tensor) -
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-def decoder_layer_step(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       mask: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """One decoder layer over ``x`` ``[1, T, D]`` with a static KV cache (one sequence: decoding and verification).
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+                   cache: KVCache | None, layer: int, cache_position: int) -> torch.Tensor:
+    """The reference attention: scaled dot-product attention (SDPA; Vaswani et al. 2017, Eq. 1) over the KV cache
+    (new keys/values written at ``cache_position``), computed in the cache's dtype (float32 for a float16 cache,
+    whose keys and values are stored rounded), or in ``q``'s without a cache.
 
-    ``keys``/``values`` ``[1, Hkv, S_max, Dh]`` are the layer's cache; ``mask`` bool ``[T, S]`` says which of
-    the first ``S`` slots each row attends (True = may attend); the new keys/values go to ``slots``
-    ``[T]`` (``S - T .. S - 1``).  Attention runs in the cache's dtype (see :func:`attend`): a float32 cache through
-    our row-by-row kernel (:mod:`speculant.kernels.attention`), a float64 one through SDPA.  Everything here is
-    traceable by ``torch.compile`` with ``T`` and ``S`` dynamic.
-    """
-    q, k, v = attention_inputs(layer, x, cos, sin)
-    keys.index_copy_(2, slots, k.to(keys.dtype))
-    values.index_copy_(2, slots, v.to(values.dtype))
-    return layer_output(layer, x, cache_attention(q, keys, values, mask).to(x.dtype))
-
-
-def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Attention of one sequence's rows ``q`` ``[1, H, T, Dh]`` over the first ``S`` slots of one layer's cache
-    ``keys``/``values`` ``[1, Hkv, S_max, Dh]`` where ``mask`` ``[T, S]`` (bool) is True -> ``[1, T, H * Dh]`` in the
-    cache's dtype: a float32 cache through our row-by-row kernel (:mod:`speculant.kernels.attention`), a float64
-    one through SDPA (see :attr:`LlamaDecoder.attention_dtype`); a float16 one through our kernel too (its keys and
-    values read back as float32, every sum in float32).  Traceable by ``torch.compile``."""
-    if keys.dtype in attention_kernel.CACHE_DTYPES:
-        return torch.ops.speculant.attention(q, keys, values, mask, q.shape[-1] ** -0.5)
-    visible = mask.shape[-1]
-    out = F.scaled_dot_product_attention(q.to(keys.dtype), keys[:, :, :visible], values[:, :, :visible],
-                                         attn_mask=mask, enable_gqa=True)
-    return out.transpose(1, 2).reshape(1, q.shape[2], -1)
-
-
-def prefill_layer_step(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """One decoder layer over a whole prompt ``x`` ``[1, T, D]`` into an empty static KV cache (slots ``0 .. T-1``).
-
-    Attention is causal over the prompt itself and runs in float32 (``is_causal``: the flash kernel skips the
-    masked half), whatever the cache's dtype (:func:`decoder_layer_step` attends in it): a prompt's forward is the same call for every
-    method and is never compared with a one-token step, so its rows need no batch invariance, and float64
-    attention over an 800-token prompt took 1.6 s of SmolLM2's 4.7 s prefill on a 2-core AVX2 CPU.  The keys and
-    values are stored in the cache's dtype (float32 -> float64 is exact).
-    """
-    t = x.shape[1]
-    q, k, v = attention_inputs(layer, x, cos, sin)
-    keys[:, :, :t] = k
-    values[:, :, :t] = v
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    return layer_output(layer, x, out.transpose(1, 2).reshape(1, t, -1))
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
-           cache: KVCache | None, layer: int, cache_position: int) -> torch.Tensor:
-    """Scaled dot-product attention over the KV cache (new keys/values written at ``cache_position``).
-
-    Computed in the cache's dtype: a float32 cache (one sequence, where our kernels run) through our row-by-row
-    kernel, a float64 one through SDPA; either makes each row's result independent of how many rows share the call (batch invariance;
-    see :attr:`LlamaDecoder.attention_dtype`).  ``q`` ``[B, H, T, Dh]`` -> ``[B, T, H * Dh]`` in ``q``'s dtype.
+    ``q`` ``[B, H, T, Dh]``, ``k``/``v`` ``[B, Hkv, T, Dh]``, ``mask`` bool ``[T, S]`` or ``[B, 1, T, S]`` (True = may
+    attend) or ``None`` -> ``[B, T, H * Dh]`` in ``q``'s dtype.  The runtime's executor
+    (:mod:`speculant.runtime.executor`) swaps in our batch-invariant kernel where it runs.
     """
     dtype = q.dtype
     if cache is not None:
-        if q.shape[0] == 1 and attention_kernel.supports(q.shape[-1], cache.dtype):
-            cache.write(layer, k, v, cache_position)       # in the cache's dtype (float16: rounded to nearest even)
-            mask = _dense_mask(mask, q.shape[2], cache_position, q.device)
-            return cache_attention(q.float(), cache.layer_keys[layer], cache.layer_values[layer], mask).to(dtype)
-        if cache.dtype == torch.float16:
-            raise SpeculantError(f"a float16 KV cache is read by our attention kernel only (one sequence per call, "
-                                 f"head size a multiple of 8); got batch {q.shape[0]}, head size {q.shape[-1]}; "
-                                 "allowed here: a float32 or float64 cache")
-        q, k, v = q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype)
+        compute = torch.float32 if cache.dtype == torch.float16 else cache.dtype
         k, v = cache.write(layer, k, v, cache_position)
+        q, k, v = q.to(compute), k.to(compute), v.to(compute)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
     b, h, t, d = out.shape
     return out.to(dtype).transpose(1, 2).reshape(b, t, h * d)
 
 
 class LlamaDecoder(nn.Module):
-    """A Llama-family causal LM with an explicit-mask, explicit-position forward.
+    """A Llama-family causal LM: its configuration, its weights and the torch reference forward, with explicit
+    masks and positions.
 
-    Shapes: ``B`` batch, ``T`` new tokens, ``S`` visible cache slots, ``D``
-    hidden size, ``V`` vocabulary size.  Logits are returned in fp32.
-
-    ``attention_dtype`` is the KV cache's dtype, in which attention is computed: float32 (our row-by-row
-    attention kernel, :mod:`speculant.kernels.attention`: AVX2, a C compiler, head size a multiple of 8) or
-    float64 (SDPA); or float16, stored rounded and read by the same kernel in float32 (``--kv-cache float16``,
-    :func:`speculant.runtime.loader.set_kv_cache`).  A new decoder takes float32 where the kernel runs; the runtime's loader sets what the kernel
-    tuner measured faster on the machine at hand (:func:`speculant.runtime.tune.measure_attention`).  In float32, torch's CPU attention kernels give a query row different bits depending on
-    how many rows share the call and how many masked keys follow (measured: 71 of 104 cases); those
-    differences, rounded to bfloat16 at the next int4/int8 projection, moved SmolLM2's verification logits by
-    up to 0.3 from the one-token step's.  Our kernel computes each row over its attended keys in slot order, the
-    same operations whatever else is in the call; torch's, accumulated in float64 and rounded to float32, agree
-    bit for bit too (tested in ``tests/test_runtime_formats.py``), at twice the cache bytes.  Either way
-    verification sees exactly the logits decoding would.
-    ``layer_step`` is :func:`decoder_layer_step` or its compiled version (:mod:`speculant.runtime.compiled`).
+    Shapes: ``B`` batch, ``T`` new tokens, ``S`` visible cache slots, ``D`` hidden size, ``V`` vocabulary size.
+    Logits are returned in fp32.  A decoder knows nothing of how it is run fast: the runtime's executor
+    (:class:`speculant.runtime.executor.Executor`) owns the route (our fused C step, a compiled or eager torch
+    step), the KV cache dtype and the kernels, and calls the layer halves defined here
+    (:func:`attention_inputs`, :func:`layer_output`).  :meth:`run_layers` is the reference: plain torch ops,
+    attention through SDPA (:func:`sdpa_attention`).  ``weight_format`` names the format its projections are
+    stored in (``fp32`` until :func:`speculant.runtime.formats.apply_weight_format` swaps the modules);
+    ``layer_token_counts`` counts the tokens each layer has processed (whoever runs it counts).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -208,39 +146,11 @@ class LlamaDecoder(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head_proj.weight = self.embed_tokens.weight
         self.layer_token_counts = [0] * cfg.num_hidden_layers   # tokens each layer has processed
-        # KV cache / attention dtype, see attend(): float32 with our kernel, else float64
-        self.attention_dtype: torch.dtype = (torch.float32 if attention_kernel.supports(cfg.head_dim)
-                                             else torch.float64)
-        self.layer_step = decoder_layer_step     # eager; speculant.runtime.compiled swaps in the compiled step
-        self.use_fused = True                    # run w4a8 layers as one C call where it can (fused_layers)
-        self._fused = None                       # (attention dtype it was decided for, FusedLayers or None)
-        # prompts of up to this many tokens run through the fused step (causal mask) instead of prefill_layer_step:
-        # chosen per machine by measurement (speculant.runtime.tune.measure_prompt_route); 0 = never
-        self.fused_prompt_tokens = 0
         self.weight_format = "fp32"
         with torch.device("cpu"):     # real tables even in a meta-device skeleton (no torch._dynamo import)
             cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-
-    def __getstate__(self):
-        """Copies (``copy.deepcopy``, pickling) drop the fused step: it points into this decoder's tensors."""
-        state = dict(super().__getstate__())
-        state["_fused"] = None
-        return state
-
-    def fused_layers(self):
-        """The :class:`~speculant.kernels.decode_step.FusedLayers` of this decoder (every layer of a forward over
-        a float32 or float16 KV cache in one C call), or ``None`` where it does not apply: weights not in ``w4a8``,
-        :attr:`use_fused` False, or what :func:`~speculant.kernels.decode_step.why_not` names.  Built at the
-        first call, after the weights were packed (it points into them)."""
-        if not self.use_fused or self.weight_format != "w4a8":
-            return None
-        if self._fused is None or self._fused[0] != self.attention_dtype:    # built (or refused) once per cache dtype
-            from ..kernels import decode_step
-            fused = decode_step.FusedLayers(self) if decode_step.why_not(self) is None else None
-            self._fused = (self.attention_dtype, fused)
-        return self._fused[1]
 
     @property
     def num_layers(self) -> int:
@@ -254,11 +164,10 @@ class LlamaDecoder(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def new_cache(self, max_length: int, batch: int = 1) -> KVCache:
-        """A static KV cache of ``max_length`` slots for every layer of this model, in :attr:`attention_dtype`."""
+    def new_cache(self, max_length: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> KVCache:
+        """A static KV cache of ``max_length`` slots for every layer of this model, in ``dtype``."""
         c = self.config
-        return KVCache(self.num_layers, c.num_key_value_heads, c.head_dim, max_length, batch,
-                       self.attention_dtype, self.device)
+        return KVCache(self.num_layers, c.num_key_value_heads, c.head_dim, max_length, batch, dtype, self.device)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids ``[B, T]`` -> hidden states ``[B, T, D]``."""
@@ -267,7 +176,7 @@ class LlamaDecoder(nn.Module):
     def run_layers(self, hidden: torch.Tensor, start: int, end: int, positions: torch.Tensor,
                    attention_mask: torch.Tensor | None = None, cache: KVCache | None = None,
                    cache_position: int = 0) -> torch.Tensor:
-        """Run decoder layers ``start .. end-1`` over ``hidden`` ``[B, T, D]``.
+        """The reference forward of decoder layers ``start .. end-1`` over ``hidden`` ``[B, T, D]``.
 
         Args:
             positions: RoPE position ids ``[T]`` or ``[B, T]`` (int64).
@@ -280,42 +189,11 @@ class LlamaDecoder(nn.Module):
 
         Returns:
             hidden states ``[B, T, D]`` leaving layer ``end-1``.
+        Raises:
+            SpeculantError: the block would write past the cache's ``max_length``.
         """
-        b, t, _ = hidden.shape
-        counts = self.layer_token_counts
-        if cache is not None and b == 1:      # decoding: one fused (compilable) step per layer
-            visible = cache_position + t
-            if visible > cache.max_length:
-                raise SpeculantError(f"KV cache overflow: slot {visible} > max_length={cache.max_length}")
-            prompt = cache_position == 0 and attention_mask is None and t > 1
-            fused = self.fused_layers() if cache.dtype in attention_kernel.CACHE_DTYPES else None
-            if fused is not None and not (prompt and t > self.fused_prompt_tokens):
-                # every layer of the range in one C call (speculant.kernels.decode_step), RoPE rows and mask too
-                mask = None if attention_mask is None else _dense_mask(attention_mask, t, cache_position, hidden.device)
-                out = fused.step(hidden, start, end, positions.reshape(-1), cache, cache_position, mask)
-                for i in range(start, end):
-                    counts[i] += t
-                return out.to(hidden.dtype)
-        cos, sin = self._rope_rows(positions, hidden)
-        if cache is not None and b == 1:
-            if prompt:        # a prompt the fused step does not take (above): see prefill_layer_step
-                for i in range(start, end):
-                    hidden = prefill_layer_step(self.layers[i], hidden, cos, sin, cache.layer_keys[i],
-                                                cache.layer_values[i])
-                    counts[i] += t
-                return hidden
-            mask = _dense_mask(attention_mask, t, cache_position, hidden.device)
-            mark_dynamic(mask, 1)
-            slots = torch.arange(cache_position, visible, device=hidden.device)
-            if t > 1:
-                mark_dynamic(slots, 0)
-                mark_dynamic(mask, 0)
-            # prefills (an empty cache) and long blocks run eagerly: one compiled graph fewer to load
-            step = self.layer_step if cache_position > 0 and t <= COMPILED_MAX_ROWS else decoder_layer_step
-            for i in range(start, end):
-                hidden = step(self.layers[i], hidden, cos, sin, mask, slots, cache.layer_keys[i], cache.layer_values[i])
-                counts[i] += t
-            return hidden
+        t = hidden.shape[1]
+        cos, sin = self.rope_rows(positions, hidden)
         is_causal = False
         mask = attention_mask
         if mask is None and t > 1:
@@ -326,13 +204,13 @@ class LlamaDecoder(nn.Module):
         for i in range(start, end):
             layer = self.layers[i]
             q, k, v = attention_inputs(layer, hidden, cos, sin)
-            hidden = layer_output(layer, hidden, attend(q, k, v, mask, is_causal, cache, i, cache_position))
-            counts[i] += t
+            hidden = layer_output(layer, hidden, sdpa_attention(q, k, v, mask, is_causal, cache, i, cache_position))
+            self.layer_token_counts[i] += t
         return hidden
 
-    def _rope_rows(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE ``cos``/``sin`` ``[(B,) T, 1, Dh]`` at ``positions`` in ``hidden``'s dtype (dynamic in T for the
-        compiled step)."""
+    def rope_rows(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE ``cos``/``sin`` ``[(B,) T, 1, Dh]`` at ``positions`` in ``hidden``'s dtype (dynamic in T for a
+        compiled step, :mod:`speculant.runtime.compiled`)."""
         cos = self.rope_cos[positions].to(hidden.dtype).unsqueeze(-2)
         sin = self.rope_sin[positions].to(hidden.dtype).unsqueeze(-2)
         if hidden.shape[1] > 1:   # one compiled graph serves every block size 2..N (see speculant.runtime.compiled)
@@ -342,32 +220,24 @@ class LlamaDecoder(nn.Module):
         return cos, sin
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The shared final RMSNorm, applied at the last layer or at an early exit (in C, the layers' own norm
-        code, where the layers run as one C call: :meth:`fused_layers`)."""
-        fused = self.fused_layers()
-        if fused is not None and hidden.dtype == torch.float32:
-            return fused.final_norm(hidden)
+        """The shared final RMSNorm, applied at the last layer or at an early exit."""
         return self.norm(hidden)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Normalised hidden ``[..., D]`` -> fp32 logits ``[..., V]`` (the head's kernel called directly where
-        the layers run as one C call)."""
-        fused = self.fused_layers()
-        if fused is not None and fused.has_head and hidden.dtype == torch.float32:
-            return fused.lm_head(hidden)
+        """Normalised hidden ``[..., D]`` -> fp32 logits ``[..., V]``."""
         return self.lm_head_proj(hidden).float()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, cache: KVCache | None = None,
                 cache_position: int = 0) -> torch.Tensor:
-        """Full forward: ids ``[B, T]`` -> fp32 logits ``[B, T, V]``."""
+        """Full reference forward: ids ``[B, T]`` -> fp32 logits ``[B, T, V]``."""
         if positions is None:
             positions = torch.arange(cache_position, cache_position + input_ids.shape[1], device=input_ids.device)
         h = self.run_layers(self.embed(input_ids), 0, self.num_layers, positions, attention_mask, cache, cache_position)
         return self.lm_head(self.final_norm(h))
 
 
-def _dense_mask(mask: torch.Tensor | None, t: int, prefix: int, device) -> torch.Tensor:
+def dense_mask(mask: torch.Tensor | None, t: int, prefix: int, device) -> torch.Tensor:
     """The bool mask ``[T, prefix + T]`` for one sequence: causal when ``mask`` is None; a ``[1, 1, T, S]`` mask squeezed."""
     if mask is None:
         return causal_mask(t, prefix, device)

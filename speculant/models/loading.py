@@ -95,6 +95,7 @@ class LoadedModel:
     compiled: bool = False     # decoding steps run through torch.compile (speculant.runtime.compiled)
     fused: bool = False        # decoder layers run as one C call per forward (speculant.kernels.decode_step)
     tune: object = None        # the speculant.runtime.tune.TuneResult the choices came from, if any
+    executor: object = None    # the speculant.runtime.executor.Executor that runs the decoder (None: defaults)
 
     @property
     def config(self) -> ModelConfig:
@@ -493,8 +494,8 @@ def parse_dtype(name: str) -> torch.dtype:
     return table[name]
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = torch.float32) -> LoadedModel:
-    """Load a known model by name (see :data:`KNOWN_MODELS`) or an HF-format directory by path, with
+def read_checkpoint(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = torch.float32) -> LoadedModel:
+    """Read a known model by name (see :data:`KNOWN_MODELS`) or an HF-format directory by path, with
     float (trainable ``nn.Linear``) projections and eager steps: what training and evaluation need.
     For decoding, :func:`speculant.runtime.loader.load_model` (``speculant.load_model``) adds the
     weight formats, tuned kernels and compiled steps.

@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from ..models.llama import LlamaDecoder, decoder_layer_step
+from .steps import decoder_layer_step
 
 _COMPILED: dict[str, object] = {}
 _USER_CACHE_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")   # read before torch may set its default
@@ -46,7 +46,7 @@ def inductor_cache_dir() -> str:
 
 
 def _compiled_step(key: str):
-    """The compiled :func:`~speculant.models.llama.decoder_layer_step` for one model-shape/format signature ``key``."""
+    """The compiled :func:`~speculant.runtime.steps.decoder_layer_step` for one model-shape/format signature ``key``."""
     if key not in _COMPILED:
         import torch._dynamo
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -54,21 +54,22 @@ def _compiled_step(key: str):
     return _COMPILED[key]
 
 
-def compiled_halves(decoder: LlamaDecoder):
+def compiled_halves(executor):
     """The two halves of a decoder layer around attention, each compiled on its own (for the ragged
-    multi-sequence forward, :func:`speculant.models.ragged.ragged_run_layers`, whose attention runs per
-    sequence between them): ``(attention_inputs, layer_output)``, eager ones when ``decoder`` is not compiled."""
+    multi-sequence forward, :func:`speculant.runtime.ragged.ragged_run_layers`, whose attention runs per
+    sequence between them): ``(attention_inputs, layer_output)``, eager ones when ``executor``'s steps are not
+    compiled."""
     from ..models.llama import attention_inputs, layer_output
-    if decoder.layer_step is decoder_layer_step:
+    if executor.layer_step is decoder_layer_step:
         return attention_inputs, layer_output
-    key = f"{decoder.config}|{decoder.weight_format}|halves"
+    key = f"{executor.config}|{executor.weight_format}|halves"
     if key not in _COMPILED:
         _COMPILED[key] = (torch.compile(attention_inputs, dynamic=None), torch.compile(layer_output, dynamic=None))
     return _COMPILED[key]
 
 
-def enable_compile(decoder: LlamaDecoder, warm_up: bool = True, log=None, blocks: bool = True) -> bool:
-    """Route ``decoder``'s layers through compiled graphs; returns False (eager, one warning) without a C++ compiler.
+def enable_compile(executor, warm_up: bool = True, log=None, blocks: bool = True) -> bool:
+    """Route the layers of ``executor`` (a :class:`~speculant.runtime.executor.Executor`) through compiled graphs; returns False (eager, one warning) without a C++ compiler.
 
     ``warm_up`` compiles the one-token graph now, and the multi-token graph too when ``blocks`` (printing
     progress to ``log``, default stderr), instead of at the first generation.  Autoregressive decoding never
@@ -79,27 +80,29 @@ def enable_compile(decoder: LlamaDecoder, warm_up: bool = True, log=None, blocks
                       "torch.compile (install g++ for the compiled runtime)", RuntimeWarning, stacklevel=2)
         return False
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
+    decoder = executor.decoder
     key = f"{decoder.config}|{decoder.weight_format}|" + ",".join(sorted({type(m).__name__ for m in decoder.layers.modules()}))
-    decoder.layer_step = _compiled_step(key)
+    executor.layer_step = _compiled_step(key)
+    executor.halves = compiled_halves(executor)
     if warm_up:
-        warm_up_compiled(decoder, log, blocks)
+        warm_up_compiled(executor, log, blocks)
     return True
 
 
-def warm_up_compiled(decoder: LlamaDecoder, log=None, blocks: bool = True) -> float:
+def warm_up_compiled(executor, log=None, blocks: bool = True) -> float:
     """Run the compiled layer step once per graph (one token; a multi-token block when ``blocks``).
 
     Returns the seconds it took (compilation, or loading cached kernels).
     """
     log = log or sys.stderr
     t0 = time.perf_counter()
-    hidden = decoder.config.hidden_size
-    cache = decoder.new_cache(16)
+    hidden = executor.config.hidden_size
+    cache = executor.new_cache(16)
     with torch.inference_mode():
         graphs = ((1, 3, "one-token step"), (3, 4, "verification blocks (2+ tokens)"))
         for t, start, label in graphs if blocks else graphs[:1]:
             print(f"speculant: compiling the {label} ...", file=log, flush=True)
-            decoder.run_layers(torch.zeros(1, t, hidden), 0, 1, torch.arange(start, start + t), None, cache, start)
+            executor.run_layers(torch.zeros(1, t, hidden), 0, 1, torch.arange(start, start + t), None, cache, start)
     seconds = time.perf_counter() - t0
     print(f"speculant: compiled steps ready in {seconds:.1f} s (cache: {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})",
           file=log, flush=True)

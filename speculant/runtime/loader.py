@@ -1,7 +1,7 @@
 """Load a model ready for fast decoding: tuned kernel routes, a weight format, batch-invariant attention, compiled steps.
 
 :func:`load_model` is what the CLI and ``speculant.load_model`` use.  Training and evaluation code that
-needs trainable float32 ``nn.Linear`` projections uses :func:`speculant.models.loading.load_model`.
+needs trainable float32 ``nn.Linear`` projections uses :func:`speculant.models.loading.read_checkpoint`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ..models.config import ModelConfig
 from ..models.loading import DEFAULT_MODEL, KNOWN_MODELS, LoadedModel
 from . import tune
 from .compiled import enable_compile
+from .executor import Executor
 from .formats import FORMATS, apply_weight_format, check_format
 from .store import load_packed, packed_path, save_packed
 
@@ -57,6 +58,8 @@ def _config_of(name_or_path: str) -> tuple[ModelConfig | None, object]:
         return None, None
 
 
+# Over 80 lines with its docstring (the public API: ~35 lines of arguments); the body is the load sequence:
+# fast path from a packed copy, else read, tune, pack and save; then the fused-format measurements and the executor.
 def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile: bool = True,
                dtype: torch.dtype | str = torch.float32, threads: int | None = None, log=None,
                blocks: bool = True, kv_cache: str = "auto") -> LoadedModel:
@@ -68,7 +71,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
             on this machine (:mod:`speculant.runtime.tune`, cached after the first load).
         compile: compile the decoding steps with ``torch.compile`` (eager without a C++ compiler); ``w4a8``
             weights need no compilation: their layers run as one call into our kernels
-            (:mod:`speculant.kernels.decode_step`; ``LoadedModel.fused``).
+            (:mod:`speculant.kernels.decode_step`; ``LoadedModel.fused``); ``LoadedModel.executor`` runs the model.
         dtype: dtype of the float model; anything but float32 needs ``weights='fp32'`` (the legacy
             ``--dtype bfloat16`` path, activations in bfloat16 too).
         threads: torch threads; default ``$SPECULANT_NUM_THREADS``, else the count measured fastest
@@ -118,7 +121,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
     if model is None:
         if name_or_path in KNOWN_MODELS and not (loading.converted_dir(name_or_path) / "model.safetensors").is_file():
             index = _convert_overlapped(name_or_path)
-        model = loading.load_model(name_or_path, dtype)
+        model = loading.read_checkpoint(name_or_path, dtype)
         if result is None and dtype == torch.float32:
             result = tune.load_or_measure(model.decoder, threads, log=log)
             loading.release_memory()            # the tuner's packed copies, before the model is packed
@@ -130,33 +133,28 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
             loading.release_memory()            # the float32 projections and the GGUF's unpacked codes
             if name_or_path in KNOWN_MODELS:
                 save_packed(model.decoder, packed_path(model.path, fmt))
-    if result is not None:
-        tune.apply_choices(result, set_threads=fixed_threads is None, decoder=model.decoder)
     model.weights = fmt
     model.tune = result
-    if kv_cache != "auto":
-        set_kv_cache(model.decoder, kv_cache)
+    explicit_kv = None if kv_cache == "auto" else kv_cache
+    if result is not None:           # the measurements on the packed model itself: once per machine and model (tune)
+        probe = Executor(model.decoder, _KV_DTYPES[explicit_kv] if explicit_kv else tune.attention_dtype(result))
+        if explicit_kv:
+            set_kv_cache(probe, explicit_kv)
+        tune.complete_for_fused(result, probe, log=log)
+        del probe
+    executor = Executor.from_tune(model.decoder, result, None if explicit_kv is None else _KV_DTYPES[explicit_kv])
+    if explicit_kv:
+        set_kv_cache(executor, explicit_kv)          # checks that our kernel reads it
+    executor.activate(set_threads=fixed_threads is None)
+    model.executor = executor
     # w4a8 layers run as one C call per forward (nothing left to compile); other formats through torch.compile
-    model.fused = model.decoder.fused_layers() is not None
-    if model.fused and result is not None and result.kv_cache is None:                # once per machine (tune)
-        result.kv_cache, result.kv_cache_ms = tune.measure_kv_cache(model.decoder, log=log)
-        tune.save(result)
-    if kv_cache == "auto" and model.fused and result is not None and result.kv_cache:
-        set_kv_cache(model.decoder, result.kv_cache)
-    if model.fused and result is not None and result.weight_prefetch is None:         # once per machine (tune)
-        result.weight_prefetch, result.weight_prefetch_ms = tune.measure_weight_prefetch(model.decoder, log=log)
-        tune.save(result)
-        tune.apply_choices(result, set_threads=False)
-    if model.fused and result is not None and result.fused_prompt_tokens is None:     # once per machine (tune)
-        result.fused_prompt_tokens, result.prompt_ms = tune.measure_prompt_route(model.decoder, log=log)
-        tune.save(result)
-        model.decoder.fused_prompt_tokens = result.fused_prompt_tokens
-    model.compiled = bool(compile) and not model.fused and enable_compile(model.decoder, log=log, blocks=blocks)
+    model.fused = executor.fused_layers() is not None
+    model.compiled = bool(compile) and not model.fused and enable_compile(executor, log=log, blocks=blocks)
     return model
 
 
-def set_kv_cache(decoder, kv_cache: str) -> None:
-    """Make ``decoder``'s new KV caches ``kv_cache`` (``float32``, ``float16`` or ``float64``; see
+def set_kv_cache(executor, kv_cache: str) -> None:
+    """Make the new KV caches of ``executor`` (a :class:`~speculant.runtime.executor.Executor`) ``kv_cache`` (``float32``, ``float16`` or ``float64``; see
     :func:`load_model`).
 
     Raises:
@@ -166,12 +164,12 @@ def set_kv_cache(decoder, kv_cache: str) -> None:
     from ..kernels import attention as attention_kernel
     if kv_cache not in _KV_DTYPES:
         raise SpeculantError(f"kv_cache={kv_cache!r} is not a KV cache dtype; allowed: {', '.join(_KV_DTYPES)}")
-    if kv_cache == "float16" and not attention_kernel.supports(decoder.config.head_dim, torch.float16):
+    if kv_cache == "float16" and not attention_kernel.supports(executor.config.head_dim, torch.float16):
         from ..kernels import build
         raise SpeculantError("kv_cache='float16' needs our attention kernel "
                              f"({build.unavailable_reason() or 'a head size that is a multiple of 8, at most 256'}); "
                              "allowed here: auto, float32, float64")
-    decoder.attention_dtype = _KV_DTYPES[kv_cache]
+    executor.kv_dtype = _KV_DTYPES[kv_cache]
 
 
 def _gguf_codes(name_or_path: str, cfg: ModelConfig, index=None):

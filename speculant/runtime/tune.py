@@ -32,7 +32,13 @@ it runs alone (a decoding step) or inside a block (a verification).  So :func:`m
    (``weight_prefetch``; 0 = none);
 8. in that format too, times the model's one-token forward over a float32 and a float16 KV cache of
    :data:`KV_CACHE_CONTEXT` tokens (:func:`measure_kv_cache`) and keeps the faster (``kv_cache``), the cache
-   dtype of ``--kv-cache auto`` in that format.
+   dtype of ``--kv-cache auto`` in that format;
+9. in that format too, times a decode loop of the fused step with each thread count (:func:`measure_decode_threads`)
+   and keeps the default count unless another is faster by more than the noise (``threads``).
+
+Steps 6-9 are :func:`complete_for_fused`, run on an executor of the packed model (the first load in that format
+calls it once).  The executor is then built from the result (:meth:`~speculant.runtime.executor.Executor.from_tune`);
+nothing here changes a model or an executor.
 
 The default weight format is the fastest one-row pass among the batch-invariant formats.  The result is
 stored as JSON under ``$SPECULANT_CACHE/tune/`` keyed by CPU model and flags, torch version, thread
@@ -77,6 +83,11 @@ WEIGHT_PREFETCH_CONTEXT = 256
 """Cached tokens of the one-token forward that :func:`measure_weight_prefetch` times."""
 KV_CACHE_CONTEXT = 512
 """Cached tokens of the one-token forward that :func:`measure_kv_cache` times."""
+DECODE_THREAD_STEPS = 32
+"""One-token steps of the decode loop that :func:`measure_decode_threads` times per thread count."""
+THREAD_NOISE = 0.05
+"""A thread count other than the default is chosen only if it is faster by more than this fraction (timings of a
+shared machine differ by a few percent between runs)."""
 SCHEMA = 2
 
 
@@ -88,7 +99,9 @@ class TuneResult:
         key: what the measurement is valid for (CPU model, flags digest, torch version, threads, model shapes).
         weights: the default weight format (fastest batch-invariant one-row pass).
         fp32_route: name of the float32 route chosen (a key of :data:`FP32_ROUTES`).
-        threads: torch threads chosen (fastest one-row pass of ``weights``).
+        threads: torch threads chosen: the count measured with (all the cores torch uses by default) unless another
+            was faster by more than :data:`THREAD_NOISE`, on the fused step's decode loop where the model has one
+            (``decode_thread_ms``), else on the one-row pass of ``weights`` (``thread_ms``).
         table: one row per (format, route): ``ms`` per row count [milliseconds per pass over all
             projections, estimated from :func:`sample_layers` and the LM head], ``batch_invariant`` [bool] (at :data:`ROWS`), ``invariant_rows`` [rows] (the
             largest checked row count up to which it stays invariant, :func:`invariant_rows`).
@@ -106,6 +119,9 @@ class TuneResult:
         kv_cache: the KV cache's dtype in the fused-step format (``float32`` or ``float16``; ``None``: not measured
             yet, :func:`measure_kv_cache` runs once the model's fused step exists).
         kv_cache_ms: the one-token forward per cache dtype, ``{dtype: ms}`` [milliseconds].
+        decode_thread_ms: in the fused-step format, a :data:`DECODE_THREAD_STEPS`-step decode loop of the fused step
+            per thread count, ``{threads: ms per step}`` (:func:`measure_decode_threads`; empty: not measured), from
+            which ``threads`` was then chosen.
         drafter_weights: the weight format of a drafter's own projections per drafter shape,
             ``{"<kind>:<I>x<O>,...": {"weights": fmt, "ms": {fmt: one-row pass [ms]}}}``
             (:func:`speculant.drafters.weights.drafter_weight_format`, measured at the first load of such a drafter).
@@ -127,6 +143,7 @@ class TuneResult:
     drafter_weights: dict = field(default_factory=dict)
     kv_cache: str | None = None
     kv_cache_ms: dict = field(default_factory=dict)
+    decode_thread_ms: dict = field(default_factory=dict)
     measured_at: str = ""
     schema: int = SCHEMA
 
@@ -258,6 +275,8 @@ def invariant_rows(modules: list[nn.Module], limits=BATCH_ROWS, seed: int = 0) -
         first_bad is None or first_bad > max(ROWS) else 0
 
 
+# Over 80 lines: steps 1-5 of the module docstring in order, sharing the packed variants and the inputs; each
+# step is a few lines, named by a comment, and a split would pass the variants and timings between the parts.
 def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> TuneResult:
     """Measure the kernel table on this machine for ``decoder`` (float32 :class:`DecodeLinear` projections).
 
@@ -333,7 +352,7 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
                     _pass(evict, inputs)          # the sample is smaller than the model: evict it from the caches
                     thread_ms.setdefault(str(n), []).append(_time_pass(fmt_mods, inputs, None, scale) * 1e3)
         thread_ms = {n: round(min(v), 3) for n, v in thread_ms.items()}
-        best_threads = int(min(thread_ms, key=thread_ms.get))
+        best_threads = keep_default_threads(thread_ms, threads)
         torch.set_num_threads(best_threads)
         attention_us = measure_attention(decoder.config, repeats)
     torch.set_num_threads(before_threads)
@@ -354,7 +373,7 @@ def measure_attention(cfg, repeats: int = 5) -> dict[str, float]:
     :data:`ATTENTION_CONTEXTS` cached tokens, best of ``repeats`` [microseconds], per KV-cache dtype that runs here:
     ``float32`` (our row-by-row kernel, where it builds) and ``float64`` (SDPA)."""
     from ..kernels import attention as attention_kernel
-    from ..models.llama import cache_attention
+    from .steps import cache_attention
     h, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     dtypes = [torch.float64] + ([torch.float32] if attention_kernel.supports(dh) else [])
     g = torch.Generator().manual_seed(2)
@@ -377,10 +396,10 @@ def measure_attention(cfg, repeats: int = 5) -> dict[str, float]:
     return out
 
 
-def measure_prompt_route(decoder, lengths=PROMPT_LENGTHS, log=None) -> tuple[int, dict]:
+def measure_prompt_route(executor, lengths=PROMPT_LENGTHS, log=None) -> tuple[int, dict]:
     """Time a prompt's forward through all layers both ways on the model itself: the fused step over a causal mask
     (:mod:`speculant.kernels.decode_step`: no per-op overhead, our row-by-row attention, quadratic in the length)
-    and the torch layer step (:func:`~speculant.models.llama.prefill_layer_step`: SDPA's causal flash attention).
+    and the torch layer step (:func:`~speculant.runtime.steps.prefill_layer_step`: SDPA's causal flash attention).
     Random tokens, each length below the context; best of 2 runs (1 above 256 tokens) after a warm-up.
 
     Returns:
@@ -388,24 +407,24 @@ def measure_prompt_route(decoder, lengths=PROMPT_LENGTHS, log=None) -> tuple[int
         slower at the shortest) [tokens], and ``{length: {"fused": ms, "layer step": ms}}`` [milliseconds].
         ``(0, {})`` when the model has no fused step.
     """
-    if decoder.fused_layers() is None:
+    if executor.fused_layers() is None:
         return 0, {}
-    lengths = [n for n in lengths if 1 < n < decoder.config.context_length]
+    lengths = [n for n in lengths if 1 < n < executor.config.context_length]
     if log is not None:
         print(f"speculant: timing the prompt routes ({', '.join(map(str, lengths))} tokens) ...", file=log, flush=True)
     g = torch.Generator().manual_seed(3)
-    before, ms, limit, start = decoder.fused_prompt_tokens, {}, 0, time.perf_counter()
+    before, ms, limit, start = executor.fused_prompt_tokens, {}, 0, time.perf_counter()
     try:
         with torch.inference_mode():
             for i, n in enumerate(lengths):
-                hidden = decoder.embed(torch.randint(decoder.config.vocab_size, (1, n), generator=g))
-                positions, cache = torch.arange(n), decoder.new_cache(n)
+                hidden = executor.embed(torch.randint(executor.config.vocab_size, (1, n), generator=g))
+                positions, cache = torch.arange(n), executor.new_cache(n)
                 best = {}
                 for rep in range((3 if i == 0 else 2) if n <= 256 else 1):
                     for name, tokens in (("fused", n), ("layer step", 0)):
-                        decoder.fused_prompt_tokens = tokens
+                        executor.fused_prompt_tokens = tokens
                         t = time.perf_counter()
-                        decoder.run_layers(hidden, 0, decoder.num_layers, positions, None, cache, 0)
+                        executor.run_layers(hidden, 0, executor.num_layers, positions, None, cache, 0)
                         if rep or i:                                    # the first pass of all is a warm-up
                             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
                 ms[str(n)] = {k: round(v * 1e3, 3) for k, v in best.items()}
@@ -413,14 +432,14 @@ def measure_prompt_route(decoder, lengths=PROMPT_LENGTHS, log=None) -> tuple[int
                     break
                 limit = n
     finally:
-        decoder.fused_prompt_tokens = before
+        executor.fused_prompt_tokens = before
     if log is not None:
         print(f"speculant: prompt routes timed in {time.perf_counter() - start:.1f} s: the fused step for prompts up "
               f"to {limit} tokens", file=log, flush=True)
     return limit, ms
 
 
-def measure_weight_prefetch(decoder, distances=WEIGHT_PREFETCH_BYTES, repeats: int = 15,
+def measure_weight_prefetch(executor, distances=WEIGHT_PREFETCH_BYTES, repeats: int = 15,
                             log=None) -> tuple[int, dict]:
     """Time the model's one-token forward (all layers, final norm, LM head; :data:`WEIGHT_PREFETCH_CONTEXT` cached
     tokens) with the weight-quantized products prefetching their codes each of ``distances`` bytes ahead
@@ -433,7 +452,7 @@ def measure_weight_prefetch(decoder, distances=WEIGHT_PREFETCH_BYTES, repeats: i
         has no fused step.
     """
     from ..kernels import build
-    if decoder.fused_layers() is None:
+    if executor.fused_layers() is None:
         return 0, {}
     if log is not None:
         print(f"speculant: timing the weight prefetch ({', '.join(map(str, distances))} bytes ahead) ...", file=log,
@@ -443,14 +462,14 @@ def measure_weight_prefetch(decoder, distances=WEIGHT_PREFETCH_BYTES, repeats: i
     best = {d: float("inf") for d in distances}
     try:
         with torch.inference_mode():
-            cache = decoder.new_cache(ctx + 1)
-            decoder(torch.randint(decoder.config.vocab_size, (1, ctx), generator=g), None, None, cache, 0)
-            ids = torch.randint(decoder.config.vocab_size, (1, 1), generator=g)
+            cache = executor.new_cache(ctx + 1)
+            executor(torch.randint(executor.config.vocab_size, (1, ctx), generator=g), None, None, cache, 0)
+            ids = torch.randint(executor.config.vocab_size, (1, 1), generator=g)
             for rep in range(repeats + 1):
                 for d in distances:
                     build.set_weight_prefetch(d)
                     t = time.perf_counter()
-                    decoder(ids, None, None, cache, ctx)
+                    executor(ids, None, None, cache, ctx)
                     if rep:                                              # the first round is a warm-up
                         best[d] = min(best[d], time.perf_counter() - t)
     finally:
@@ -462,46 +481,133 @@ def measure_weight_prefetch(decoder, distances=WEIGHT_PREFETCH_BYTES, repeats: i
     return choice, {str(d): round(v * 1e3, 3) for d, v in best.items()}
 
 
-def measure_kv_cache(decoder, repeats: int = 15, log=None) -> tuple[str, dict]:
+def measure_kv_cache(executor, repeats: int = 15, log=None) -> tuple[str, dict]:
     """Time the model's one-token forward (all layers, final norm, LM head) over :data:`KV_CACHE_CONTEXT` cached
     tokens (fewer if the model's positions end sooner) in a float32 and in a float16 KV cache (the same prompt's keys/values, rounded): a step reads the whole
     cache, and whether half its bytes pay for converting them back depends on the machine.  The two alternated,
-    best of ``repeats`` after a warm-up; ``decoder.attention_dtype`` is restored.
+    best of ``repeats`` after a warm-up; the executor's ``kv_dtype`` is restored.
 
     Returns:
         ``(best, ms)``: the faster dtype's name and ``{dtype: ms}`` [milliseconds]; ``("float32", {})`` when the
         model has no fused step.
     """
-    if decoder.fused_layers() is None:
+    if executor.fused_layers() is None:
         return "float32", {}
     if log is not None:
         print("speculant: timing the KV cache in float32 and float16 ...", file=log, flush=True)
     g = torch.Generator().manual_seed(5)
-    ctx = min(KV_CACHE_CONTEXT, decoder.rope_cos.shape[0] - 1)      # a model with a shorter context: its longest
-    before, start = decoder.attention_dtype, time.perf_counter()
+    ctx = min(KV_CACHE_CONTEXT, executor.decoder.rope_cos.shape[0] - 1)      # a model with a shorter context: its longest
+    before, start = executor.kv_dtype, time.perf_counter()
     best = {"float32": float("inf"), "float16": float("inf")}
     try:
         with torch.inference_mode():
-            decoder.attention_dtype = torch.float32
-            caches = {"float32": decoder.new_cache(ctx + 1)}
-            decoder(torch.randint(decoder.config.vocab_size, (1, ctx), generator=g), None, None, caches["float32"], 0)
-            decoder.attention_dtype = torch.float16
-            caches["float16"] = decoder.new_cache(ctx + 1)
+            executor.kv_dtype = torch.float32
+            caches = {"float32": executor.new_cache(ctx + 1)}
+            executor(torch.randint(executor.config.vocab_size, (1, ctx), generator=g), None, None, caches["float32"], 0)
+            executor.kv_dtype = torch.float16
+            caches["float16"] = executor.new_cache(ctx + 1)
             caches["float16"].keys.copy_(caches["float32"].keys)          # what the prompt would store (rounded)
             caches["float16"].values.copy_(caches["float32"].values)
-            ids = torch.randint(decoder.config.vocab_size, (1, 1), generator=g)
+            ids = torch.randint(executor.config.vocab_size, (1, 1), generator=g)
             for rep in range(repeats + 1):
                 for name, cache in caches.items():
                     t = time.perf_counter()
-                    decoder(ids, None, None, cache, ctx)
+                    executor(ids, None, None, cache, ctx)
                     if rep:                                              # the first round is a warm-up
                         best[name] = min(best[name], time.perf_counter() - t)
     finally:
-        decoder.attention_dtype = before
+        executor.kv_dtype = before
     choice = min(best, key=best.get)
     if log is not None:
         print(f"speculant: KV cache timed in {time.perf_counter() - start:.1f} s: {choice}", file=log, flush=True)
     return choice, {k: round(v * 1e3, 3) for k, v in best.items()}
+
+
+def keep_default_threads(ms: dict, default: int, noise: float = THREAD_NOISE) -> int:
+    """The thread count to use from timings ``ms`` (``{threads: ms}``, keys str or int): ``default`` (all the cores
+    torch uses by default) unless the fastest count beats it by more than ``noise`` (a fraction), or ``default`` was
+    not timed."""
+    times = {int(n): v for n, v in ms.items()}
+    if not times:
+        return default
+    fastest = min(times, key=times.get)
+    if default not in times or times[fastest] < times[default] * (1 - noise):
+        return fastest
+    return default
+
+
+def measure_decode_threads(executor, options=None, steps: int = DECODE_THREAD_STEPS, rounds: int = 3,
+                           log=None) -> tuple[int, dict]:
+    """Time a decode loop of ``steps`` one-token steps of ``executor``'s fused step (all layers, final norm, LM head;
+    a 64-token prompt first) with each thread count of ``options`` (default: 1, 2, 4, 8 below the count in force,
+    and that count), counts alternated, best of ``rounds``; the count in force is restored.  A one-row pass timed
+    in isolation misjudges threads (it picked 1 thread where 2 decoded 15-30 % faster end to end): the loop
+    includes what a step does besides its products.
+
+    Returns:
+        ``(threads, ms)``: :func:`keep_default_threads` of the timings (the count in force unless another is faster
+        by more than :data:`THREAD_NOISE`) and ``{threads: ms per step}``; ``(count in force, {})`` when the model
+        has no fused step.
+    """
+    before = torch.get_num_threads()
+    if executor.fused_layers() is None:
+        return before, {}
+    options = sorted(set(options or ({before} | {n for n in (1, 2, 4, 8) if n < before})))
+    if log is not None:
+        print(f"speculant: timing decoding with {', '.join(map(str, options))} threads ...", file=log, flush=True)
+    g = torch.Generator().manual_seed(6)
+    vocab, ctx = executor.config.vocab_size, 64
+    ctx = min(ctx, executor.config.context_length - steps - 1)
+    best = {n: float("inf") for n in options}
+    start = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            cache = executor.new_cache(ctx + steps + 1)
+            executor(torch.randint(vocab, (1, ctx), generator=g), None, None, cache, 0)
+            ids = torch.randint(vocab, (1, 1), generator=g)
+            for r in range(rounds + 1):
+                for n in options if r % 2 == 0 else options[::-1]:
+                    torch.set_num_threads(n)
+                    executor(ids, None, None, cache, ctx)                 # settle the thread pool
+                    t = time.perf_counter()
+                    for i in range(steps):
+                        executor(ids, None, None, cache, ctx + i)
+                    if r:                                                # the first round is a warm-up
+                        best[n] = min(best[n], (time.perf_counter() - t) / steps)
+    finally:
+        torch.set_num_threads(before)
+    ms = {str(n): round(v * 1e3, 3) for n, v in best.items()}
+    choice = keep_default_threads(ms, before)
+    if log is not None:
+        print(f"speculant: decoding threads timed in {time.perf_counter() - start:.1f} s: {choice}", file=log,
+              flush=True)
+    return choice, ms
+
+
+def complete_for_fused(result: TuneResult, executor, log=None) -> bool:
+    """The measurements that need the model in its fused-step format, run on ``executor`` where ``result`` lacks
+    them (once per machine and model: the first load in that format; ``speculant tune`` runs them again): the KV
+    cache dtype, the weight prefetch distance, the prompt route and the decoding thread count.  ``result`` is
+    updated and saved; the executor is left as it was (the caller builds one from ``result``).  Returns whether
+    anything was measured."""
+    if executor.fused_layers() is None:
+        return False
+    measured = False
+    if result.kv_cache is None:
+        result.kv_cache, result.kv_cache_ms = measure_kv_cache(executor, log=log)
+        measured = True
+    if result.weight_prefetch is None:
+        result.weight_prefetch, result.weight_prefetch_ms = measure_weight_prefetch(executor, log=log)
+        measured = True
+    if result.fused_prompt_tokens is None:
+        result.fused_prompt_tokens, result.prompt_ms = measure_prompt_route(executor, log=log)
+        measured = True
+    if not result.decode_thread_ms:
+        result.threads, result.decode_thread_ms = measure_decode_threads(executor, log=log)
+        measured = True
+    if measured:
+        save(result)
+    return measured
 
 
 def attention_dtype(result: TuneResult) -> torch.dtype:
@@ -543,17 +649,17 @@ def load_or_measure(decoder, threads: int | None = None, log=None, force: bool =
     return result
 
 
-def apply_choices(result: TuneResult, set_threads: bool = True, decoder=None) -> None:
+def apply_choices(result: TuneResult, set_threads: bool = True, executor=None) -> None:
     """Put ``result``'s float32 route, weight prefetch (and, with ``set_threads``, its thread count) in force in this process, and
-    its KV-cache dtype and prompt route on ``decoder`` (:attr:`~speculant.models.llama.LlamaDecoder.attention_dtype`,
+    its KV-cache dtype and prompt route on ``executor`` (:attr:`~speculant.runtime.executor.Executor.kv_dtype`,
     ``fused_prompt_tokens``) when given."""
     fp32_linear.ROUTES = FP32_ROUTES[result.fp32_route]
     if result.weight_prefetch is not None:
         from ..kernels import build
         build.set_weight_prefetch(result.weight_prefetch)
-    if decoder is not None:
-        decoder.attention_dtype = attention_dtype(result)
-        decoder.fused_prompt_tokens = result.fused_prompt_tokens or 0
+    if executor is not None:
+        executor.kv_dtype = attention_dtype(result)
+        executor.fused_prompt_tokens = result.fused_prompt_tokens or 0
     if set_threads:
         torch.set_num_threads(result.threads)
 
@@ -589,7 +695,9 @@ def format_table(result: TuneResult) -> str:
     lines += ["", f"default weights: **{result.weights}**; float32 route: {result.fp32_route}; threads: "
               f"{result.threads} (one-row pass: " + ", ".join(f"{n} thread{'s' if int(n) != 1 else ''} {v:.2f} ms"
                                                  for n, v in result.thread_ms.items())
-              + ")"]
+              + (("; decode loop of the fused step: " + ", ".join(f"{n} {v:.2f} ms/step"
+                                                                for n, v in result.decode_thread_ms.items()))
+                 if result.decode_thread_ms else "") + ")"]
     if result.attention_us:
         lines += [f"attention (KV cache): **{result.attention}** (a one-token step over {' and '.join(map(str, ATTENTION_CONTEXTS))} "
                   "cached tokens, all layers: " + ", ".join(f"{k} {v:.0f} us" for k, v in result.attention_us.items())

@@ -15,6 +15,7 @@ import threading
 from ..engine.batch import BatchedGenerator
 from ..errors import SpeculantError, check_range
 from ..runtime import tune
+from ..runtime.executor import executor_of
 from .metrics import ServerMetrics
 from .scheduler import Scheduler
 
@@ -84,7 +85,7 @@ def build_engine(model, spec, name: str, max_batch: int, max_queue: int, drain_t
                                PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None)
     max_batch = exact_batch_limit(batched, max_batch, log)
     if speculation == "goodput" and gen.builder is not None:
-        batched.policy = GoodputPolicy.measure(model.decoder, min(max_batch * batched.rows_per_sequence, 128))
+        batched.policy = GoodputPolicy.measure(executor_of(model), min(max_batch * batched.rows_per_sequence, 128))
     if not batched.matches_single_sequence(with_neighbours=max_batch > 1):
         print("speculant: warning: batched rounds do not reproduce the one-sequence forward bit for bit on this "
               "machine (a compiled model's layer halves may round differently from its fused step; --no-compile "

@@ -29,8 +29,9 @@ def layer_agreement(model, records: list[dict], max_tokens: int = 2000, exit_hea
     Returns:
         ``{"positions": N, "layers": {E: agreement} for E = 1..L-1 (exit after layer E-1), "adapter": a|None}``.
     """
+    from ..runtime.executor import executor_of
     from .features import sequence_ids
-    dec = model.decoder
+    dec = executor_of(model)
     L = dec.num_layers
     agree = torch.zeros(L, dtype=torch.long)
     ad_agree, n = 0, 0
@@ -153,10 +154,10 @@ def exit_eval_from_args(args) -> dict:
     Raises:
         SpeculantError: bad corpus/split/adapter.
     """
-    from ..models.loading import load_model
+    from ..models.loading import read_checkpoint
     from ..drafters.exit_adapter import load_exit_adapter
     from .data import read_corpus
-    model = load_model(args.model, args.dtype)
+    model = read_checkpoint(args.model, args.dtype)
     recs = read_corpus(args.corpus, args.split)
     head, e = (None, args.exit_layer)
     if args.exit_adapter:

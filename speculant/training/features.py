@@ -63,7 +63,9 @@ def compute_features(model, records: list[dict], exit_layers: list[int], topk: i
         SpeculantError: an exit layer outside ``[1, L]``; no usable sequence.
     """
     from tqdm import tqdm
-    dec = model.decoder
+
+    from ..runtime.executor import executor_of
+    dec = executor_of(model)
     L = dec.num_layers
     exits = sorted(set(exit_layers))
     for e in exits:

@@ -84,7 +84,8 @@ def head_inputs(model, feats: dict, feature: str, batch: int = 4096) -> torch.Te
     h = feats[f"hidden/{model.decoder.num_layers}"]
     if feature == "pre-norm":
         return h
-    norm = model.decoder.final_norm
+    from ..runtime.executor import executor_of
+    norm = executor_of(model).final_norm
     return torch.cat([norm(h[s:s + batch].float()).to(torch.bfloat16) for s in range(0, len(h), batch)])
 
 

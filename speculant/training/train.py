@@ -146,7 +146,8 @@ def evaluate_adapter(adapter, hidden: torch.Tensor, t_idx: torch.Tensor, t_logp:
 @torch.no_grad()
 def shared_head_top1(model, hidden: torch.Tensor, t_idx: torch.Tensor, batch: int = 1024) -> float:
     """Top-1 agreement of the untrained exit (shared final norm + LM head) with the teacher argmax."""
-    dec = model.decoder
+    from ..runtime.executor import executor_of
+    dec = executor_of(model)
     agree = 0
     for s in range(0, hidden.shape[0], batch):
         h = hidden[s:s + batch].to(dec.dtype)
@@ -619,15 +620,15 @@ def train_from_args(args) -> dict:
     Raises:
         SpeculantError: unknown recipe, or a bad flag value.
     """
-    from ..models.loading import load_model
+    from ..models.loading import read_checkpoint
     from .head import DraftHeadConfig, corpus_list, train_draft_head
     if args.recipe not in RECIPES:
         raise SpeculantError(f"recipe={args.recipe!r} is unknown; allowed: {', '.join(RECIPES)}")
     if args.recipe == "draft-head":
         head_config, corpora = DraftHeadConfig.from_args(args), corpus_list(args.corpus)
-        return train_draft_head(load_model(args.model, args.dtype), corpora, args.out, head_config)
+        return train_draft_head(read_checkpoint(args.model, args.dtype), corpora, args.out, head_config)
     if args.recipe == "exit-adapter":
         adapter_config = ExitAdapterConfig.from_args(args)
-        return train_exit_adapter(load_model(args.model, args.dtype), args.corpus, args.out, adapter_config)
+        return train_exit_adapter(read_checkpoint(args.model, args.dtype), args.corpus, args.out, adapter_config)
     layerskip_config = LayerSkipConfig.from_args(args)
-    return train_layerskip(load_model(args.model, args.dtype), args.corpus, args.out, layerskip_config)
+    return train_layerskip(read_checkpoint(args.model, args.dtype), args.corpus, args.out, layerskip_config)

@@ -10,7 +10,7 @@ sequence's attention runs in one call of our kernel, :func:`speculant.kernels.at
 simply concatenated, as in vLLM's flattened batches (Kwon et al. 2023) or Orca's selective batching
 (Yu et al. 2022, Sec. 4.2: batch the token-wise operations, split for attention).
 
-Each row's result equals, bit for bit, what the one-sequence forward (:meth:`LlamaDecoder.run_layers`)
+Each row's result equals, bit for bit, what the one-sequence forward (:meth:`~speculant.runtime.executor.Executor.run_layers`)
 gives it, provided the projection kernels are batch-invariant at ``sum T_i`` rows (measured, see
 :func:`speculant.runtime.tune.invariant_rows`): the per-row operations (RMSNorm, RoPE, SiLU, residuals)
 do not mix rows, and attention is computed exactly as the single-sequence step computes it.
@@ -24,8 +24,9 @@ import torch
 
 from ..errors import SpeculantError
 from ..kernels import attention as attention_kernel
-from .kv_cache import KVCache, mark_dynamic
-from .llama import LlamaDecoder, _dense_mask, attend, attention_inputs, layer_output
+from ..models.kv_cache import KVCache, mark_dynamic
+from ..models.llama import attention_inputs, dense_mask, layer_output
+from .steps import attend
 
 
 @dataclass
@@ -49,33 +50,36 @@ class RaggedBlock:
     cache_position: int
 
 
-def ragged_run_layers(decoder: LlamaDecoder, blocks: list[RaggedBlock], end: int | None = None,
-                      halves=(attention_inputs, layer_output)) -> list[torch.Tensor]:
+# Over 80 lines with its docstring: one loop over the layers whose state (the rows of the blocks that have joined,
+# their attention plan and RoPE rows) carries from layer to layer; split, that state would be passed around.
+def ragged_run_layers(executor, blocks: list[RaggedBlock], end: int | None = None,
+                      halves=None) -> list[torch.Tensor]:
     """Run every block through its layers ``start_layer .. end-1`` in one batched pass per layer.
 
     At layer ``i`` the rows of every block with ``start_layer <= i`` are concatenated (``[1, R, D]``) for
-    the projections and MLP; attention is per block.  Counts ``R`` tokens in ``decoder.layer_token_counts[i]``.
+    the projections and MLP; attention is per block.  Counts ``R`` tokens in the decoder's ``layer_token_counts[i]``.
 
     Args:
-        decoder: the target.
+        executor: the target's :class:`~speculant.runtime.executor.Executor` (its fused step where it applies).
         blocks: the sequences' blocks (each its own cache).
         end: one past the last layer to run (default: all layers).
-        halves: the ``(attention_inputs, layer_output)`` functions to use (e.g. compiled ones,
-            :func:`speculant.runtime.compiled.compiled_halves`).
+        halves: the ``(attention_inputs, layer_output)`` functions to use; default the executor's (compiled ones
+            where its steps are compiled, :func:`speculant.runtime.compiled.enable_compile`), else the model's.
     Returns:
         per block, the hidden states ``[1, T, D]`` leaving layer ``end - 1``.
     Raises:
         SpeculantError: a block would write past its cache's ``max_length``, or its mask has the wrong shape.
     """
+    decoder = executor.decoder
     end = decoder.num_layers if end is None else end
-    first_half, second_half = halves
+    first_half, second_half = halves or executor.halves or (attention_inputs, layer_output)
     hidden = [b.hidden for b in blocks]
     masks, tables = [], []
     for b in blocks:
         t = b.hidden.shape[1]
         if b.cache_position + t > b.cache.max_length:
             raise SpeculantError(f"KV cache overflow: slot {b.cache_position + t} > max_length={b.cache.max_length}")
-        mask = _dense_mask(b.mask, t, b.cache_position, b.hidden.device)
+        mask = dense_mask(b.mask, t, b.cache_position, b.hidden.device)
         if tuple(mask.shape) != (t, b.cache_position + t):
             raise SpeculantError(f"mask shape {tuple(mask.shape)} does not match the block; "
                                  f"allowed: ({t}, {b.cache_position + t})")
@@ -87,7 +91,7 @@ def ragged_run_layers(decoder: LlamaDecoder, blocks: list[RaggedBlock], end: int
     members: list[int] = []
     cos = sin = x = None
     sizes: list[int] = []
-    fused = decoder.fused_layers() if one_call else None      # speculant.kernels.decode_step
+    fused = executor.fused_layers() if one_call else None      # speculant.kernels.decode_step
     i = min((b.start_layer for b in blocks), default=end)
     while i < end:
         now = [j for j, b in enumerate(blocks) if b.start_layer <= i]

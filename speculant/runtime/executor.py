@@ -1,0 +1,298 @@
+"""The executor: runs a model description (:class:`~speculant.models.llama.LlamaDecoder`) fast on this machine.
+
+The model is pure (config, weights, a torch reference forward); the executor owns how it is run:
+
+- the route of a forward: every layer of a range as one call of our fused C step
+  (:class:`speculant.kernels.decode_step.FusedLayers`, ``w4a8`` weights over a float32 or float16 KV cache), or
+  the torch layer step (:mod:`speculant.runtime.steps`), compiled (:mod:`speculant.runtime.compiled`) or eager;
+  prompts of up to :attr:`Executor.fused_prompt_tokens` tokens through the fused step, longer ones through the
+  torch prompt step;
+- the KV cache dtype (:attr:`Executor.kv_dtype`) and the kernels' buffers (built once from the packed weights).
+
+Its entry points are the blocks of decoding: :meth:`Executor.run_layers` (one sequence: a one-token step, a
+verification block, a tree under its mask, a prompt) and :meth:`Executor.run_blocks` (several sequences' blocks
+in one pass, a batched round: :mod:`speculant.runtime.ragged`), with :meth:`~Executor.embed`,
+:meth:`~Executor.final_norm` and :meth:`~Executor.lm_head` around them.  Nothing here measures: the choices come
+from a :class:`~speculant.runtime.tune.TuneResult` (:meth:`Executor.from_tune`) or are given.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import SpeculantError
+from ..kernels import attention as attention_kernel
+from ..kernels import decode_step
+from ..models.kv_cache import KVCache, mark_dynamic
+from ..models.llama import LlamaDecoder, dense_mask
+from .steps import COMPILED_MAX_ROWS, decoder_layer_step, prefill_layer_step
+
+
+def default_kv_dtype(head_dim: int) -> torch.dtype:
+    """The KV cache dtype without a measurement: float32 where our attention kernel runs (batch-invariant rows),
+    else float64 (SDPA, whose float64 rows rounded to float32 are batch-invariant too)."""
+    return torch.float32 if attention_kernel.supports(head_dim) else torch.float64
+
+
+def _projection_buffers(module) -> decode_step.ProjectionBuffers | None:
+    """A W4A8/W8A8 projection's buffers for the fused step, or ``None`` for any other module."""
+    from .formats import W4A8Linear, W8A8Linear
+    if type(module) is W4A8Linear:
+        bits, offsets = 4, module.offsets
+    elif type(module) is W8A8Linear:
+        bits, offsets = 8, None
+    else:
+        return None
+    return decode_step.ProjectionBuffers(bits, module.in_features, module.out_features, module.codes, module.scales,
+                                         offsets, module.bias)
+
+
+def model_buffers(decoder: LlamaDecoder) -> decode_step.ModelBuffers | str:
+    """The buffers and shapes :class:`~speculant.kernels.decode_step.FusedLayers` runs ``decoder`` from, or why
+    not (a projection that is not W4A8/W8A8)."""
+    cfg = decoder.config
+    layers = []
+    for i, layer in enumerate(decoder.layers):
+        modules = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        projections = [_projection_buffers(p) for p in modules]
+        if any(p is None for p in projections):
+            kind = type(next(m for m, p in zip(modules, projections) if p is None)).__name__
+            return f"layer {i} has a projection that is not w4a8/w8a8 ({kind})"
+        layers.append(decode_step.LayerBuffers(layer.input_layernorm.weight.detach(),
+                                               layer.post_attention_layernorm.weight.detach(), *projections))
+    return decode_step.ModelBuffers(
+        cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
+        cfg.rms_norm_eps, layers, decoder.rope_cos.float().contiguous(), decoder.rope_sin.float().contiguous(),
+        decoder.norm.weight.detach().float().contiguous(), float(decoder.norm.eps),
+        _projection_buffers(decoder.lm_head_proj))
+
+
+def why_not_fused(decoder: LlamaDecoder, kv_dtype: torch.dtype) -> str | None:
+    """Why the fused step cannot run ``decoder`` over a ``kv_dtype`` KV cache, or ``None``."""
+    if not decode_step.build.available():
+        return f"the kernels {decode_step.build.unavailable_reason()}"
+    buffers = model_buffers(decoder)
+    return buffers if isinstance(buffers, str) else decode_step.why_not(buffers, kv_dtype)
+
+
+class Executor:
+    """Runs ``decoder``: the route, the KV cache dtype and the kernels' buffers of one model on this machine.
+
+    Args:
+        decoder: the model description (weights already in their format: build the executor after
+            :func:`~speculant.runtime.formats.apply_weight_format`; the fused step's buffers are re-read when the
+            projections are replaced).
+        kv_dtype: the KV caches' dtype (float32 or float16: our attention kernel; float64: SDPA); default
+            :func:`default_kv_dtype`.
+        fused_prompt_tokens: prompts of up to this many tokens run through the fused step (0: none).
+        use_fused: run ``w4a8`` layers through the fused step where it applies (``False``: the torch step).
+        layer_step: the one-sequence torch layer step (:func:`~speculant.runtime.steps.decoder_layer_step` or its
+            compiled version, :func:`speculant.runtime.compiled.enable_compile`).
+        threads, weight_prefetch, fp32_route: torch threads, the weight prefetch distance of our products [bytes]
+            and the float32 projections' route (a key of :data:`speculant.runtime.tune.FP32_ROUTES`): settings
+            of the process (torch's thread pool, the kernel library), put in force by :meth:`activate`; ``None``
+            leaves them as they are.
+
+    Attributes shared with the decoder (``config``, ``num_layers``, ``layers``, ``layer_token_counts``, ``dtype``,
+    ``device``, ``weight_format``) read through, so a drafter may hold an executor where it held a decoder.
+    """
+
+    def __init__(self, decoder: LlamaDecoder, kv_dtype: torch.dtype | None = None, fused_prompt_tokens: int = 0,
+                 use_fused: bool = True, layer_step=None, threads: int | None = None,
+                 weight_prefetch: int | None = None, fp32_route: str | None = None):
+        self.decoder = decoder
+        self.threads, self.weight_prefetch, self.fp32_route = threads, weight_prefetch, fp32_route
+        self.kv_dtype = kv_dtype if kv_dtype is not None else default_kv_dtype(decoder.config.head_dim)
+        self.fused_prompt_tokens = fused_prompt_tokens
+        self.use_fused = use_fused
+        self.layer_step = layer_step or decoder_layer_step
+        self.halves = None          # compiled (attention_inputs, layer_output) of the ragged pass, if compiled
+        self._fused = None          # (key it was built for, FusedLayers or None)
+
+    @classmethod
+    def from_tune(cls, decoder: LlamaDecoder, result, kv_dtype: torch.dtype | None = None) -> "Executor":
+        """An executor with the choices of ``result`` (a :class:`~speculant.runtime.tune.TuneResult`, or ``None``:
+        the defaults); ``kv_dtype`` overrides the tuned KV cache dtype."""
+        from . import tune
+        if result is None:
+            return cls(decoder, kv_dtype)
+        out = cls(decoder, kv_dtype or tune.attention_dtype(result), result.fused_prompt_tokens or 0,
+                  threads=result.threads, weight_prefetch=result.weight_prefetch, fp32_route=result.fp32_route)
+        if kv_dtype is None and result.kv_cache and out.fused_layers() is not None:   # the fused format's choice
+            out.kv_dtype = getattr(torch, result.kv_cache)
+        return out
+
+    def activate(self, set_threads: bool = True) -> None:
+        """Put this executor's process-wide settings in force: the float32 route, the weight prefetch distance and
+        (with ``set_threads``) the torch thread count, where set."""
+        if self.fp32_route is not None:
+            from ..models import linear
+            from .tune import FP32_ROUTES
+            linear.ROUTES = FP32_ROUTES[self.fp32_route]
+        if self.weight_prefetch is not None:
+            decode_step.build.set_weight_prefetch(self.weight_prefetch)
+        if set_threads and self.threads:
+            torch.set_num_threads(self.threads)
+
+    def like(self, decoder: LlamaDecoder) -> "Executor":
+        """An executor of ``decoder`` (e.g. a truncated copy of this one's) with this one's choices."""
+        out = Executor(decoder, self.kv_dtype, self.fused_prompt_tokens, self.use_fused, self.layer_step,
+                       self.threads, self.weight_prefetch, self.fp32_route)
+        out.halves = self.halves
+        return out
+
+    def __getstate__(self):
+        """Copies (``copy.deepcopy``, pickling) drop the fused step: it points into this decoder's tensors."""
+        state = dict(self.__dict__)
+        state["_fused"] = None
+        return state
+
+    # what a drafter reads of the model
+    config = property(lambda self: self.decoder.config)
+    num_layers = property(lambda self: self.decoder.num_layers)
+    layers = property(lambda self: self.decoder.layers)
+    layer_token_counts = property(lambda self: self.decoder.layer_token_counts)
+    dtype = property(lambda self: self.decoder.dtype)
+    device = property(lambda self: self.decoder.device)
+    weight_format = property(lambda self: self.decoder.weight_format)
+
+    def fused_layers(self) -> decode_step.FusedLayers | None:
+        """The fused step of the decoder over a :attr:`kv_dtype` cache, or ``None`` where it does not apply: weights
+        not in ``w4a8``, :attr:`use_fused` False, or what :func:`why_not_fused` names.  Built at the first call
+        (and again when the cache dtype or the LM head module changed)."""
+        dec = self.decoder
+        if not self.use_fused or dec.weight_format != "w4a8":
+            return None
+        key = (self.kv_dtype, id(dec.lm_head_proj), id(dec.layers[0].self_attn.qkv_proj) if dec.layers else 0)
+        if self._fused is None or self._fused[0] != key:
+            buffers = model_buffers(dec) if decode_step.build.available() else None
+            ok = buffers is not None and not isinstance(buffers, str) and \
+                decode_step.why_not(buffers, self.kv_dtype) is None
+            self._fused = (key, decode_step.FusedLayers(buffers, self.kv_dtype) if ok else None)
+        return self._fused[1]
+
+    def new_cache(self, max_length: int, batch: int = 1) -> KVCache:
+        """A static KV cache of ``max_length`` slots for every layer, in :attr:`kv_dtype`."""
+        return self.decoder.new_cache(max_length, batch, self.kv_dtype)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[B, T]`` -> hidden states ``[B, T, D]``."""
+        return self.decoder.embed(input_ids)
+
+    def run_layers(self, hidden: torch.Tensor, start: int, end: int, positions: torch.Tensor,
+                   attention_mask: torch.Tensor | None = None, cache: KVCache | None = None,
+                   cache_position: int = 0) -> torch.Tensor:
+        """Run decoder layers ``start .. end-1`` over ``hidden`` ``[B, T, D]`` by the route of this executor.
+
+        Arguments and result as :meth:`LlamaDecoder.run_layers` (``attention_mask`` bool ``[T, S]`` or
+        ``[B, 1, T, S]``, True = may attend, ``None`` causal; new keys/values to slots ``cache_position ..``).
+        One sequence over a cache runs the fused step where it applies (a prompt only up to
+        :attr:`fused_prompt_tokens` tokens), else the torch step: the prompt step into an empty cache, the
+        (compiled) layer step otherwise; several sequences, or no cache, the model's layer halves with
+        :func:`~speculant.runtime.steps.attend`.
+
+        Raises:
+            SpeculantError: the block would write past the cache's ``max_length``.
+        """
+        b, t, _ = hidden.shape
+        if cache is None or b != 1:
+            return self._run_batch(hidden, start, end, positions, attention_mask, cache, cache_position)
+        counts = self.decoder.layer_token_counts
+        visible = cache_position + t
+        if visible > cache.max_length:
+            raise SpeculantError(f"KV cache overflow: slot {visible} > max_length={cache.max_length}")
+        prompt = cache_position == 0 and attention_mask is None and t > 1
+        fused = self.fused_layers() if cache.dtype in attention_kernel.CACHE_DTYPES else None
+        if fused is not None and not (prompt and t > self.fused_prompt_tokens):
+            # every layer of the range in one C call (speculant.kernels.decode_step), RoPE rows and mask too
+            mask = None if attention_mask is None else dense_mask(attention_mask, t, cache_position, hidden.device)
+            out = fused.step(hidden, start, end, positions.reshape(-1), cache, cache_position, mask)
+            for i in range(start, end):
+                counts[i] += t
+            return out.to(hidden.dtype)
+        cos, sin = self.decoder.rope_rows(positions, hidden)
+        layers = self.decoder.layers
+        if prompt:        # a prompt the fused step does not take (above): see prefill_layer_step
+            for i in range(start, end):
+                hidden = prefill_layer_step(layers[i], hidden, cos, sin, cache.layer_keys[i], cache.layer_values[i])
+                counts[i] += t
+            return hidden
+        mask = dense_mask(attention_mask, t, cache_position, hidden.device)
+        mark_dynamic(mask, 1)
+        slots = torch.arange(cache_position, visible, device=hidden.device)
+        if t > 1:
+            mark_dynamic(slots, 0)
+            mark_dynamic(mask, 0)
+        # prefills (an empty cache) and long blocks run eagerly: one compiled graph fewer to load
+        step = self.layer_step if cache_position > 0 and t <= COMPILED_MAX_ROWS else decoder_layer_step
+        for i in range(start, end):
+            hidden = step(layers[i], hidden, cos, sin, mask, slots, cache.layer_keys[i], cache.layer_values[i])
+            counts[i] += t
+        return hidden
+
+    def _run_batch(self, hidden, start, end, positions, attention_mask, cache, cache_position):
+        """:meth:`run_layers` of a ``[B, T, D]`` batch over one batched cache, or of any block without a cache:
+        the model's halves, attention by :func:`~speculant.runtime.steps.attend` (in the cache's dtype)."""
+        from ..models.llama import attention_inputs, causal_mask, layer_output
+        from .steps import attend
+        t = hidden.shape[1]
+        cos, sin = self.decoder.rope_rows(positions, hidden)
+        is_causal = False
+        mask = attention_mask
+        if mask is None and t > 1:
+            if cache is None or cache_position == 0:
+                is_causal = True
+            else:
+                mask = causal_mask(t, cache_position, hidden.device)
+        for i in range(start, end):
+            layer = self.decoder.layers[i]
+            q, k, v = attention_inputs(layer, hidden, cos, sin)
+            hidden = layer_output(layer, hidden, attend(q, k, v, mask, is_causal, cache, i, cache_position))
+            self.decoder.layer_token_counts[i] += t
+        return hidden
+
+    def run_blocks(self, blocks: list, end: int | None = None) -> list[torch.Tensor]:
+        """Several sequences' blocks (:class:`~speculant.runtime.ragged.RaggedBlock`, each with its own cache) in
+        one pass per layer (a batched round or batched prompts): per block, the hidden states ``[1, T, D]``
+        leaving layer ``end - 1`` (default: the last).  See :func:`speculant.runtime.ragged.ragged_run_layers`."""
+        from .ragged import ragged_run_layers
+        return ragged_run_layers(self, blocks, end)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The shared final RMSNorm (in C, the layers' own norm code, where the layers run as one C call)."""
+        fused = self.fused_layers()
+        if fused is not None and hidden.dtype == torch.float32:
+            return fused.final_norm(hidden)
+        return self.decoder.final_norm(hidden)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Normalised hidden ``[..., D]`` -> fp32 logits ``[..., V]`` (the head's kernel called directly where the
+        layers run as one C call)."""
+        fused = self.fused_layers()
+        if fused is not None and fused.has_head and hidden.dtype == torch.float32:
+            return fused.lm_head(hidden)
+        return self.decoder.lm_head(hidden)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, cache: KVCache | None = None,
+                cache_position: int = 0) -> torch.Tensor:
+        """Full forward: ids ``[B, T]`` -> fp32 logits ``[B, T, V]``."""
+        if positions is None:
+            positions = torch.arange(cache_position, cache_position + input_ids.shape[1], device=input_ids.device)
+        h = self.run_layers(self.embed(input_ids), 0, self.num_layers, positions, attention_mask, cache, cache_position)
+        return self.lm_head(self.final_norm(h))
+
+    __call__ = forward
+
+
+def executor_of(model) -> Executor:
+    """The executor of a :class:`~speculant.models.loading.LoadedModel` (``model.executor``), made with the default
+    choices (nothing measured) when it has none or its decoder was replaced; an :class:`Executor` is returned as
+    it is."""
+    if isinstance(model, Executor):
+        return model
+    ex = getattr(model, "executor", None)
+    if ex is None or ex.decoder is not model.decoder:
+        ex = Executor(model.decoder)
+        model.executor = ex
+    return ex
