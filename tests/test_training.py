@@ -340,7 +340,7 @@ def test_train_flags_make_each_recipes_config_and_bad_values_fail_before_loading
     def no_loading(*a, **k):
         raise AssertionError("the model was loaded before the flags were checked")
 
-    monkeypatch.setattr(loading, "load_model", no_loading)
+    monkeypatch.setattr(loading, "read_checkpoint", no_loading)
     for recipe, flag in (("draft-head", ["--unroll", "3"]), ("exit-adapter", ["--batch-tokens", "0"]),
                          ("layerskip", ["--exit-curriculum", "nope"]), ("layerskip", ["--steps", "0"])):
         assert main(base + ["--recipe", recipe, *flag]) == 2
