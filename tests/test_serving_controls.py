@@ -14,7 +14,7 @@ import openai
 import pytest
 from helpers import tiny_model
 from serving_helpers import ServerThread, serve_engine
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from speculant import GenerationConfig, SamplingConfig, build_generator
@@ -23,8 +23,6 @@ from speculant.models.loading import LoadedModel, save_hf_dir
 from speculant.runtime.loader import load_model
 from speculant.sampling.grammar import compile_grammar
 
-CORPUS = ['{"ok": true, "n": 3}', '{"name": "cat", "age": 7}', "the cat sat on the mat", "yes no maybe 0123456789",
-          "[1, 2, 3, 4]", "1, 2, 3, 4, 5, 6, 7, 8, 9"] * 4
 PROMPT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3,"
 LOOKUP = MethodSpec(method="draft-model", draft_model="truncated:1", num_speculations=3)
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "enum": [1, 2, 3]}},
@@ -32,11 +30,21 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"typ
           "x-guidance": {"whitespace_flexible": False}}   # a random model would wander in whitespace otherwise
 
 
+MERGES = [("c", "a"), ("ca", "t"), ("Ġ", "o"), ("Ġo", "n"), ("t", "r"), ("tr", "u"), ("tru", "e"), ("Ġ", "t"),
+          ("Ġt", "h"), ("Ġth", "e"), (",", "Ġ"), ("Ġ", "1"), ("y", "e"), ("ye", "s"), ('"', "o"), ('"o', "k")]
+
+
 def byte_tokenizer() -> PreTrainedTokenizerFast:
-    tk = Tokenizer(models.BPE())
+    """Byte-level BPE (GPT-2/SmolLM2 style) with a fixed vocabulary: <eos>, the 256 byte symbols, a few merges
+    (built, not trained, so that every process gets the same ids)."""
+    vocab = {"<eos>": 0}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    for a, b in MERGES:
+        vocab[a + b] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=MERGES))
     tk.pre_tokenizer, tk.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tk.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=320, special_tokens=["<eos>"], show_progress=False,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tk.add_special_tokens(["<eos>"])
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
     tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     return tok
@@ -80,17 +88,17 @@ def complete(server, **kw):
 
 # ---------------------------------------------------------------- penalties, min-p, logit bias
 @pytest.mark.parametrize("controls", [
-    dict(frequency_penalty=1.5), dict(presence_penalty=2.0), dict(repetition_penalty=1.8),
-    dict(frequency_penalty=0.8, presence_penalty=0.5, repetition_penalty=1.3),
+    dict(frequency_penalty=2.0), dict(presence_penalty=2.0), dict(repetition_penalty=1.8),
+    dict(frequency_penalty=1.0, presence_penalty=1.0, repetition_penalty=1.5),
 ], ids=str)
 def test_penalties_change_the_output_and_equal_the_engine(server, model, controls):
-    plain = complete(server, temperature=0).choices[0].text
+    plain = complete(server, temperature=0, max_tokens=48).choices[0].text
     extra = {k: v for k, v in controls.items() if k == "repetition_penalty"}
     std = {k: v for k, v in controls.items() if k != "repetition_penalty"}
-    r = complete(server, temperature=0, extra_body=extra, **std)
+    r = complete(server, temperature=0, max_tokens=48, extra_body=extra, **std)
     assert r.choices[0].text != plain
-    assert r.choices[0].text == engine_output(model, **controls).text == engine_output(
-        model, MethodSpec(method="ar"), **controls).text
+    assert r.choices[0].text == engine_output(model, max_new_tokens=48, **controls).text == engine_output(
+        model, MethodSpec(method="ar"), 48, **controls).text
 
 
 def test_sampled_penalties_and_min_p_equal_the_engine_with_the_seed(server, model):
@@ -119,7 +127,9 @@ def test_completion_logprobs_of_speculation_equal_ar_bit_for_bit(server, ar_serv
     assert lp.token_logprobs == ar.choices[0].logprobs.token_logprobs == [t.logprob for t in want.logprobs]
     assert lp.tokens == [model.tokenizer.decode([t]) for t in want.token_ids]
     assert lp.top_logprobs == [{model.tokenizer.decode([a]): v for a, v in t.top} for t in want.logprobs]
-    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == spec.choices[0].text
+    text = spec.choices[0].text
+    assert lp.text_offset[0] == 0 and all(text[o:o + len(t)] == t for o, t in zip(lp.text_offset, lp.tokens)
+                                          if "\ufffd" not in t)     # a token inside a character decodes to U+FFFD
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(spec.choices[0].text)
 
 
@@ -140,10 +150,10 @@ def test_chat_logprobs_are_read_by_the_client_and_equal_ar(server, ar_server):
 
 def test_logprobs_stop_at_a_stop_string(server, model):
     plain = engine_output(model)
-    stop = plain.text[-6:-3]               # a stop string in the middle of the greedy output
+    stop = next(c for c in plain.text[3:] if c.isascii() and c.isalnum())    # a stop string inside the output
     r = complete(server, temperature=0, logprobs=1, stop=[stop])
     lp = r.choices[0].logprobs
-    assert r.choices[0].finish_reason == "stop" and plain.text.startswith(r.choices[0].text + stop)
+    assert r.choices[0].finish_reason == "stop" and plain.text.index(stop) == len(r.choices[0].text)
     assert len(lp.tokens) == r.usage.completion_tokens < len(plain.token_ids)
     assert lp.token_logprobs == [t.logprob for t in engine_output(model, logprobs=0).logprobs[:len(lp.tokens)]]
 

@@ -252,13 +252,16 @@ FIELDS: tuple[RequestField, ...] = (
                  _to(_S, "min_p")),
     RequestField("logit_bias", dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None, None, HONOURED, "both",
                  "`SamplingConfig.logit_bias` (token id -> bias)", _logit_bias, ({},)),
-    RequestField("logprobs", bool | None, None, HONOURED, "chat", "`GenerationConfig.logprobs`", _chat_logprobs,
+    RequestField("logprobs", bool | None, None, HONOURED, "chat", "`GenerationConfig.logprobs` (raw: the target's log-softmax before temperature, "
+                 "penalties, bias and grammar)", _chat_logprobs,
                  (False,)),
     RequestField("top_logprobs", Annotated[int, Field(ge=0, le=20)] | None, None, HONOURED, "chat",
                  "`GenerationConfig.logprobs` (the number of alternatives)", _top_logprobs, (0,)),
     RequestField("logprobs", Annotated[int, Field(ge=0, le=20)] | None, None, HONOURED, "completions",
-                 "`GenerationConfig.logprobs`", _to(_G, "logprobs")),
-    RequestField("n", Annotated[int, Field(ge=1)], 1, HONOURED, "both", "independent samples of the prompt", _n),
+                 "`GenerationConfig.logprobs` (raw, as in chat; `tokens`, `token_logprobs`, `top_logprobs`, "
+                 "`text_offset`)", _to(_G, "logprobs")),
+    RequestField("n", Annotated[int, Field(ge=1)], 1, HONOURED, "both", "independent samples (seed + i), one shared prefill "
+                 "(`BatchedGenerator.start_n`; at most 128)", _n),
     RequestField("response_format", Json, None, HONOURED, "both", "`GenerationConfig.grammar` (json_object, "
                  "json_schema)", _response_format, ({"type": "text"},)),
     RequestField("guided_json", dict[str, Any] | str | None, None, HONOURED, "both",

@@ -90,7 +90,8 @@ class Event:
 def token_entries(tokenizer, logprobs: list, ends: list[int], first: int) -> list[dict]:
     """The log-probabilities of tokens ``first, first + 1, ...`` of an output as plain entries: ``token`` (its
     text), ``bytes`` (the UTF-8 bytes of that text), ``logprob`` [nats], ``offset`` (where its text starts in
-    the output's text, from the text layer's ``ends``) and ``top``: ``(token text, bytes, logprob)`` of the
+    the output's text [characters]: from the text layer's ``ends``, the end of its text less its own decoded
+    length, never before the previous token's end) and ``top``: ``(token text, bytes, logprob)`` of the
     alternatives, most likely first.  A token that ends inside a multi-byte character decodes alone to
     U+FFFD (its text and bytes are those of the decode, as vLLM gives them)."""
     def text(tok: int) -> str:
@@ -100,7 +101,7 @@ def token_entries(tokenizer, logprobs: list, ends: list[int], first: int) -> lis
     for j, lp in enumerate(logprobs, start=first):
         t = text(lp.token_id)
         out.append({"token": t, "bytes": list(t.encode("utf-8")), "logprob": lp.logprob,
-                    "offset": ends[j - 1] if j > 0 else 0,
+                    "offset": max(ends[j - 1] if j > 0 else 0, ends[j] - len(t)),
                     "top": [(text(a), list(text(a).encode("utf-8")), v) for a, v in lp.top]})
     return out
 
