@@ -12,10 +12,8 @@ import json
 import httpx
 import openai
 import pytest
-from helpers import tiny_model
+from helpers import byte_tokenizer, tiny_model
 from serving_helpers import ServerThread, serve_engine
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from speculant import GenerationConfig, SamplingConfig, build_generator
 from speculant.engine.methods import MethodSpec
@@ -28,26 +26,6 @@ LOOKUP = MethodSpec(method="draft-model", draft_model="truncated:1", num_specula
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "enum": [1, 2, 3]}},
           "required": ["ok", "n"], "additionalProperties": False,
           "x-guidance": {"whitespace_flexible": False}}   # a random model would wander in whitespace otherwise
-
-
-MERGES = [("c", "a"), ("ca", "t"), ("Ġ", "o"), ("Ġo", "n"), ("t", "r"), ("tr", "u"), ("tru", "e"), ("Ġ", "t"),
-          ("Ġt", "h"), ("Ġth", "e"), (",", "Ġ"), ("Ġ", "1"), ("y", "e"), ("ye", "s"), ('"', "o"), ('"o', "k")]
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level BPE (GPT-2/SmolLM2 style) with a fixed vocabulary: <eos>, the 256 byte symbols, a few merges
-    (built, not trained, so that every process gets the same ids)."""
-    vocab = {"<eos>": 0}
-    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[ch] = len(vocab)
-    for a, b in MERGES:
-        vocab[a + b] = len(vocab)
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=MERGES))
-    tk.pre_tokenizer, tk.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tk.add_special_tokens(["<eos>"])
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    return tok
 
 
 @pytest.fixture(scope="module")
