@@ -18,8 +18,10 @@ Kinds (``compile_grammar``):
 from __future__ import annotations
 
 import json
+import sys
 import weakref
 
+import numpy as np
 import torch
 
 from ..errors import SpeculantError
@@ -122,6 +124,11 @@ class Grammar:
         return f"Grammar({self.kind!r})"
 
 
+LITTLE_ENDIAN = sys.byteorder == "little"
+"""The mask's int32 words are unpacked byte by byte, which reads bit t of word w at token 32 w + t on a
+little-endian machine (x86-64, arm64); elsewhere the words are byte-swapped first."""
+
+
 class GrammarMatcher:
     """One generation's parser state over the committed tokens, with look-ahead along drafted paths.
 
@@ -136,7 +143,6 @@ class GrammarMatcher:
         self.tokenizer_vocab, self.vocab_size, self.end_tokens = tokenizer_vocab, vocab_size, end_tokens
         self._bits = lt.allocate_token_bitmask(1, tokenizer_vocab)
         self._fill = lt.fill_next_token_bitmask
-        self._shifts = torch.arange(32, dtype=torch.int32)
         self._ended = False
 
     def fork(self) -> "GrammarMatcher":
@@ -211,7 +217,11 @@ class GrammarMatcher:
         finally:
             if consumed:
                 self._m.rollback(consumed)
-        bits = ((self._bits[0, :, None] >> self._shifts) & 1).bool().flatten()[:self.tokenizer_vocab]
+        # the bitmask (int32 words, token t at bit t % 32 of word t // 32) unpacked by numpy: 0.015 ms for SmolLM2's
+        # 49k tokens where shifting the words in torch took 4 ms per mask (benchmarks/grammar_speed.py, BENCHMARKS AA)
+        words = self._bits[0].numpy() if LITTLE_ENDIAN else self._bits[0].numpy().byteswap()
+        bits = torch.from_numpy(np.unpackbits(words.view(np.uint8), bitorder="little").view(np.bool_))
+        bits = bits[:self.tokenizer_vocab]
         if len(bits) >= self.vocab_size:
             return bits[:self.vocab_size]
         return torch.cat([bits, bits.new_zeros(self.vocab_size - len(bits))])
