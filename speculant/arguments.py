@@ -95,3 +95,107 @@ def method_spec_from_args(args, model=None):
                       max_ngram=args.max_ngram, min_ngram=args.min_ngram, branching=args.branching,
                       beam_width=args.beam_width, draft_length=args.draft_length, exit_adapter=args.exit_adapter,
                       draft_head=args.draft_head, verification=getattr(args, "verification", "token"))
+
+
+# ---------------------------------------------------------------- sampling controls, logprobs, n, structured output
+GRAMMAR_FLAGS = {"json_schema": "--json-schema", "regex": "--regex", "ebnf": "--grammar", "json_object": "--json-object"}
+
+
+def add_control_args(p: argparse.ArgumentParser) -> None:
+    """``speculant generate``'s per-position controls (issue 27): penalties, min-p, logit bias, logprobs, ``n``,
+    a grammar, ``min_tokens``, ``ignore_eos``, stop token ids."""
+    g = p.add_argument_group("controls (every method stays exact with them)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="Hugging Face's repetition penalty over prompt and output, > 0 (default 1 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="OpenAI's frequency penalty over the output, in [-2, 2] (default 0)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="OpenAI's presence penalty over the output, in [-2, 2] (default 0)")
+    g.add_argument("--min-p", type=float, default=0.0, help="min-p filtering, in [0, 1] (default 0 = off)")
+    g.add_argument("--logit-bias", action="append", metavar="TOKEN=BIAS",
+                   help="add BIAS (in [-100, 100]) to token id TOKEN's logit (repeatable)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each token's raw log-probability and the K (0..20) most likely alternatives")
+    g.add_argument("--n", type=int, default=1, help="independent samples (seed + i), one shared prefill (default 1)")
+    g.add_argument("--json-schema", default=None, metavar="FILE|JSON", help="the output follows this JSON schema")
+    g.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    g.add_argument("--regex", default=None, help="the output matches this regular expression (Rust regex syntax)")
+    g.add_argument("--grammar", default=None, metavar="FILE|TEXT", help="the output follows this Lark or GBNF grammar")
+    g.add_argument("--min-tokens", type=int, default=0, help="EOS and stop tokens are masked until this many tokens")
+    g.add_argument("--ignore-eos", action="store_true", help="EOS does not end the output")
+    g.add_argument("--stop-token-id", type=int, action="append", help="a token id that ends the output (repeatable)")
+
+
+def logit_bias_from_args(values) -> dict[int, float] | None:
+    """``--logit-bias TOKEN=BIAS`` values as ``{token id: bias}``.  Raises :class:`SpeculantError` for a malformed
+    one (its range is checked by :class:`~speculant.sampling.processors.SamplingConfig`)."""
+    out = {}
+    for v in values or ():
+        tok, sep, bias = v.partition("=")
+        try:
+            out[int(tok)] = float(bias)
+        except ValueError:
+            raise SpeculantError(f"--logit-bias={v!r} is invalid; allowed: TOKEN=BIAS with an integer token id and "
+                                 "a number in [-100, 100]") from None
+        if not sep:
+            raise SpeculantError(f"--logit-bias={v!r} is invalid; allowed: TOKEN=BIAS")
+    return out or None
+
+
+def grammar_spec_from_args(args) -> tuple[str, object] | None:
+    """``(kind, spec)`` of the one grammar flag given (``None``: none), read and parsed before the model loads: a
+    ``--json-schema`` or ``--grammar`` naming an existing file is read from it.
+
+    Raises:
+        SpeculantError: two grammar flags, a JSON schema that does not parse, an empty regex or grammar.
+    """
+    import json
+    from pathlib import Path
+    given = {k: v for k, v in (("json_schema", args.json_schema), ("regex", args.regex), ("ebnf", args.grammar),
+                               ("json_object", True if args.json_object else None)) if v is not None}
+    if len(given) > 1:
+        raise SpeculantError(f"{' and '.join(GRAMMAR_FLAGS[k] for k in given)} both constrain the output; "
+                             "allowed: one of them")
+    if not given:
+        return None
+    kind, spec = next(iter(given.items()))
+    if kind in ("json_schema", "ebnf") and not spec.lstrip().startswith("{") and Path(spec).is_file():
+        spec = Path(spec).read_text()
+    if kind == "json_schema":
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise SpeculantError(f"--json-schema is not valid JSON ({e}); allowed: a JSON schema or a file holding "
+                                 "one") from None
+    elif kind != "json_object" and not spec:
+        raise SpeculantError(f"{GRAMMAR_FLAGS[kind]} is empty; allowed: a non-empty {kind}")
+    return kind, spec
+
+
+def config_from_args(args, model=None):
+    """The :class:`~speculant.engine.generator.GenerationConfig` of ``speculant generate``'s flags (with ``model``
+    the grammar is compiled for its tokenizer; without, only the flags are checked, before the model loads).
+
+    Raises:
+        SpeculantError: a value out of range or malformed (named, with what is allowed).
+    """
+    from .engine.generator import GenerationConfig
+    from .engine.multi import MAX_N
+    from .sampling.processors import SamplingConfig
+    if isinstance(args.n, bool) or not 1 <= args.n <= MAX_N:
+        raise SpeculantError(f"--n={args.n} is out of range; allowed: an integer in [1, {MAX_N}]")
+    if args.logprobs is not None and not args.json:
+        raise SpeculantError("--logprobs needs --json (the log-probabilities are part of the JSON output)")
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                              repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                              presence_penalty=args.presence_penalty, min_p=args.min_p,
+                              logit_bias=logit_bias_from_args(args.logit_bias))
+    grammar = grammar_spec_from_args(args)
+    if grammar is not None and model is not None:
+        from .sampling.grammar import compile_grammar
+        grammar = compile_grammar(*grammar, model.tokenizer, vocab_size=model.config.vocab_size,
+                                  eos_token_ids=model.eos_token_ids)
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop or ()),
+                            chat=not args.raw, logprobs=args.logprobs,
+                            grammar=grammar if model is not None else None, min_tokens=args.min_tokens,
+                            ignore_eos=args.ignore_eos, stop_token_ids=tuple(args.stop_token_id or ()))

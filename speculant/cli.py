@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 
+from .arguments import add_control_args, config_from_args
 from .arguments import add_method_args as _add_method_args
 from .arguments import add_model_args as _add_model_args
 from .arguments import compile_wanted, load_for_decoding, method_spec_from_args  # noqa: F401  (used by tests)
@@ -22,25 +23,25 @@ SEED_MAX = 2**63 - 1
 
 
 def cmd_generate(args) -> int:
-    from .engine.generator import GenerationConfig
     from .engine.methods import build_generator
-    from .sampling.processors import SamplingConfig
 
     check_range("--seed", args.seed, 0, SEED_MAX)
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop or ()),
-                              chat=not args.raw)
+    config_from_args(args)                      # bad control values fail before the model loads
     if not args.prompt or not args.prompt.strip():
         raise SpeculantError("prompt is empty; allowed: a non-empty string")
     method_spec_from_args(args)                 # bad flag combinations fail before the model loads
     model = load_for_decoding(args)
+    config = config_from_args(args, model)
     gen = build_generator(model, method_spec_from_args(args, model))
     if args.json:
-        result = gen.generate(args.prompt, config)
-        out = result.to_dict()
+        results = gen.generate_n(args.prompt, config, args.n) if args.n > 1 else [gen.generate(args.prompt, config)]
+        out = results[0].to_dict() if args.n == 1 else {"choices": [r.to_dict() for r in results]}
         out["method"] = args.method
         out["weights"], out["compiled"], out["fused"] = model.weights, model.compiled, model.fused
         print(json.dumps(out))
+    elif args.n > 1:
+        for i, r in enumerate(gen.generate_n(args.prompt, config, args.n)):
+            sys.stdout.write(f"--- sample {i} (seed {config.sampling.seed + i}) ---\n{r.text}\n")
     else:
         for piece in gen.stream(args.prompt, config):
             sys.stdout.write(piece)
@@ -102,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="acceptance rule when sampling: token (recursive rejection sampling, default), block "
                         "(chains, Sun et al. 2025) or traversal (chains, rsd-c, specinfer; Weng et al. 2025); "
                         "greedy decoding always matches the argmax")
+    add_control_args(g)
     _add_method_args(g)
     g.set_defaults(func=cmd_generate)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from speculant.models.config import ModelConfig
@@ -71,3 +71,23 @@ def pattern_corpus(path, n_train=24, n_heldout=4, length=40, vocab=64):
             f.write(json.dumps({"id": str(i), "source": "t", "split": "train" if i < n_train else "heldout",
                                 "prompt": "", "prompt_ids": ids[:5], "response_ids": ids[5:], "text": ""}) + "\n")
     return path
+
+
+MERGES = [("c", "a"), ("ca", "t"), ("Ġ", "o"), ("Ġo", "n"), ("t", "r"), ("tr", "u"), ("tru", "e"), ("Ġ", "t"),
+          ("Ġt", "h"), ("Ġth", "e"), (",", "Ġ"), ("Ġ", "1"), ("y", "e"), ("ye", "s"), ('"', "o"), ('"o', "k")]
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE (GPT-2/SmolLM2 style) with a fixed vocabulary: <eos>, the 256 byte symbols, a few merges
+    (built, not trained, so that every process gets the same ids)."""
+    vocab = {"<eos>": 0}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    for a, b in MERGES:
+        vocab[a + b] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=MERGES))
+    tk.pre_tokenizer, tk.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tk.add_special_tokens(["<eos>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return tok

@@ -211,7 +211,7 @@ def test_bad_requests_get_openai_errors(server):
     r = httpx.post(url, content=b'{"model": "tiny", "prompt": ', headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert r.json()["error"]["message"].startswith("malformed JSON body") and r.json()["error"]["param"] is None
-    for bad in ({"prompt": "t1", "temperature": -1}, {"prompt": "t1", "max_tokens": 0}, {"prompt": "t1", "n": 2},
+    for bad in ({"prompt": "t1", "temperature": -1}, {"prompt": "t1", "max_tokens": 0}, {"prompt": "t1", "n": 129},
                 {"prompt": ""}, {"prompt": "t1", "stop": [""]}, {"max_tokens": 3}, {"prompt": [1, 999]}):
         r = httpx.post(url, json={"model": "tiny", **bad}, timeout=30)
         assert r.status_code == 400, bad

@@ -45,6 +45,7 @@ from .generator import GenerationConfig
 from .goodput import GoodputPolicy
 from .prefix_cache import PrefixCache
 from .prompts import check_prompt_ids
+from .requests import make_controls, stop_token_set
 from .rounds import accept_and_commit, draft_limits, first_token, new_state, run_prefill
 from .stats import GenerationStats
 
@@ -65,8 +66,13 @@ class Sequence:
         max_new: tokens it may emit (``max_new_tokens`` within the context) [tokens].
         budget: the builder's node budget [tokens].
         emitted: tokens emitted so far [tokens].
-        finished: why it ended: ``'eos'``, ``'length'``, or ``None`` while it runs.
+        finished: why it ended: ``'eos'`` (an EOS or a ``stop_token_ids`` token), ``'length'``, or ``None`` while
+            it runs.
         last_block: the tokens its last :meth:`BatchedGenerator.start` / :meth:`BatchedGenerator.step` emitted.
+        eos: the tokens that end it (:func:`~speculant.engine.requests.stop_token_set` of its config).
+    The per-position controls of its config (penalties, logit bias, grammar, ``min_tokens``, logprobs) are
+    ``state.controls`` (:class:`~speculant.sampling.controls.SequenceControls`, or ``None``); its logprobs are
+    ``state.controls.logprobs``.
     """
 
     prompt_ids: list[int]
@@ -81,11 +87,18 @@ class Sequence:
     emitted: int = 1
     finished: str | None = None
     last_block: list[int] = field(default_factory=list)
+    eos: set[int] = field(default_factory=set)
 
     @property
     def remaining(self) -> int:
         """Tokens it may still emit."""
         return self.max_new - self.emitted
+
+    @property
+    def logprobs(self) -> list | None:
+        """The :class:`~speculant.sampling.logprobs.TokenLogprob` of each emitted token (``None``: not asked)."""
+        controls = self.state.controls
+        return None if controls is None or controls.logprobs_k is None else controls.logprobs
 
 
 @dataclass
@@ -100,6 +113,7 @@ class _Unstarted:
     max_new: int
     generator: torch.Generator
     state: DecodingState
+    eos: set[int] = field(default_factory=set)
 
 
 class BatchedGenerator:
@@ -218,6 +232,43 @@ class BatchedGenerator:
                     out[i] = self._started(n, run_prefill(n.state, n.drafter), t0)
         return out
 
+    @torch.inference_mode()
+    def start_n(self, prompt_ids: list[int], config: GenerationConfig, n: int) -> list[Sequence]:
+        """``n`` independent samples of one prompt as ``n`` sequences sharing its prefill (one target forward):
+        sample ``i`` runs with seed :func:`~speculant.engine.multi.sample_seed` ``(seed, i)`` from a copy of the
+        KV cache and drafter state the prompt left (:class:`~speculant.engine.multi.SharedPrefill`), so each is
+        what :meth:`start` of its config gives, and what ``SpeculativeGenerator.generate_n`` gives.
+
+        Raises:
+            SpeculantError: ``n`` not an integer in [1, 128]; see :meth:`check_prompt`.
+        """
+        import dataclasses
+
+        from .multi import MAX_N, SharedPrefill, sample_seed
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+            raise SpeculantError(f"n={n!r} is out of range; allowed: an integer in [1, {MAX_N}]")
+        self._last_round = None
+        first = self._new_state(prompt_ids, config)          # checks the prompt and the config's token ids
+        t0 = time.perf_counter()
+        shared = SharedPrefill(executor_of(self.model), self.drafter, first.prompt_ids, first.state.cache.max_length,
+                               config.sampling)
+        self.target_forwards += 1
+        seqs = []
+        for i in range(n):
+            sampling = dataclasses.replace(config.sampling, seed=sample_seed(config.sampling.seed, i))
+            cfg = dataclasses.replace(config, sampling=sampling)
+            controls = make_controls(cfg, self.model, first.prompt_ids)
+            generator, stats = sampling.generator(), GenerationStats()
+            state = shared.start(self.drafter, controls, generator, stats, sampling)
+            stats.time_to_first_token_s = stats.seconds = time.perf_counter() - t0
+            stats.new_tokens = 1
+            builder = self.builder.fresh() if self.builder is not None else None
+            seq = Sequence(first.prompt_ids, cfg, self.drafter, builder, generator, state, stats, first.max_new,
+                           first.budget, last_block=[state.tokens[-1]], eos=first.eos)
+            self._finish_if_done(seq)
+            seqs.append(seq)
+        return seqs
+
     def release(self, seq: Sequence) -> None:
         """``seq`` leaves the batch (finished or dropped): with a :attr:`prefix_cache`, the KV of its committed
         tokens (prompt and emitted ones) is cached, so a conversation's next turn, which repeats them, prefills
@@ -258,9 +309,10 @@ class BatchedGenerator:
         budget = builder.budget() if builder is not None else 0
         max_new = min(config.max_new_tokens, cfg.context_length - len(prompt_ids))
         cache_length = min(cfg.context_length, len(prompt_ids) + max_new + budget + 2)
-        state = new_state(executor_of(self.model), drafter, prompt_ids, cache_length, config.sampling)
+        controls = make_controls(config, self.model, prompt_ids)
+        state = new_state(executor_of(self.model), drafter, prompt_ids, cache_length, config.sampling, controls)
         return _Unstarted(list(prompt_ids), config, drafter, builder, budget, max_new, config.sampling.generator(),
-                          state)
+                          state, stop_token_set(config, self.model.eos_token_ids))
 
     def _started(self, new: "_Unstarted", logits: torch.Tensor, t0: float) -> Sequence:
         """The :class:`Sequence` after its prompt's forward (``logits`` ``[1, V]`` of the last position; the caller
@@ -270,12 +322,12 @@ class BatchedGenerator:
         stats.time_to_first_token_s = stats.seconds = time.perf_counter() - t0
         stats.new_tokens = 1
         seq = Sequence(new.prompt_ids, new.config, new.drafter, new.builder, new.generator, new.state, stats,
-                       new.max_new, new.budget, last_block=[new.state.tokens[-1]])
+                       new.max_new, new.budget, last_block=[new.state.tokens[-1]], eos=new.eos)
         self._finish_if_done(seq)
         return seq
 
     def _finish_if_done(self, seq: Sequence) -> None:
-        if seq.last_block[-1] in self.eos:
+        if seq.last_block[-1] in seq.eos:
             seq.finished = "eos"
         elif seq.emitted >= seq.max_new:
             seq.finished = "length"
@@ -311,7 +363,7 @@ class BatchedGenerator:
         for s, tree, lg, am in zip(seqs, trees, logits, argmax):
             s.stats.target_forwards += 1
             block = accept_and_commit(s.state, s.drafter, s.builder, tree, lg, s.generator, self.without_replacement,
-                                      s.remaining, self.eos, s.stats, am)
+                                      s.remaining, s.eos, s.stats, am)
             s.emitted += len(block)
             s.stats.new_tokens = s.emitted
             s.last_block = block

@@ -27,13 +27,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.batch import BatchedGenerator
 from ..engine.generator import GenerationConfig
+from ..engine.multi import MAX_N
 from ..engine.prompts import check_prompt_ids, encode_prompt
 from ..errors import SpeculantError
 from ..sampling.processors import SamplingConfig
 from . import protocol as P
 from .fields import RefusedField, settings_of
 from .metrics import ServerMetrics
-from .scheduler import Event, QueueFull, Scheduler, ShuttingDown, Submission
+from .scheduler import QueueFull, Scheduler, ShuttingDown, Submission
 
 class ApiError(Exception):
     """An error answered with OpenAI's error JSON and HTTP ``status``."""
@@ -100,9 +101,11 @@ class ServingEngine:
         except SpeculantError as e:
             raise ApiError(400, str(e), param) from None
 
-    def config(self, req: P.CompletionRequest | P.ChatCompletionRequest, ids: list[int]) -> GenerationConfig:
-        """The generation settings of ``req`` for prompt ``ids``, mapped by the table of request fields
-        (:func:`speculant.serving.fields.settings_of`); no ``max_tokens`` means up to the context.
+    def config(self, req: P.CompletionRequest | P.ChatCompletionRequest, ids: list[int]) -> tuple[GenerationConfig, int]:
+        """The generation settings of ``req`` for prompt ``ids`` and its ``n``, mapped by the table of request fields
+        (:func:`speculant.serving.fields.settings_of`); no ``max_tokens`` means up to the context.  A grammar
+        (``response_format``, ``guided_*``, ``structured_outputs``) is compiled here for the model's vocabulary
+        and EOS tokens.
 
         Raises:
             ApiError: 400 naming a refused field, or a value our configuration refuses.
@@ -112,18 +115,22 @@ class ServingEngine:
             s = settings_of(req, endpoint, self.vocab_size)
             if s.sampling.get("seed") is None:
                 s.sampling["seed"] = secrets.randbits(63)
+            if s.n > MAX_N:
+                raise RefusedField("n", f"n={s.n} is out of range; allowed: an integer in [1, {MAX_N}]")
             if s.grammar is not None:
                 from ..sampling.grammar import compile_grammar
-                s.generation["grammar"] = compile_grammar(*s.grammar, self.tokenizer)
-            return GenerationConfig(max_new_tokens=s.max_tokens or self.context - len(ids),
-                                    sampling=SamplingConfig(**s.sampling), **s.generation)
+                s.generation["grammar"] = compile_grammar(*s.grammar, self.tokenizer, vocab_size=self.vocab_size,
+                                                          eos_token_ids=self.batched.model.eos_token_ids)
+            config = GenerationConfig(max_new_tokens=s.max_tokens or self.context - len(ids),
+                                      sampling=SamplingConfig(**s.sampling), **s.generation)
+            return config, s.n
         except RefusedField as e:
             raise ApiError(400, str(e), e.field) from None
         except SpeculantError as e:
             raise ApiError(400, str(e)) from None
 
-    def submit(self, ids: list[int], config: GenerationConfig) -> Submission:
-        sub = Submission(ids, config, asyncio.get_running_loop(), asyncio.Queue())
+    def submit(self, ids: list[int], config: GenerationConfig, n: int = 1) -> Submission:
+        sub = Submission(ids, config, asyncio.get_running_loop(), asyncio.Queue(), n)
         try:
             self.scheduler.submit(sub)
         except QueueFull as e:
@@ -140,14 +147,15 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _collect(sub: Submission, request: Request) -> tuple[str, Event]:
-    """Wait for a whole (non-streaming) result: (text, the final event).  A client that goes away meanwhile cancels
-    ``sub`` at once (its sequence leaves the batch before the next round; a waiting one never starts).  The
-    disconnect is awaited beside the events, not polled when they pause: a running request's events never pause."""
-    parts = []
+async def _collect(sub: Submission, request: Request) -> list[dict]:
+    """Wait for a whole (non-streaming) result: per choice (index order) its ``text``, final ``event`` and
+    ``logprobs`` entries (``None``: not asked).  A client that goes away meanwhile cancels ``sub`` at once (its
+    sequences leave the batch before the next round; a waiting one never starts).  The disconnect is awaited beside
+    the events, not polled when they pause: a running request's events never pause."""
+    choices = [{"parts": [], "logprobs": None, "event": None} for _ in range(sub.n)]
     gone = asyncio.ensure_future(_disconnected(request))
     try:
-        while True:
+        while any(c["event"] is None for c in choices):
             get = asyncio.ensure_future(sub.events.get())
             await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not get.done():
@@ -156,12 +164,27 @@ async def _collect(sub: Submission, request: Request) -> tuple[str, Event]:
             ev = get.result()
             if ev.kind == "error":
                 raise ApiError(ev.status, ev.error)
-            parts.append(ev.text)
+            c = choices[ev.index]
+            c["parts"].append(ev.text)
+            if ev.logprobs is not None:
+                c["logprobs"] = (c["logprobs"] or []) + ev.logprobs
             if ev.kind == "done":
-                return "".join(parts), ev
+                c["event"] = ev
+        return [{"text": "".join(c["parts"]), "event": c["event"], "logprobs": c["logprobs"]} for c in choices]
     finally:
         gone.cancel()
         sub.cancel()          # a no-op once finished; frees the slot if we leave early
+
+
+def _whole(engine: ServingEngine, rid: str, chat: bool, choices: list[dict], prompt_tokens: int) -> dict:
+    """The non-streaming response of ``choices`` (:func:`_collect`); ``speculant``: the counters of the one
+    choice, or ``{"choices": [...]}`` of each when ``n > 1``."""
+    make = P.chat_choice if chat else P.completion_choice
+    out = [make(i, c["text"], c["event"].finish_reason, c["logprobs"]) for i, c in enumerate(choices)]
+    stats = [c["event"].stats for c in choices]
+    tokens = sum(c["event"].completion_tokens for c in choices)
+    return P.response(rid, engine.name, "chat.completion" if chat else "text_completion", out, prompt_tokens, tokens,
+                      stats[0] if len(stats) == 1 else {"choices": stats})
 
 
 class RefuseWhenDraining:
@@ -272,26 +295,23 @@ def create_app(engine: ServingEngine, start_scheduler: bool = True, drain_timeou
     async def completions(req: P.CompletionRequest, request: Request):
         engine.check_model(req.model)
         ids = engine.prompt_ids(req)
-        config = engine.config(req, ids)
-        sub = engine.submit(ids, config)
+        config, n = engine.config(req, ids)
+        sub = engine.submit(ids, config, n)
         rid = P.new_id("cmpl")
         if req.stream:
             return _stream(engine, sub, rid, "text_completion", len(ids), req, drain_timeout)
-        text, ev = await _collect(sub, request)
-        return P.completion_response(rid, engine.name, text, ev.finish_reason, len(ids), ev.completion_tokens,
-                                     ev.stats)
+        return _whole(engine, rid, False, await _collect(sub, request), len(ids))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: P.ChatCompletionRequest, request: Request):
         engine.check_model(req.model)
         ids = engine.prompt_ids(req)
-        config = engine.config(req, ids)
-        sub = engine.submit(ids, config)
+        config, n = engine.config(req, ids)
+        sub = engine.submit(ids, config, n)
         rid = P.new_id("chatcmpl")
         if req.stream:
             return _stream(engine, sub, rid, "chat.completion.chunk", len(ids), req, drain_timeout)
-        text, ev = await _collect(sub, request)
-        return P.chat_response(rid, engine.name, text, ev.finish_reason, len(ids), ev.completion_tokens, ev.stats)
+        return _whole(engine, rid, True, await _collect(sub, request), len(ids))
 
     return app
 
@@ -304,30 +324,32 @@ def _stream(engine: ServingEngine, sub: Submission, rid: str, obj: str, prompt_t
     chat = obj == "chat.completion.chunk"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    def chunk(text: str | None, finish_reason: str | None) -> str:
+    def chunk(text: str | None, finish_reason: str | None, index: int, logprobs=None) -> str:
         if chat:
             delta = {} if text is None else {"content": text}
-            return json.dumps(P.chat_chunk(rid, model, created, delta, finish_reason))
-        return json.dumps(P.completion_chunk(rid, model, created, text or "", finish_reason))
+            return json.dumps(P.chat_chunk(rid, model, created, delta, finish_reason, index, logprobs))
+        return json.dumps(P.completion_chunk(rid, model, created, text or "", finish_reason, index, logprobs))
 
     async def events():
         try:
             if chat:
-                yield json.dumps(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
-            while True:
+                for i in range(sub.n):
+                    yield json.dumps(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None, i))
+            done, tokens = 0, 0
+            while done < sub.n:
                 ev = await sub.events.get()
                 if ev.kind == "error":
                     yield json.dumps(P.error_body(ev.error, ev.status))
                     break
-                if ev.text:
-                    yield chunk(ev.text, None)
+                if ev.text or ev.logprobs:
+                    yield chunk(ev.text, None, ev.index, ev.logprobs)
                 if ev.kind == "done":
-                    yield chunk(None, ev.finish_reason)
-                    if include_usage:
-                        yield json.dumps(P.usage_chunk(rid, model, created, obj, prompt_tokens, ev.completion_tokens))
-                    break
+                    yield chunk(None, ev.finish_reason, ev.index)
+                    done, tokens = done + 1, tokens + ev.completion_tokens
+            if done == sub.n and include_usage:
+                yield json.dumps(P.usage_chunk(rid, model, created, obj, prompt_tokens, tokens))
             yield "[DONE]"
         finally:
-            sub.cancel()      # the client went away (or we are done): the sequence leaves the batch
+            sub.cancel()      # the client went away (or we are done): the sequences leave the batch
 
     return EventSourceResponse(events(), sep="\n", ping=15, shutdown_grace_period=drain_timeout)

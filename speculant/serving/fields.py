@@ -6,8 +6,6 @@ and the setting of ours it maps to.
   :class:`~speculant.engine.generator.GenerationConfig` by the row's ``apply`` function.
 * **refused**: a value that would change the output (anything but the row's ``neutral`` values, e.g.
   ``frequency_penalty: 0`` changes nothing) is answered with HTTP 400 naming the field, never silently dropped.
-  Rows with an ``apply`` function already have their mapping written (to the names of the sampling controls,
-  logprobs and grammar of issue 27); turning such a row to ``HONOURED`` is the one change needed on the request side.
 * **ignored**: fields that change nothing in the output (``user``, ``metadata``, ``store``, ...).
 
 A field in no row is refused as OpenAI refuses it ("unrecognized request argument"): a field we do not know
@@ -243,41 +241,44 @@ FIELDS: tuple[RequestField, ...] = (
     RequestField("stream", bool, False, HONOURED, "both", "server-sent events"),
     RequestField("stream_options", StreamOptions | None, None, HONOURED, "both",
                  "`include_usage`: a last chunk with the usage"),
-    # sampling controls, logprobs, n, structured output (issue 27): mappings written, honoured once the engine is
-    RequestField("frequency_penalty", Penalty, 0.0, REFUSED, "both", "`SamplingConfig.frequency_penalty`",
+    # sampling controls, logprobs, n, structured output (issue 27): exact under every method
+    RequestField("frequency_penalty", Penalty, 0.0, HONOURED, "both", "`SamplingConfig.frequency_penalty`",
                  _to(_S, "frequency_penalty")),
-    RequestField("presence_penalty", Penalty, 0.0, REFUSED, "both", "`SamplingConfig.presence_penalty`",
+    RequestField("presence_penalty", Penalty, 0.0, HONOURED, "both", "`SamplingConfig.presence_penalty`",
                  _to(_S, "presence_penalty")),
-    RequestField("repetition_penalty", Annotated[float, Field(gt=0.0)] | None, 1.0, REFUSED, "both",
+    RequestField("repetition_penalty", Annotated[float, Field(gt=0.0)] | None, 1.0, HONOURED, "both",
                  "`SamplingConfig.repetition_penalty` (vLLM's extra field)", _to(_S, "repetition_penalty")),
-    RequestField("min_p", Unit | None, 0.0, REFUSED, "both", "`SamplingConfig.min_p` (vLLM's extra field)",
+    RequestField("min_p", Unit | None, 0.0, HONOURED, "both", "`SamplingConfig.min_p` (vLLM's extra field)",
                  _to(_S, "min_p")),
-    RequestField("logit_bias", dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None, None, REFUSED, "both",
+    RequestField("logit_bias", dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None, None, HONOURED, "both",
                  "`SamplingConfig.logit_bias` (token id -> bias)", _logit_bias, ({},)),
-    RequestField("logprobs", bool | None, None, REFUSED, "chat", "`GenerationConfig.logprobs`", _chat_logprobs,
+    RequestField("logprobs", bool | None, None, HONOURED, "chat", "`GenerationConfig.logprobs` (raw: the target's log-softmax before temperature, "
+                 "penalties, bias and grammar)", _chat_logprobs,
                  (False,)),
-    RequestField("top_logprobs", Annotated[int, Field(ge=0, le=20)] | None, None, REFUSED, "chat",
+    RequestField("top_logprobs", Annotated[int, Field(ge=0, le=20)] | None, None, HONOURED, "chat",
                  "`GenerationConfig.logprobs` (the number of alternatives)", _top_logprobs, (0,)),
-    RequestField("logprobs", Annotated[int, Field(ge=0, le=20)] | None, None, REFUSED, "completions",
-                 "`GenerationConfig.logprobs`", _to(_G, "logprobs")),
-    RequestField("n", Annotated[int, Field(ge=1)], 1, REFUSED, "both", "independent samples of the prompt", _n),
-    RequestField("response_format", Json, None, REFUSED, "both", "`GenerationConfig.grammar` (json_object, "
+    RequestField("logprobs", Annotated[int, Field(ge=0, le=20)] | None, None, HONOURED, "completions",
+                 "`GenerationConfig.logprobs` (raw, as in chat; `tokens`, `token_logprobs`, `top_logprobs`, "
+                 "`text_offset`)", _to(_G, "logprobs")),
+    RequestField("n", Annotated[int, Field(ge=1)], 1, HONOURED, "both", "independent samples (seed + i), one shared prefill "
+                 "(`BatchedGenerator.start_n`; at most 128)", _n),
+    RequestField("response_format", Json, None, HONOURED, "both", "`GenerationConfig.grammar` (json_object, "
                  "json_schema)", _response_format, ({"type": "text"},)),
-    RequestField("guided_json", dict[str, Any] | str | None, None, REFUSED, "both",
+    RequestField("guided_json", dict[str, Any] | str | None, None, HONOURED, "both",
                  "`GenerationConfig.grammar` (vLLM's extra field)", _guided("guided_json", "json_schema")),
-    RequestField("guided_regex", str | None, None, REFUSED, "both", "`GenerationConfig.grammar` (vLLM)",
+    RequestField("guided_regex", str | None, None, HONOURED, "both", "`GenerationConfig.grammar` (vLLM)",
                  _guided("guided_regex", "regex")),
-    RequestField("guided_grammar", str | None, None, REFUSED, "both", "`GenerationConfig.grammar` (vLLM)",
+    RequestField("guided_grammar", str | None, None, HONOURED, "both", "`GenerationConfig.grammar` (vLLM)",
                  _guided("guided_grammar", "grammar")),
-    RequestField("guided_choice", list[str] | None, None, REFUSED, "both", "`GenerationConfig.grammar` (vLLM)",
+    RequestField("guided_choice", list[str] | None, None, HONOURED, "both", "`GenerationConfig.grammar` (vLLM)",
                  _guided("guided_choice", "choice")),
-    RequestField("structured_outputs", Json, None, REFUSED, "both", "`GenerationConfig.grammar` (vLLM: json, "
+    RequestField("structured_outputs", Json, None, HONOURED, "both", "`GenerationConfig.grammar` (vLLM: json, "
                  "regex, grammar, choice, json_object)", _structured_outputs, ({},)),
-    RequestField("min_tokens", Annotated[int, Field(ge=0)] | None, 0, REFUSED, "both",
+    RequestField("min_tokens", Annotated[int, Field(ge=0)] | None, 0, HONOURED, "both",
                  "`GenerationConfig.min_tokens` (vLLM's extra field)", _to(_G, "min_tokens")),
-    RequestField("ignore_eos", bool | None, False, REFUSED, "both", "`GenerationConfig.ignore_eos` (vLLM)",
+    RequestField("ignore_eos", bool | None, False, HONOURED, "both", "`GenerationConfig.ignore_eos` (vLLM)",
                  _to(_G, "ignore_eos")),
-    RequestField("stop_token_ids", list[Annotated[int, Field(ge=0)]] | None, None, REFUSED, "both",
+    RequestField("stop_token_ids", list[Annotated[int, Field(ge=0)]] | None, None, HONOURED, "both",
                  "`GenerationConfig.stop_token_ids` (vLLM)", _to(_G, "stop_token_ids", tuple), ([],)),
     # not planned: what the output would be is out of our scope
     RequestField("tools", list[dict[str, Any]] | None, None, REFUSED, "chat", "no tool calling", None, ([],)),

@@ -45,35 +45,58 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_response(rid: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
-                        completion_tokens: int, stats: dict | None = None) -> dict:
-    out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-           "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+def chat_logprobs(entries: list[dict] | None) -> dict | None:
+    """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``
+    from the scheduler's entries (:func:`speculant.serving.scheduler.token_entries`; ``None``: not asked)."""
+    if entries is None:
+        return None
+    return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"],
+                         "top_logprobs": [{"token": t, "logprob": v, "bytes": b} for t, b, v in e["top"]]}
+                        for e in entries]}
+
+
+def completion_logprobs(entries: list[dict] | None) -> dict | None:
+    """OpenAI's (legacy) completions ``logprobs``: ``{tokens, token_logprobs, top_logprobs, text_offset}``
+    (``top_logprobs``: per token a mapping token text -> logprob; ``text_offset``: where each token's text starts
+    in the choice's text [characters])."""
+    if entries is None:
+        return None
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t: v for t, _, v in e["top"]} for e in entries],
+            "text_offset": [e["offset"] for e in entries]}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: list[dict] | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": completion_logprobs(logprobs), "finish_reason": finish_reason}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: list[dict] | None = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": chat_logprobs(logprobs),
+            "finish_reason": finish_reason}
+
+
+def response(rid: str, model: str, obj: str, choices: list[dict], prompt_tokens: int, completion_tokens: int,
+             stats: dict | list | None = None) -> dict:
+    """A whole response (``obj``: ``text_completion`` or ``chat.completion``); ``completion_tokens`` counts every
+    choice's tokens, as OpenAI's usage does; ``stats`` is our ``speculant`` field."""
+    out = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices,
            "usage": usage(prompt_tokens, completion_tokens)}
     if stats is not None:
         out["speculant"] = stats
     return out
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-                  stats: dict | None = None) -> dict:
-    out = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-           "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                        "finish_reason": finish_reason}],
-           "usage": usage(prompt_tokens, completion_tokens)}
-    if stats is not None:
-        out["speculant"] = stats
-    return out
-
-
-def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None) -> dict:
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None, index: int = 0,
+                     logprobs: list[dict] | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [completion_choice(index, text, finish_reason, logprobs)]}
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None, index: int = 0,
+               logprobs: list[dict] | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
+                         "finish_reason": finish_reason}]}
 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str, prompt_tokens: int, completion_tokens: int) -> dict:

@@ -22,6 +22,7 @@ OpenAI's ``finish_reason='length'``: the output was cut short, as by a token lim
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import itertools
 import logging
@@ -71,6 +72,8 @@ class Event:
         error: the message of an ``'error'`` event; ``status`` its HTTP status.
         stats: with ``'done'``: the request's speculative counters (rounds, drafted and accepted tokens,
             acceptance rate, target forwards), returned as the response's ``speculant`` field.
+        index: the choice it belongs to (``0 .. n - 1``).
+        logprobs: when the request asked for them, one entry per token newly shown (:func:`token_entries`).
     """
 
     kind: str
@@ -80,16 +83,39 @@ class Event:
     error: str = ""
     status: int = 500
     stats: dict | None = None
+    index: int = 0
+    logprobs: list[dict] | None = None
+
+
+def token_entries(tokenizer, logprobs: list, ends: list[int], first: int) -> list[dict]:
+    """The log-probabilities of tokens ``first, first + 1, ...`` of an output as plain entries: ``token`` (its
+    text), ``bytes`` (the UTF-8 bytes of that text), ``logprob`` [nats], ``offset`` (where its text starts in
+    the output's text [characters]: from the text layer's ``ends``, the end of its text less its own decoded
+    length, never before the previous token's end) and ``top``: ``(token text, bytes, logprob)`` of the
+    alternatives, most likely first.  A token that ends inside a multi-byte character decodes alone to
+    U+FFFD (its text and bytes are those of the decode, as vLLM gives them)."""
+    def text(tok: int) -> str:
+        return tokenizer.decode([tok])
+
+    out = []
+    for j, lp in enumerate(logprobs, start=first):
+        t = text(lp.token_id)
+        out.append({"token": t, "bytes": list(t.encode("utf-8")), "logprob": lp.logprob,
+                    "offset": max(ends[j - 1] if j > 0 else 0, ends[j] - len(t)),
+                    "top": [(text(a), list(text(a).encode("utf-8")), v) for a, v in lp.top]})
+    return out
 
 
 @dataclass
 class Submission:
-    """One request handed to the scheduler (created on the event loop, read by the thread)."""
+    """One request handed to the scheduler (created on the event loop, read by the thread); ``n`` independent
+    samples of its prompt run as ``n`` sequences (:meth:`BatchedGenerator.start_n`, one shared prefill)."""
 
     prompt_ids: list[int]
     config: GenerationConfig
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
+    n: int = 1
     id: int = field(default_factory=itertools.count().__next__)
     arrival: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -106,6 +132,8 @@ class _Running:
     text: StopStringText
     first_token_at: float
     last_emit_at: float
+    index: int = 0
+    logprobs_sent: int = 0
 
 
 class Scheduler:
@@ -227,8 +255,9 @@ class Scheduler:
                 if self.draining and not self._running:
                     self._stopped = True
                     return
-                admitted = []
-                while self._waiting and len(self._running) + len(admitted) < self.max_batch:
+                admitted, slots = [], len(self._running)
+                while self._waiting and (slots + self._waiting[0].n <= self.max_batch or slots == 0):
+                    slots += self._waiting[0].n       # n samples are n sequences (admitted alone if n > max_batch)
                     admitted.append(self._waiting.popleft())
                 self.metrics.labels(self.metrics.waiting).set(len(self._waiting))
             try:
@@ -253,21 +282,31 @@ class Scheduler:
                 starting.append(sub)
         forwards, pc = self.batched.target_forwards, self.batched.prefix_cache
         queries, hits = (pc.queries, pc.hits) if pc is not None else (0, 0)
-        started = self.batched.start_many([(sub.prompt_ids, sub.config) for sub in starting]) if starting else []
+        single = [sub for sub in starting if sub.n == 1]
+        started = dict(zip(map(id, single), self.batched.start_many([(sub.prompt_ids, sub.config) for sub in single])
+                           if single else []))
+        for sub in starting:
+            if sub.n > 1:
+                try:
+                    started[id(sub)] = self.batched.start_n(sub.prompt_ids, sub.config, sub.n)
+                except SpeculantError as e:
+                    started[id(sub)] = e
         self.metrics.labels(self.metrics.target_forwards).inc(self.batched.target_forwards - forwards)
         if pc is not None:
             self.metrics.labels(self.metrics.prefix_cache_queries).inc(pc.queries - queries)
             self.metrics.labels(self.metrics.prefix_cache_hits).inc(pc.hits - hits)
-        for sub, seq in zip(starting, started):
-            if isinstance(seq, SpeculantError):  # checked before submission; kept as a guard for this request only
-                self._post(sub, Event("error", error=str(seq), status=400))
+        for sub in starting:
+            seqs = started[id(sub)]
+            if isinstance(seqs, SpeculantError):  # checked before submission; kept as a guard for this request only
+                self._post(sub, Event("error", error=str(seqs), status=400))
                 continue
             now = time.perf_counter()
             self.metrics.labels(self.metrics.prompt_tokens).inc(len(sub.prompt_ids))
             self.metrics.labels(self.metrics.ttft).observe(now - sub.arrival)
-            item = _Running(sub, seq, StopStringText(self.tokenizer, sub.config.stop), now, now)
-            self._running.append(item)
-            self._emit(item, seq.last_block, first=True)
+            for index, seq in enumerate(seqs if isinstance(seqs, list) else [seqs]):
+                item = _Running(sub, seq, StopStringText(self.tokenizer, seq.config.stop), now, now, index)
+                self._running.append(item)
+                self._emit(item, seq.last_block, first=True)
         self._flush()                 # first tokens now, not after the round
         overdue = self.draining and (self._abort_all or time.perf_counter() - self._draining_since > self.drain_timeout)
         for item in list(self._running):
@@ -303,9 +342,21 @@ class Scheduler:
             ("length" if item.seq.finished == "length" else None)
         if reason is None:
             if piece:
-                self._post(item.sub, Event("text", piece, completion_tokens=len(item.text.token_ids)))
+                self._post(item.sub, Event("text", piece, completion_tokens=len(item.text.token_ids), index=item.index,
+                                           logprobs=self._logprobs(item, final=False)))
             return
         self._finish(item, reason, piece)
+
+    def _logprobs(self, item: _Running, final: bool) -> list[dict] | None:
+        """The log-probability entries of ``item``'s tokens shown since the last event (``final``: all the
+        output's tokens not sent yet); ``None`` when the request did not ask for them."""
+        logprobs = item.seq.logprobs
+        if logprobs is None:
+            return None
+        ends = item.text.detok.ends
+        upto = len(item.text.token_ids) if final else bisect.bisect_right(ends, item.text.shown)
+        first, item.logprobs_sent = item.logprobs_sent, max(item.logprobs_sent, upto)
+        return token_entries(self.tokenizer, logprobs[first:item.logprobs_sent], ends, first)
 
     def _finish(self, item: _Running, reason: str | None, piece: str = "", error: str = "",
                 aborted: bool = False) -> None:
@@ -317,7 +368,7 @@ class Scheduler:
                 self.batched.release(item.seq)
         m, seq, now = self.metrics, item.seq, time.perf_counter()
         if error:
-            self._post(item.sub, Event("error", error=error))
+            self._post(item.sub, Event("error", error=error, index=item.index))
             return
         if reason != "abort":
             piece += item.text.finish()
@@ -330,8 +381,8 @@ class Scheduler:
         if tokens > 1:
             m.labels(m.tpot).observe((now - item.first_token_at) / (tokens - 1))
         stats = seq.stats
-        self._post(item.sub, Event("done", piece, finish_reason=reason, completion_tokens=tokens,
-                                   stats={"rounds": stats.rounds, "drafted_tokens": stats.drafted_tokens,
-                                          "accepted_tokens": stats.accepted_tokens,
-                                          "acceptance_rate": stats.acceptance_rate,
-                                          "target_forwards": stats.target_forwards}))
+        counters = {"rounds": stats.rounds, "drafted_tokens": stats.drafted_tokens,
+                    "accepted_tokens": stats.accepted_tokens, "acceptance_rate": stats.acceptance_rate,
+                    "target_forwards": stats.target_forwards}
+        self._post(item.sub, Event("done", piece, finish_reason=reason, completion_tokens=tokens, index=item.index,
+                                   logprobs=self._logprobs(item, final=True), stats=counters))
