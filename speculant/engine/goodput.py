@@ -261,7 +261,7 @@ class SequenceSpeculation:
     def depth(self, max_depth: int, nodes_at_depth) -> int:
         """The next round's depth bound (0: an ``ar`` round)."""
         d = self.policy.draft_depth(1, self.acceptance, max_depth, nodes_at_depth, self.costs.draft_seconds)
-        if d == 0 and max_depth > 0:
+        if d == 0 and max_depth > 0 and self.could_pay(max_depth, nodes_at_depth):
             self._without += 1
             if self._without >= self.explore_every:
                 self._without = 0
@@ -269,6 +269,11 @@ class SequenceSpeculation:
         elif d:
             self._without = 0
         return d
+
+    def could_pay(self, max_depth: int, nodes_at_depth) -> bool:
+        """Whether some depth would pay if every drafted token were accepted (else exploring is useless: drafts
+        that cost more than the target's rows they replace never pay, whatever their acceptance)."""
+        return self.policy.draft_depth(1, _ALWAYS, max_depth, nodes_at_depth, self.costs.draft_seconds) > 0
 
     def stop_rule(self, nodes_at_depth):
         """``draft_stop(depth, confidence)`` for a drafter with draft confidence: refuse a depth when adding its
@@ -291,3 +296,7 @@ class SequenceSpeculation:
         """The round drafted ``drafted_depth`` depths and accepted ``accepted`` tokens."""
         if drafted_depth:
             self.acceptance.observe(drafted_depth, accepted)
+
+
+_ALWAYS = DepthAcceptance(prior=1.0)
+"""Every drafted token accepted (never updated): the most any drafting could give."""

@@ -151,6 +151,9 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
         result.fused_prompt_tokens, result.prompt_ms = tune.measure_prompt_route(model.decoder, log=log)
         tune.save(result)
         model.decoder.fused_prompt_tokens = result.fused_prompt_tokens
+    if model.fused and result is not None and not result.forward_ms:                  # once per machine (tune)
+        result.forward_ms = tune.measure_forward_rows(model.decoder, log=log)
+        tune.save(result)
     model.compiled = bool(compile) and not model.fused and enable_compile(model.decoder, log=log, blocks=blocks)
     return model
 

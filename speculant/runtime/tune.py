@@ -32,7 +32,10 @@ it runs alone (a decoding step) or inside a block (a verification).  So :func:`m
    (``weight_prefetch``; 0 = none);
 8. in that format too, times the model's one-token forward over a float32 and a float16 KV cache of
    :data:`KV_CACHE_CONTEXT` tokens (:func:`measure_kv_cache`) and keeps the faster (``kv_cache``), the cache
-   dtype of ``--kv-cache auto`` in that format.
+   dtype of ``--kv-cache auto`` in that format;
+9. in that format too, times the model's forward over T new tokens, T = :data:`FORWARD_ROWS`
+   (:func:`measure_forward_rows`, ``forward_ms``): the cost table that cost-aware speculation sizes its rounds
+   from (:mod:`speculant.engine.speculation`).
 
 The default weight format is the fastest one-row pass among the batch-invariant formats.  The result is
 stored as JSON under ``$SPECULANT_CACHE/tune/`` keyed by CPU model and flags, torch version, thread
@@ -77,6 +80,10 @@ WEIGHT_PREFETCH_CONTEXT = 256
 """Cached tokens of the one-token forward that :func:`measure_weight_prefetch` times."""
 KV_CACHE_CONTEXT = 512
 """Cached tokens of the one-token forward that :func:`measure_kv_cache` times."""
+FORWARD_ROWS = tuple(range(1, 17))
+"""New tokens T of the forwards :func:`measure_forward_rows` times (a decoding step, verification blocks, trees)."""
+FORWARD_CONTEXT = 256
+"""Cached tokens of the forwards :func:`measure_forward_rows` times."""
 SCHEMA = 2
 
 
@@ -106,6 +113,11 @@ class TuneResult:
         kv_cache: the KV cache's dtype in the fused-step format (``float32`` or ``float16``; ``None``: not measured
             yet, :func:`measure_kv_cache` runs once the model's fused step exists).
         kv_cache_ms: the one-token forward per cache dtype, ``{dtype: ms}`` [milliseconds].
+        forward_ms: the model's whole forward (all layers, final norm, LM head over every row) over T new tokens
+            after :data:`FORWARD_CONTEXT` cached ones, ``{T: ms}`` for T in :data:`FORWARD_ROWS` [milliseconds]
+            (:func:`measure_forward_rows`; empty: not measured, the model has no fused step).
+        draft_ms: one draft call (one depth of drafting) per drafter, ``{drafter signature: ms}`` [milliseconds]
+            (:func:`speculant.engine.speculation.draft_seconds`, measured at the first cost-aware use).
         drafter_weights: the weight format of a drafter's own projections per drafter shape,
             ``{"<kind>:<I>x<O>,...": {"weights": fmt, "ms": {fmt: one-row pass [ms]}}}``
             (:func:`speculant.drafters.weights.drafter_weight_format`, measured at the first load of such a drafter).
@@ -127,6 +139,8 @@ class TuneResult:
     drafter_weights: dict = field(default_factory=dict)
     kv_cache: str | None = None
     kv_cache_ms: dict = field(default_factory=dict)
+    forward_ms: dict = field(default_factory=dict)
+    draft_ms: dict = field(default_factory=dict)
     measured_at: str = ""
     schema: int = SCHEMA
 
@@ -504,6 +518,36 @@ def measure_kv_cache(decoder, repeats: int = 15, log=None) -> tuple[str, dict]:
     return choice, {k: round(v * 1e3, 3) for k, v in best.items()}
 
 
+def measure_forward_rows(decoder, rows=FORWARD_ROWS, repeats: int = 3, log=None) -> dict:
+    """Time the model's forward (all layers, final norm, LM head over every row) over ``T`` new tokens after
+    :data:`FORWARD_CONTEXT` cached ones (fewer if the model's positions end sooner), for each ``T`` in ``rows``:
+    the T-row costs that cost-aware speculation decides from.  The row counts alternated, best of ``repeats``
+    after a warm-up round (the minimum is the figure least disturbed by other work); ~1 s for SmolLM2-135M on
+    2 cores.  Random tokens: the cost does not depend on them.
+
+    Returns:
+        ``{T: ms}`` with string keys (as JSON stores them) [milliseconds].
+    """
+    start = time.perf_counter()
+    ctx = max(1, min(FORWARD_CONTEXT, decoder.config.context_length - max(rows)))
+    g = torch.Generator().manual_seed(5)
+    best = {r: float("inf") for r in rows}
+    with torch.inference_mode():
+        cache = decoder.new_cache(ctx + max(rows))
+        decoder(torch.randint(decoder.config.vocab_size, (1, ctx), generator=g), None, None, cache, 0)
+        ids = {r: torch.randint(decoder.config.vocab_size, (1, r), generator=g) for r in rows}
+        for rep in range(repeats + 1):
+            for r in rows:
+                t = time.perf_counter()
+                decoder(ids[r], None, None, cache, ctx)
+                if rep:                                                  # the first round is a warm-up
+                    best[r] = min(best[r], time.perf_counter() - t)
+    if log is not None:
+        print(f"speculant: T-row forwards timed in {time.perf_counter() - start:.1f} s (T = 1: "
+              f"{best[rows[0]] * 1e3:.2f} ms, T = {rows[-1]}: {best[rows[-1]] * 1e3:.2f} ms)", file=log, flush=True)
+    return {str(r): round(v * 1e3, 4) for r, v in best.items()}
+
+
 def attention_dtype(result: TuneResult) -> torch.dtype:
     """The KV cache's dtype ``result`` chose (:attr:`TuneResult.attention`)."""
     return torch.float32 if result.attention == "float32" else torch.float64
@@ -606,6 +650,10 @@ def format_table(result: TuneResult) -> str:
                   f"{WEIGHT_PREFETCH_CONTEXT} cached tokens: "
                   + ", ".join(f"{'none' if d == '0' else d + ' B'} {v:.2f} ms" for d, v in result.weight_prefetch_ms.items())
                   + ")"]
+    if result.forward_ms:
+        one = result.forward_ms["1"]
+        lines += [f"T-row forward ({FORWARD_CONTEXT} cached tokens; ms, and in one-token steps): "
+                  + ", ".join(f"{t}: {v:.2f} ({v / one:.2f})" for t, v in result.forward_ms.items())]
     if result.kv_cache_ms:
         lines += [f"KV cache in the fused-step format (--kv-cache auto): **{result.kv_cache}** (a one-token forward, "
                   f"{KV_CACHE_CONTEXT} cached tokens: "
