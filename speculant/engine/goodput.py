@@ -18,7 +18,9 @@ the expected goodput, tokens per second of a round.  This policy does the latter
   which a round pays whether it drafts or not, so that fewer, longer rounds save it.
 
 A round of ``N`` sequences drafts when ``N * tau / (cost(N * r) + N * (d + o)) > N / (cost(N) + N * o)``, i.e.
-when its expected tokens per second beat a round without drafts.  The means are learnt in the first ``warmup``
+when its expected tokens per second beat a round without drafts: :meth:`GoodputPolicy.draft_depth` at batch ``N``,
+the function that sizes a single sequence's rounds at ``N = 1`` (:mod:`speculant.engine.speculation`,
+``speculant generate --speculation cost``).  The means are learnt in the first ``warmup``
 rounds, which all draft, and kept current by exploring: when ``explore_every`` rounds in a row went without
 drafts, one sequence of the next round drafts (a drafter's acceptance changes with the text: prompt lookup finds
 nothing to copy in one answer and whole sentences in the next), which costs a batch a few rows, not a round.
@@ -125,9 +127,10 @@ class GoodputPolicy:
         observation)."""
         if self.tokens_per_sequence is None:
             return True
-        o = batch * self.overhead_seconds_per_sequence
-        return (self.tokens_per_sequence * (self.cost(batch) + o)
-                > self.cost(batch * self.rows_per_sequence) + batch * self.draft_seconds_per_sequence + o)
+        # the one-sequence rule's function (:meth:`draft_depth`), on the batch's running means: one "depth" that
+        # adds r - 1 rows per sequence, emits tau tokens and drafts for d seconds
+        return self.draft_depth(batch, _Emitting(self.tokens_per_sequence), 1, lambda d: self.rows_per_sequence - 1,
+                                self.draft_seconds_per_sequence, self.overhead_seconds_per_sequence) > 0
 
     def drafting(self, batch: int) -> int:
         """How many of a round's ``batch`` sequences draft: all (in the warm-up, or when it :meth:`pays`), one
@@ -300,3 +303,14 @@ class SequenceSpeculation:
 
 _ALWAYS = DepthAcceptance(prior=1.0)
 """Every drafted token accepted (never updated): the most any drafting could give."""
+
+
+class _Emitting:
+    """A one-depth acceptance whose round emits ``tau`` tokens (``alpha_1 = tau - 1``): :meth:`GoodputPolicy.pays`
+    as a :meth:`GoodputPolicy.draft_depth` decision."""
+
+    def __init__(self, tau: float):
+        self.tau = tau
+
+    def alpha(self, depth: int) -> float:
+        return self.tau - 1.0
