@@ -256,8 +256,34 @@ def test_cost_sources():
     assert forward_seconds(Model()) == {1: 0.010, 2: 0.011}
     Model.tune.forward_ms = {}
     assert forward_seconds(Model()) == {1: 0.008, 16: 0.020}
+    Model.tune.forward_ms = {"1": 10.0, "2": 30.0, "3": 12.0}            # a spike from another process's work
+    assert forward_seconds(Model()) == {1: 0.010, 2: 0.012, 3: 0.012}
     Model.tune = None
     assert forward_seconds(Model()) is None
     assert [nodes_at_depth(ChainBuilder(4))(d) for d in range(5)] == [0, 1, 2, 3, 4]
     assert [nodes_at_depth(ConstantBranchingBuilder("3,2,1"))(d) for d in range(4)] == [0, 3, 9, 15]
     assert nodes_at_depth(StochasticBeamBuilder(3, 4))(2) == 6
+
+
+def test_generate_json_reports_rounds_end_to_end(capsys, tmp_path):
+    """The CLI path with a tune: the loaded model's measured costs (the tuner's table), the drafter's cost measured
+    once and kept with the tune, rounds reported in --json, outputs as ar's."""
+    from speculant.cli import main
+    from speculant.models.loading import save_hf_dir
+    from speculant.runtime.loader import load_model
+    directory = save_hf_dir(tiny_model(seed=11, scale=2.5, vocab=64, layers=4, eos=63), tmp_path / "tiny_hf")
+    out = {}
+    for name, extra in {"ar": [], "cost": ["--method", "early-exit", "--exit-layer", "2"],
+                        "always": ["--method", "early-exit", "--exit-layer", "2", "--speculation", "always"]}.items():
+        assert main(["generate", "t1 t2 t3 t4", "--model", str(directory), "--raw", "--json", "--max-new-tokens", "16",
+                     *extra]) == 0
+        out[name] = json.loads(capsys.readouterr().out)
+    for name, d in out.items():
+        s = d["stats"]
+        assert d["token_ids"] == out["ar"]["token_ids"], name
+        assert s["speculated_rounds"] + s["ar_rounds"] == s["rounds"], name
+    assert out["ar"]["stats"]["speculated_rounds"] == 0
+    assert out["always"]["stats"]["ar_rounds"] <= 1 < out["always"]["stats"]["speculated_rounds"]
+    tune = load_model(str(directory), weights="fp32", compile=False).tune
+    assert "early-exit,exit_layer=2" in tune.draft_ms and tune.draft_ms["early-exit,exit_layer=2"] > 0
+    assert forward_seconds(load_model(str(directory), weights="fp32", compile=False)) is not None

@@ -518,11 +518,11 @@ def measure_kv_cache(decoder, repeats: int = 15, log=None) -> tuple[str, dict]:
     return choice, {k: round(v * 1e3, 3) for k, v in best.items()}
 
 
-def measure_forward_rows(decoder, rows=FORWARD_ROWS, repeats: int = 3, log=None) -> dict:
+def measure_forward_rows(decoder, rows=FORWARD_ROWS, repeats: int = 5, log=None) -> dict:
     """Time the model's forward (all layers, final norm, LM head over every row) over ``T`` new tokens after
     :data:`FORWARD_CONTEXT` cached ones (fewer if the model's positions end sooner), for each ``T`` in ``rows``:
     the T-row costs that cost-aware speculation decides from.  The row counts alternated, best of ``repeats``
-    after a warm-up round (the minimum is the figure least disturbed by other work); ~1 s for SmolLM2-135M on
+    after a warm-up round (the minimum is the figure least disturbed by other work); ~1.5 s for SmolLM2-135M on
     2 cores.  Random tokens: the cost does not depend on them.
 
     Returns:
