@@ -247,7 +247,8 @@ class SequenceSpeculation:
     """Cost-aware sizing of one sequence's rounds: the :class:`GoodputPolicy` choice at ``batch = 1`` from a fixed
     :class:`CostTable` and the sequence's own :class:`DepthAcceptance`; the round's depth is an upper bound that the
     drafter's own confidence may cut (:meth:`stop_rule`).  After ``explore_every`` rounds in a row without drafts
-    one round drafts its full depth, to keep the acceptance current.  Deterministic given the tokens.
+    one round drafts its full depth, to keep the acceptance current, unless no depth could pay even if every draft
+    were accepted (:meth:`could_pay`).  Deterministic given the tokens.
 
     Raises:
         SpeculantError: ``explore_every < 1`` (and see :class:`CostTable`, :class:`DepthAcceptance`).

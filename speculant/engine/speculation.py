@@ -6,7 +6,7 @@ policy calls the same function with its batch size), through
 :class:`~speculant.engine.goodput.SequenceSpeculation`, from:
 
 * ``cost(T)``: seconds of the target's forward over ``T`` new tokens, measured once per machine and model by the
-  tuner (:func:`speculant.runtime.tune.measure_forward_rows`, ``T`` = 1..16 on the fused step; other formats: the
+  tuner (:func:`speculant.runtime.tune.measure_forward_rows`, ``T`` from 1 to 16 on the fused step; other formats: the
   tuner's pass over all projections at 1, 2, 4, 5, 8 and 16 rows), linear in between;
 * ``c``: seconds of one draft call (one depth of drafting) of this drafter, measured once per machine, model and
   drafter by :func:`draft_seconds` (a short greedy generation that drafts every round, the draft calls timed as they
