@@ -86,6 +86,9 @@ def method_spec_from_args(args, model=None):
         exit_layer = best["exit_layer"]
         if k is None and args.method == "early-exit":
             k = best["num_speculations"]
+    speculation = getattr(args, "speculation", "cost")
+    if speculation not in ("cost", "always"):         # the server's goodput: its batched policy sizes the rounds
+        speculation = "always"
     if exit_layer is not None:
         try:
             exit_layer = int(exit_layer)
@@ -94,7 +97,8 @@ def method_spec_from_args(args, model=None):
     return MethodSpec(method=args.method, exit_layer=exit_layer, num_speculations=k, draft_model=args.draft_model,
                       max_ngram=args.max_ngram, min_ngram=args.min_ngram, branching=args.branching,
                       beam_width=args.beam_width, draft_length=args.draft_length, exit_adapter=args.exit_adapter,
-                      draft_head=args.draft_head, verification=getattr(args, "verification", "token"))
+                      draft_head=args.draft_head, verification=getattr(args, "verification", "token"),
+                      speculation=speculation)
 
 
 # ---------------------------------------------------------------- sampling controls, logprobs, n, structured output

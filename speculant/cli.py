@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="acceptance rule when sampling: token (recursive rejection sampling, default), block "
                         "(chains, Sun et al. 2025) or traversal (chains, rsd-c, specinfer; Weng et al. 2025); "
                         "greedy decoding always matches the argmax")
+    g.add_argument("--speculation", default="cost", choices=("cost", "always"),
+                   help="cost (default): each round drafts the depth (zero: an ar round) that maximizes the expected "
+                        "tokens per second from this machine's measured costs and the running acceptance; always: "
+                        "every round drafts the method's full depth")
     add_control_args(g)
     _add_method_args(g)
     g.set_defaults(func=cmd_generate)

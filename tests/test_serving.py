@@ -24,7 +24,9 @@ from speculant.runtime.formats import apply_weight_format
 from speculant.runtime.loader import load_model
 from speculant.runtime.executor import executor_of
 
-SPEC = MethodSpec(method="rsd-c", exit_layer=2, branching="2,2")     # self-speculative trees, batched verification
+# self-speculative trees, batched verification; `always`: the server's sampled sequences draft every round, as the
+# one-sequence generator does with --speculation always (its `cost` rounds would draw in another order)
+SPEC = MethodSpec(method="rsd-c", exit_layer=2, branching="2,2", speculation="always")
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 

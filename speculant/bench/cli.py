@@ -23,6 +23,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exit-adapter", default=None,
                    help="trained exit adapter (name or directory) used by early-exit drafters")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--speculation", default="cost", choices=("cost", "always"),
+                   help="our methods' round sizing unless a method says spec=: cost (default: each round drafts "
+                        "the depth, zero included, of most expected tokens/s) or always (the fixed depth)")
 
 
 def _setup(args):
@@ -45,7 +48,7 @@ def cmd_bench(args) -> int:
     from pathlib import Path
     from .runner import run_benchmark
     from .specs import parse_methods
-    methods = parse_methods(args.methods, args.exit_adapter)
+    methods = parse_methods(args.methods, args.exit_adapter, args.speculation)
     model, prompts, cfg = _setup(args)
     res = run_benchmark(model, prompts, methods, cfg, args.out, dataset=args.dataset, progress=not args.quiet,
                         chat=not args.raw)

@@ -21,6 +21,7 @@ Ours (keys -> :class:`speculant.engine.methods.MethodSpec` fields):
                        for a float16 KV cache, e.g. ``ar:rt=fp32-eager``, ``ar:rt=w4a8-kv16`` (each distinct
                        runtime loads the model once more)
 ``head``               draft_head (name or directory): ``eagle`` and the tree methods draft with it
+``spec``               speculation, ``cost`` or ``always`` (default: the run's ``--speculation``, ``cost``)
 =====================  ==========================================================
 
 Transformers (:mod:`speculant.bench.hf_baselines`): ``hf-ar``; ``hf-early-exit[:E=..,K=..]``
@@ -37,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..engine.methods import METHODS, TREE_METHODS, MethodSpec
+from ..engine.speculation import SPECULATION
 from ..errors import SpeculantError
 from ..runtime.formats import FORMATS
 
@@ -46,12 +48,12 @@ ALL_METHODS = METHODS + HF_METHODS + LLAMACPP_METHODS
 
 _OURS_KEYS = {"E": "exit_layer", "K": "num_speculations", "draft": "draft_model", "N": "max_ngram",
               "n": "min_ngram", "b": "branching", "W": "beam_width", "L": "draft_length", "adapter": "exit_adapter",
-              "head": "draft_head"}
+              "head": "draft_head", "spec": "speculation"}
 _ALLOWED = {
-    "ar": ("rt",), "early-exit": ("E", "K", "adapter", "rt"), "draft-model": ("E", "K", "draft", "rt"),
-    "prompt-lookup": ("K", "N", "n", "rt"), "eagle": ("K", "head", "rt"),
-    "rsd-c": ("E", "b", "draft", "adapter", "head", "rt"),
-    "specinfer": ("E", "b", "draft", "adapter", "head", "rt"), "rsd-s": ("E", "W", "L", "draft", "adapter", "head", "rt"),
+    "ar": ("rt",), "early-exit": ("E", "K", "adapter", "rt", "spec"), "draft-model": ("E", "K", "draft", "rt", "spec"),
+    "prompt-lookup": ("K", "N", "n", "rt", "spec"), "eagle": ("K", "head", "rt", "spec"),
+    "rsd-c": ("E", "b", "draft", "adapter", "head", "rt", "spec"),
+    "specinfer": ("E", "b", "draft", "adapter", "head", "rt", "spec"), "rsd-s": ("E", "W", "L", "draft", "adapter", "head", "rt", "spec"),
     "hf-ar": (), "hf-early-exit": ("E", "K"), "hf-prompt-lookup": ("K", "N"), "hf-assistant": ("E", "K"),
     "llamacpp": (), "llamacpp-lookup": ("K", "N"),
 }
@@ -109,6 +111,10 @@ def _value(method: str, key: str, raw: str):
         if v < 1:
             raise SpeculantError(f"{method}: {key}={v} is out of range; allowed: >= 1")
         return v
+    if key == "spec":
+        if raw not in SPECULATION:
+            raise SpeculantError(f"{method}: spec={raw!r} is unknown; allowed: {', '.join(SPECULATION)}")
+        return raw
     if key == "rt":
         if raw not in RUNTIMES:
             raise SpeculantError(f"{method}: rt={raw!r} is unknown; allowed: {', '.join(RUNTIMES)}")
@@ -118,10 +124,11 @@ def _value(method: str, key: str, raw: str):
     return raw
 
 
-def to_spec(name: str, params: dict, exit_adapter: str | None = None) -> MethodSpec:
+def to_spec(name: str, params: dict, exit_adapter: str | None = None, speculation: str = "cost") -> MethodSpec:
     """The :class:`MethodSpec` of one of our methods; ``exit_adapter`` is used where the method drafts
-    with early-exit layers and no ``adapter=`` was given."""
+    with early-exit layers and no ``adapter=`` was given, ``speculation`` where no ``spec=`` was."""
     kw = {_OURS_KEYS[k]: v for k, v in params.items() if k != "rt"}
+    kw.setdefault("speculation", speculation)
     if name == "draft-model":
         e = kw.pop("exit_layer", None)
         if e is not None:
@@ -139,8 +146,9 @@ def to_spec(name: str, params: dict, exit_adapter: str | None = None) -> MethodS
     return MethodSpec(method=name, **kw)
 
 
-def parse_methods(text: str, exit_adapter: str | None = None) -> list[BenchMethod]:
-    """Parse a ``--methods`` string (grammar in the module docstring).
+def parse_methods(text: str, exit_adapter: str | None = None, speculation: str = "cost") -> list[BenchMethod]:
+    """Parse a ``--methods`` string (grammar in the module docstring); ``speculation``: our methods' default
+    ``spec`` (``--speculation``).
 
     Raises:
         SpeculantError: unknown method or key (names the allowed ones), a bad value, a
@@ -177,6 +185,6 @@ def parse_methods(text: str, exit_adapter: str | None = None) -> list[BenchMetho
         seen.add(label)
         if name == "hf-assistant" and "E" not in params:
             raise SpeculantError(f"{name} needs E=<layers of the assistant copy>, e.g. {name}:E=12")
-        spec = to_spec(name, params, exit_adapter) if name in METHODS else None
+        spec = to_spec(name, params, exit_adapter, speculation) if name in METHODS else None
         out.append(BenchMethod(label, name, params, spec))
     return out

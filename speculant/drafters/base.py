@@ -253,6 +253,16 @@ def frontier_paths(tree: DraftTree, frontier: list[int]) -> list[tuple[int, ...]
     return [tuple(tree.tokens[i] for i in tree.path_to(node)) if node >= 0 else () for node in frontier]
 
 
+def depth_confidence(confidence: dict[int, float], frontier: list[int], q: torch.Tensor, kids) -> float:
+    """The value of drafting the next depth: the best frontier path confidence (``confidence[node]``, the product of
+    its tokens' draft probabilities) times the top draft probability in that node's row of ``q`` ``[F, V]``.  A
+    function of the tree so far and of ``q`` only, never of the tokens just sampled (``kids``, unused): refusing a
+    depth for the probability of what was sampled there would bias the draft law and break sampling exactness
+    (``tests/test_cost_policy.py`` has that broken variant).  Under greedy decoding the top token is the child."""
+    top = q.amax(-1).tolist()
+    return max((confidence[node] * p for node, p in zip(frontier, top)), default=0.0)
+
+
 @dataclass
 class ModelDraftState:
     """Per-generation state of a :class:`ModelDrafterBase`.
@@ -287,7 +297,8 @@ class ModelDrafterBase(Drafter[MS]):
     def draft(self, state, builder, generator, max_nodes, max_depth):
         """Depth by depth: one :meth:`frontier_logits` call per depth, the builder picks the children.  With a
         ``state.draft_stop`` rule (a cost-aware policy), a depth whose best path confidence (the product of the
-        draft probabilities of its tokens, EAGLE-2's value of a node) the rule refuses ends the tree before it."""
+        draft probabilities of the path's tokens and of the top token at this depth, EAGLE-2's value of a node) the
+        rule refuses ends the tree before it."""
         tree = DraftTree()
         ds = state.drafter_state
         ds.processed = 0
@@ -310,9 +321,9 @@ class ModelDrafterBase(Drafter[MS]):
             if controlled:
                 kids = allowed_children(q, kids)
             if state.draft_stop is not None:
-                paths = [[confidence[node] * float(row[t]) for t in toks] for node, row, toks in zip(frontier, q, kids)]
-                if state.draft_stop(depth, max((c for cs in paths for c in cs), default=0.0)):
+                if state.draft_stop(depth, depth_confidence(confidence, frontier, q, kids)):
                     break
+                paths = [[confidence[node] * float(row[t]) for t in toks] for node, row, toks in zip(frontier, q, kids)]
             new, full = [], False
             for i, (node, toks) in enumerate(zip(frontier, kids)):
                 for j, tok in enumerate(toks):

@@ -28,7 +28,9 @@ from ..sampling.processors import SamplingConfig
 from ..trees.builders import IIDTreeBuilder, TreeBuilder
 from .prompts import check_prompt_ids, encode_prompt
 from .requests import check_controls, make_controls, stop_token_set
+from .goodput import CostTable
 from .rounds import accept_and_commit, draft_limits, prefill
+from .speculation import RoundSizer
 from .stats import GenerationStats
 from .text import StopStringText
 
@@ -123,15 +125,19 @@ class SpeculativeGenerator:
         builder: shapes the draft tree (chain, RSD-C, RSD-S, i.i.d.); ``None`` with no drafter.
         verification: acceptance rule under sampling, ``token``, ``block`` or ``traversal``
             (:func:`speculant.verification.sequence.sampling_accept`).
+        costs: a :class:`~speculant.engine.goodput.CostTable` that sizes each round by expected tokens per second
+            (:mod:`speculant.engine.speculation`; zero drafts make an ``ar`` round); ``None``: every round drafts as
+            deep as the builder allows (``--speculation always``).
     """
 
     def __init__(self, model: LoadedModel, drafter: Drafter | None = None, builder: TreeBuilder | None = None,
-                 verification: str = "token"):
+                 verification: str = "token", costs: CostTable | None = None):
         self.model = model
         self.drafter = drafter or Drafter()
         self.builder = builder
         self.without_replacement = not isinstance(builder, IIDTreeBuilder)
         self.verification = verification
+        self.costs = costs if builder is not None else None
         self.last_result: GenerationResult | None = None
 
     # ---------------------------------------------------------------- prompts
@@ -178,13 +184,15 @@ class SpeculativeGenerator:
         else:
             state = self._prefill(prompt_ids, config.sampling, min(ctx, len(prompt_ids) + max_new + budget + 2),
                                   generator, stats, t0, controls)
+        sizer = (RoundSizer(self.costs, builder, self.drafter.capabilities.draft_confidence)
+                 if self.costs is not None else None)
         block = state.tokens[-1:]
         while True:
             yield list(block)
             emitted = len(state.tokens) - len(prompt_ids)
             if block[-1] in eos or emitted >= max_new:
                 return
-            block = self._round(state, builder, budget, max_new - emitted, generator, eos, stats)
+            block = self._round(state, builder, budget, max_new - emitted, generator, eos, stats, sizer)
             stats.new_tokens = emitted + len(block)
             stats.seconds = time.perf_counter() - t0
 
@@ -200,16 +208,24 @@ class SpeculativeGenerator:
 
     @torch.inference_mode()
     def _round(self, state: DecodingState, builder, budget: int, remaining: int, generator, eos,
-               stats: GenerationStats) -> list[int]:
+               stats: GenerationStats, sizer: RoundSizer | None = None) -> list[int]:
         """One draft -> verify -> accept -> commit round; returns the emitted tokens (at most ``remaining``,
-        ending at an EOS)."""
+        ending at an EOS).  With a ``sizer`` the round drafts the depth it chooses (0: an ``ar`` round)."""
         max_nodes, max_depth = draft_limits(state, builder, budget, remaining)
+        if sizer is not None:
+            max_depth = sizer.depth(state, max_depth)
+        t0 = time.perf_counter()
         tree = self.drafter.draft(state, builder, generator, max_nodes, max_depth)
+        stats.draft_seconds += time.perf_counter() - t0
         stats.draft_forwards = state.draft_forwards
         logits = self.drafter.verify_logits(state, tree)
         stats.target_forwards += 1
-        return accept_and_commit(state, self.drafter, builder, tree, logits, generator, self.without_replacement,
-                                 remaining, eos, stats, verification=self.verification)
+        accepted = stats.accepted_tokens
+        block = accept_and_commit(state, self.drafter, builder, tree, logits, generator, self.without_replacement,
+                                  remaining, eos, stats, verification=self.verification)
+        if sizer is not None:
+            sizer.observe(tree.max_depth, stats.accepted_tokens - accepted)
+        return block
 
     # ---------------------------------------------------------------- text layer
     def stream(self, prompt: str | list[int] | list[dict], config: GenerationConfig | None = None,

@@ -18,7 +18,9 @@ the expected goodput, tokens per second of a round.  This policy does the latter
   which a round pays whether it drafts or not, so that fewer, longer rounds save it.
 
 A round of ``N`` sequences drafts when ``N * tau / (cost(N * r) + N * (d + o)) > N / (cost(N) + N * o)``, i.e.
-when its expected tokens per second beat a round without drafts.  The means are learnt in the first ``warmup``
+when its expected tokens per second beat a round without drafts: :meth:`GoodputPolicy.draft_depth` at batch ``N``,
+the function that sizes a single sequence's rounds at ``N = 1`` (:mod:`speculant.engine.speculation`,
+``speculant generate --speculation cost``).  The means are learnt in the first ``warmup``
 rounds, which all draft, and kept current by exploring: when ``explore_every`` rounds in a row went without
 drafts, one sequence of the next round drafts (a drafter's acceptance changes with the text: prompt lookup finds
 nothing to copy in one answer and whole sentences in the next), which costs a batch a few rows, not a round.
@@ -125,9 +127,10 @@ class GoodputPolicy:
         observation)."""
         if self.tokens_per_sequence is None:
             return True
-        o = batch * self.overhead_seconds_per_sequence
-        return (self.tokens_per_sequence * (self.cost(batch) + o)
-                > self.cost(batch * self.rows_per_sequence) + batch * self.draft_seconds_per_sequence + o)
+        # the one-sequence rule's function (:meth:`draft_depth`), on the batch's running means: one "depth" that
+        # adds r - 1 rows per sequence, emits tau tokens and drafts for d seconds
+        return self.draft_depth(batch, _Emitting(self.tokens_per_sequence), 1, lambda d: self.rows_per_sequence - 1,
+                                self.draft_seconds_per_sequence, self.overhead_seconds_per_sequence) > 0
 
     def drafting(self, batch: int) -> int:
         """How many of a round's ``batch`` sequences draft: all (in the warm-up, or when it :meth:`pays`), one
@@ -244,7 +247,8 @@ class SequenceSpeculation:
     """Cost-aware sizing of one sequence's rounds: the :class:`GoodputPolicy` choice at ``batch = 1`` from a fixed
     :class:`CostTable` and the sequence's own :class:`DepthAcceptance`; the round's depth is an upper bound that the
     drafter's own confidence may cut (:meth:`stop_rule`).  After ``explore_every`` rounds in a row without drafts
-    one round drafts its full depth, to keep the acceptance current.  Deterministic given the tokens.
+    one round drafts its full depth, to keep the acceptance current, unless no depth could pay even if every draft
+    were accepted (:meth:`could_pay`).  Deterministic given the tokens.
 
     Raises:
         SpeculantError: ``explore_every < 1`` (and see :class:`CostTable`, :class:`DepthAcceptance`).
@@ -261,7 +265,7 @@ class SequenceSpeculation:
     def depth(self, max_depth: int, nodes_at_depth) -> int:
         """The next round's depth bound (0: an ``ar`` round)."""
         d = self.policy.draft_depth(1, self.acceptance, max_depth, nodes_at_depth, self.costs.draft_seconds)
-        if d == 0 and max_depth > 0:
+        if d == 0 and max_depth > 0 and self.could_pay(max_depth, nodes_at_depth):
             self._without += 1
             if self._without >= self.explore_every:
                 self._without = 0
@@ -269,6 +273,11 @@ class SequenceSpeculation:
         elif d:
             self._without = 0
         return d
+
+    def could_pay(self, max_depth: int, nodes_at_depth) -> bool:
+        """Whether some depth would pay if every drafted token were accepted (else exploring is useless: drafts
+        that cost more than the target's rows they replace never pay, whatever their acceptance)."""
+        return self.policy.draft_depth(1, _ALWAYS, max_depth, nodes_at_depth, self.costs.draft_seconds) > 0
 
     def stop_rule(self, nodes_at_depth):
         """``draft_stop(depth, confidence)`` for a drafter with draft confidence: refuse a depth when adding its
@@ -291,3 +300,18 @@ class SequenceSpeculation:
         """The round drafted ``drafted_depth`` depths and accepted ``accepted`` tokens."""
         if drafted_depth:
             self.acceptance.observe(drafted_depth, accepted)
+
+
+_ALWAYS = DepthAcceptance(prior=1.0)
+"""Every drafted token accepted (never updated): the most any drafting could give."""
+
+
+class _Emitting:
+    """A one-depth acceptance whose round emits ``tau`` tokens (``alpha_1 = tau - 1``): :meth:`GoodputPolicy.pays`
+    as a :meth:`GoodputPolicy.draft_depth` decision."""
+
+    def __init__(self, tau: float):
+        self.tau = tau
+
+    def alpha(self, depth: int) -> float:
+        return self.tau - 1.0

@@ -18,6 +18,8 @@ from ..trees.builders import (ChainBuilder, ConstantBranchingBuilder, IIDTreeBui
                               TreeBuilder)
 from ..verification.sequence import check_verification
 from .generator import SpeculativeGenerator
+from .goodput import CostTable
+from .speculation import check_speculation, cost_table
 
 METHODS = ("ar", "early-exit", "draft-model", "prompt-lookup", "eagle", "rsd-c", "rsd-s", "specinfer")
 TREE_METHODS = ("rsd-c", "rsd-s", "specinfer")
@@ -62,7 +64,9 @@ class MethodSpec:
     exit_layer: see :func:`default_exit_layer`).  A parameter given to a method that does not read it
     is refused, never silently ignored, and so are ``exit_layer``/``exit_adapter`` together with
     ``draft_model`` (the draft model replaces early-exit drafting).  ``num_speculations="auto"`` is the
-    adaptive chain length (early-exit and draft-model drafting).
+    adaptive chain length (early-exit and draft-model drafting).  ``speculation``: ``cost`` (each round drafts the
+    depth, zero included, that maximizes expected tokens per second, :mod:`speculant.engine.speculation`) or
+    ``always`` (every round drafts as deep as the method's parameters say).
 
     Raises:
         SpeculantError: unknown method, a parameter the method does not use, conflicting parameters,
@@ -81,8 +85,10 @@ class MethodSpec:
     exit_adapter: str | None = None
     draft_head: str | None = None
     verification: str = "token"
+    speculation: str = "cost"
 
     def __post_init__(self):
+        check_speculation(self.speculation)
         check_verification(self.verification, self.method, TREE_METHODS, ("rsd-s",))
         if self.method not in METHODS:
             raise SpeculantError(f"method={self.method!r} is unknown; allowed: {', '.join(METHODS)}")
@@ -180,8 +186,18 @@ def _drafter(spec: MethodSpec, model: LoadedModel) -> Drafter | None:
     return EarlyExitDrafter(target.num_layers, exit_layer, head)
 
 
-def build_generator(model: LoadedModel, spec: MethodSpec | None = None, **kwargs) -> SpeculativeGenerator:
-    """A :class:`SpeculativeGenerator` for ``spec`` (or ``MethodSpec(**kwargs)``).
+def drafter_signature(spec: MethodSpec) -> str:
+    """What identifies a drafter's cost per draft call on one model: its method and drafting parameters (the
+    key of its measured cost in the tune, :func:`speculant.engine.speculation.draft_seconds`)."""
+    fields = ("exit_layer", "exit_adapter", "draft_model", "draft_head", "max_ngram", "min_ngram")
+    return spec.method + "".join(f",{f}={getattr(spec, f)}" for f in fields if getattr(spec, f) is not None)
+
+
+def build_generator(model: LoadedModel, spec: MethodSpec | None = None, costs: CostTable | None = None,
+                    **kwargs) -> SpeculativeGenerator:
+    """A :class:`SpeculativeGenerator` for ``spec`` (or ``MethodSpec(**kwargs)``).  Under ``speculation="cost"``
+    its rounds are sized by ``costs``, by default the model's measured ones
+    (:func:`speculant.engine.speculation.cost_table`; a model without a tune drafts every round).
 
     Raises:
         SpeculantError: unknown method or bad parameters (the message names the value).
@@ -191,4 +207,9 @@ def build_generator(model: LoadedModel, spec: MethodSpec | None = None, **kwargs
     e = spec.exit_layer
     if e is not None and (isinstance(e, bool) or not isinstance(e, int) or not 1 <= e < layers):
         raise SpeculantError(f"exit_layer={spec.exit_layer} is out of range; allowed: 1..{layers - 1}")
-    return SpeculativeGenerator(model, _drafter(spec, model), _builder(spec), verification=spec.verification)
+    drafter, builder = _drafter(spec, model), _builder(spec)
+    if spec.speculation != "cost":
+        costs = None
+    elif costs is None:
+        costs = cost_table(model, drafter, builder, drafter_signature(spec))
+    return SpeculativeGenerator(model, drafter, builder, verification=spec.verification, costs=costs)

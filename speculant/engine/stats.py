@@ -23,6 +23,9 @@ class GenerationStats:
             that accepted a token at depth d.
         layer_token_evaluations: per target layer, tokens it processed.
         tree_nodes_max: largest tree verified [tokens].
+        speculated_rounds / ar_rounds: rounds that verified at least one drafted token / none (an ``ar`` round:
+            nothing drafted, chosen by ``--speculation cost`` or with nothing to draft) [count].
+        draft_seconds: time spent in the drafter's ``draft`` calls [s].
     """
 
     new_tokens: int = 0
@@ -37,10 +40,17 @@ class GenerationStats:
     drafted_at_depth: list[int] = field(default_factory=list)
     layer_token_evaluations: list[int] = field(default_factory=list)
     tree_nodes_max: int = 0
+    speculated_rounds: int = 0
+    ar_rounds: int = 0
+    draft_seconds: float = 0.0
 
     def record_round(self, tree_size: int, tree_depth: int, accepted: int) -> None:
         self._last_accepted = accepted
         self.rounds += 1
+        if tree_size:
+            self.speculated_rounds += 1
+        else:
+            self.ar_rounds += 1
         self.drafted_tokens += tree_size
         self.accepted_tokens += accepted
         self.tree_nodes_max = max(self.tree_nodes_max, tree_size)

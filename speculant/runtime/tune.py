@@ -34,9 +34,12 @@ it runs alone (a decoding step) or inside a block (a verification).  So :func:`m
    :data:`KV_CACHE_CONTEXT` tokens (:func:`measure_kv_cache`) and keeps the faster (``kv_cache``), the cache
    dtype of ``--kv-cache auto`` in that format;
 9. in that format too, times a decode loop of the fused step with each thread count (:func:`measure_decode_threads`)
-   and keeps the default count unless another is faster by more than the noise (``threads``).
+   and keeps the default count unless another is faster by more than the noise (``threads``);
+10. in that format too, with that thread count, times the model's forward over T new tokens, T in
+   :data:`FORWARD_ROWS` (:func:`measure_forward_rows`, ``forward_ms``): the cost table that cost-aware speculation
+   sizes its rounds from (:mod:`speculant.engine.speculation`).
 
-Steps 6-9 are :func:`complete_for_fused`, run on an executor of the packed model (the first load in that format
+Steps 6-10 are :func:`complete_for_fused`, run on an executor of the packed model (the first load in that format
 calls it once).  The executor is then built from the result (:meth:`~speculant.runtime.executor.Executor.from_tune`);
 nothing here changes a model or an executor.
 
@@ -88,6 +91,11 @@ DECODE_THREAD_STEPS = 32
 THREAD_NOISE = 0.05
 """A thread count other than the default is chosen only if it is faster by more than this fraction (timings of a
 shared machine differ by a few percent between runs)."""
+FORWARD_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+"""New tokens T of the forwards :func:`measure_forward_rows` times (a decoding step, verification blocks, trees;
+cost-aware speculation interpolates linearly in between)."""
+FORWARD_CONTEXT = 256
+"""Cached tokens of the forwards :func:`measure_forward_rows` times."""
 SCHEMA = 2
 
 
@@ -122,6 +130,11 @@ class TuneResult:
         decode_thread_ms: in the fused-step format, a :data:`DECODE_THREAD_STEPS`-step decode loop of the fused step
             per thread count, ``{threads: ms per step}`` (:func:`measure_decode_threads`; empty: not measured), from
             which ``threads`` was then chosen.
+        forward_ms: the model's whole forward (all layers, final norm, LM head over every row) over T new tokens
+            after :data:`FORWARD_CONTEXT` cached ones, ``{T: ms}`` for T in :data:`FORWARD_ROWS` [milliseconds]
+            (:func:`measure_forward_rows`; empty: not measured, the model has no fused step).
+        draft_ms: one draft call (one depth of drafting) per drafter, ``{drafter signature: ms}`` [milliseconds]
+            (:func:`speculant.engine.speculation.draft_seconds`, measured at the first cost-aware use).
         drafter_weights: the weight format of a drafter's own projections per drafter shape,
             ``{"<kind>:<I>x<O>,...": {"weights": fmt, "ms": {fmt: one-row pass [ms]}}}``
             (:func:`speculant.drafters.weights.drafter_weight_format`, measured at the first load of such a drafter).
@@ -144,6 +157,8 @@ class TuneResult:
     kv_cache: str | None = None
     kv_cache_ms: dict = field(default_factory=dict)
     decode_thread_ms: dict = field(default_factory=dict)
+    forward_ms: dict = field(default_factory=dict)
+    draft_ms: dict = field(default_factory=dict)
     measured_at: str = ""
     schema: int = SCHEMA
 
@@ -587,7 +602,8 @@ def measure_decode_threads(executor, options=None, steps: int = DECODE_THREAD_ST
 def complete_for_fused(result: TuneResult, executor, log=None) -> bool:
     """The measurements that need the model in its fused-step format, run on ``executor`` where ``result`` lacks
     them (once per machine and model: the first load in that format; ``speculant tune`` runs them again): the KV
-    cache dtype, the weight prefetch distance, the prompt route and the decoding thread count.  ``result`` is
+    cache dtype, the weight prefetch distance, the prompt route, the decoding thread count and the T-row forward
+    costs.  ``result`` is
     updated and saved; the executor is left as it was (the caller builds one from ``result``).  Returns whether
     anything was measured."""
     if executor.fused_layers() is None:
@@ -605,9 +621,47 @@ def complete_for_fused(result: TuneResult, executor, log=None) -> bool:
     if not result.decode_thread_ms:
         result.threads, result.decode_thread_ms = measure_decode_threads(executor, log=log)
         measured = True
+    if not result.forward_ms:
+        before = torch.get_num_threads()
+        torch.set_num_threads(result.threads or before)       # the T-row costs at the count decoding will use
+        try:
+            result.forward_ms = measure_forward_rows(executor, log=log)
+        finally:
+            torch.set_num_threads(before)
+        measured = True
     if measured:
         save(result)
     return measured
+
+
+def measure_forward_rows(decoder, rows=FORWARD_ROWS, repeats: int = 3, log=None) -> dict:
+    """Time the model's forward (all layers, final norm, LM head over every row) over ``T`` new tokens after
+    :data:`FORWARD_CONTEXT` cached ones (fewer if the model's positions end sooner), for each ``T`` in ``rows``:
+    the T-row costs that cost-aware speculation decides from.  The row counts alternated, best of ``repeats``
+    after a warm-up round (the minimum is the figure least disturbed by other work); ~0.5 s for SmolLM2-135M on
+    2 cores.  Random tokens: the cost does not depend on them.
+
+    Returns:
+        ``{T: ms}`` with string keys (as JSON stores them) [milliseconds].
+    """
+    start = time.perf_counter()
+    ctx = max(1, min(FORWARD_CONTEXT, decoder.config.context_length - max(rows)))
+    g = torch.Generator().manual_seed(5)
+    best = {r: float("inf") for r in rows}
+    with torch.inference_mode():
+        cache = decoder.new_cache(ctx + max(rows))
+        decoder(torch.randint(decoder.config.vocab_size, (1, ctx), generator=g), None, None, cache, 0)
+        ids = {r: torch.randint(decoder.config.vocab_size, (1, r), generator=g) for r in rows}
+        for rep in range(repeats + 1):
+            for r in rows:
+                t = time.perf_counter()
+                decoder(ids[r], None, None, cache, ctx)
+                if rep:                                                  # the first round is a warm-up
+                    best[r] = min(best[r], time.perf_counter() - t)
+    if log is not None:
+        print(f"speculant: T-row forwards timed in {time.perf_counter() - start:.1f} s (T = 1: "
+              f"{best[rows[0]] * 1e3:.2f} ms, T = {rows[-1]}: {best[rows[-1]] * 1e3:.2f} ms)", file=log, flush=True)
+    return {str(r): round(v * 1e3, 4) for r, v in best.items()}
 
 
 def attention_dtype(result: TuneResult) -> torch.dtype:
@@ -714,6 +768,10 @@ def format_table(result: TuneResult) -> str:
                   f"{WEIGHT_PREFETCH_CONTEXT} cached tokens: "
                   + ", ".join(f"{'none' if d == '0' else d + ' B'} {v:.2f} ms" for d, v in result.weight_prefetch_ms.items())
                   + ")"]
+    if result.forward_ms:
+        one = result.forward_ms["1"]
+        lines += [f"T-row forward ({FORWARD_CONTEXT} cached tokens; ms, and in one-token steps): "
+                  + ", ".join(f"{t}: {v:.2f} ({v / one:.2f})" for t, v in result.forward_ms.items())]
     if result.kv_cache_ms:
         lines += [f"KV cache in the fused-step format (--kv-cache auto): **{result.kv_cache}** (a one-token forward, "
                   f"{KV_CACHE_CONTEXT} cached tokens: "

@@ -1,0 +1,168 @@
+"""Cost-aware speculation for one sequence: each round drafts the depth (zero included) that maximizes its expected
+tokens per second (``--speculation cost``, the default; ``always`` drafts every round as deep as the method says).
+
+The decision is :meth:`speculant.engine.goodput.GoodputPolicy.draft_depth` at ``batch = 1`` (the server's goodput
+policy calls the same function with its batch size), through
+:class:`~speculant.engine.goodput.SequenceSpeculation`, from:
+
+* ``cost(T)``: seconds of the target's forward over ``T`` new tokens, measured once per machine and model by the
+  tuner (:func:`speculant.runtime.tune.measure_forward_rows`, ``T`` from 1 to 16 on the fused step; other formats: the
+  tuner's pass over all projections at 1, 2, 4, 5, 8 and 16 rows), linear in between;
+* ``c``: seconds of one draft call (one depth of drafting) of this drafter, measured once per machine, model and
+  drafter by :func:`draft_seconds` (a short greedy generation that drafts every round, the draft calls timed as they
+  run between verifications) and kept with the tune;
+* ``alpha_d``: the sequence's running acceptance per depth (:class:`~speculant.engine.goodput.DepthAcceptance`,
+  counts only);
+* where the drafter declares ``draft_confidence``: the draft probability of the top token at each depth, times that
+  of the path above it, which stops drafting once another depth is expected to lower the round's tokens per second
+  (:meth:`~speculant.engine.goodput.SequenceSpeculation.stop_rule`; EAGLE-2's dynamic depth, llama.cpp's
+  ``--draft-p-min``).
+
+A round with zero drafts is an ``ar`` round: the target's token from one row, so greedy outputs are token-identical
+and sampled outputs keep the target's law (a zero-draft round samples from the target itself).  Every input is
+fixed before the generation or a count of its own tokens, so a seeded output does not depend on timing noise.
+A model without a tune (built in memory, or loaded in a dtype other than float32) has no measured costs: its
+generator drafts as ``always`` does unless given a :class:`~speculant.engine.goodput.CostTable`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import SpeculantError
+from ..trees.builders import ChainBuilder, ConstantBranchingBuilder, StochasticBeamBuilder, TreeBuilder
+from .goodput import CostTable
+
+SPECULATION = ("cost", "always")
+"""``--speculation`` choices."""
+CALIBRATION_TOKENS = 32
+"""New tokens of each calibration generation of :func:`draft_seconds` [tokens]."""
+
+
+def check_speculation(value: str) -> str:
+    """``value`` if it is one of :data:`SPECULATION`; raises :class:`SpeculantError` naming it otherwise."""
+    if value not in SPECULATION:
+        raise SpeculantError(f"speculation={value!r} is unknown; allowed: {', '.join(SPECULATION)}")
+    return value
+
+
+def nodes_at_depth(builder: TreeBuilder | None):
+    """``f(d)``: nodes of the builder's full tree cut at depth ``d`` [tokens] (``f(0) = 0``): ``d`` for a chain,
+    the cumulative products of the branching for RSD-C/SpecInfer, ``W * d`` for RSD-S (``W`` beams per depth)."""
+    if builder is None:
+        return lambda d: 0
+    if isinstance(builder, ChainBuilder):
+        return lambda d: d
+    if isinstance(builder, ConstantBranchingBuilder):
+        sizes, width, total = [0], 1, 0
+        for b in builder.branching:
+            width *= b
+            total += width
+            sizes.append(total)
+        return lambda d: sizes[min(d, len(sizes) - 1)]
+    if isinstance(builder, StochasticBeamBuilder):
+        return lambda d: builder.beam_width * d
+    per = builder.budget() / max(builder.max_depth, 1)
+    return lambda d: round(per * d)
+
+
+def forward_seconds(model) -> dict[int, float] | None:
+    """``{T: seconds}`` of the target's forward over ``T`` new tokens from ``model.tune``: its ``forward_ms`` (the
+    whole forward, fused step), else the tuner's projection pass in ``model.weights``; ``None`` without a tune."""
+    tune = getattr(model, "tune", None)
+    if tune is None:
+        return None
+    if tune.forward_ms:
+        return monotone({int(t): ms / 1e3 for t, ms in tune.forward_ms.items()})
+    try:
+        row = tune.row(model.weights, tune.fp32_route if model.weights == "fp32" else None)
+    except KeyError:
+        return None
+    return monotone({int(t): ms / 1e3 for t, ms in row["ms"].items()})
+
+
+def monotone(table: dict[int, float]) -> dict[int, float]:
+    """``table`` with each cost replaced by the least cost measured at as many rows or more: a forward over fewer
+    rows never needs more time than one over more (it could run padded), so a larger figure is another process's
+    interference on a shared machine (timing is a minimum over repeats for the same reason)."""
+    out, best = {}, float("inf")
+    for rows in sorted(table, reverse=True):
+        best = min(best, table[rows])
+        out[rows] = best
+    return dict(sorted(out.items()))
+
+
+def draft_seconds(model, drafter, builder: TreeBuilder, signature: str) -> float:
+    """Seconds of one draft call of ``drafter`` on ``model`` [s]: ``model.tune.draft_ms[signature]`` if measured,
+    else :func:`measure_draft_seconds`, then kept there (and saved with the tune)."""
+    tune = model.tune
+    if signature not in tune.draft_ms:
+        tune.draft_ms[signature] = round(measure_draft_seconds(model, drafter, builder) * 1e3, 6)
+        from ..runtime import tune as tune_module
+        tune_module.save(tune)
+    return tune.draft_ms[signature] / 1e3
+
+
+def measure_draft_seconds(model, drafter, builder: TreeBuilder, tokens: int = CALIBRATION_TOKENS,
+                          repeats: int = 3) -> float:
+    """Time ``drafter``'s draft calls as they run in decoding, between the target's verifications: greedy
+    generations of ``tokens`` tokens that draft every round (``--speculation always``) from a prompt of a 24-token
+    random pattern said twice (so that prompt lookup finds continuations; EOS ignored), a warm-up and then
+    ``repeats``; seconds in ``draft`` per draft forward (per drafted depth for a drafter without forwards, prompt
+    lookup), the least of the repeats (the figure least disturbed by other work) [s]; 0 if nothing drafted.
+    ~1 s for SmolLM2-135M on 2 cores."""
+    from .generator import GenerationConfig, SpeculativeGenerator
+    from .stats import GenerationStats
+    vocab = model.config.vocab_size
+    pattern = torch.randint(vocab, (24,), generator=torch.Generator().manual_seed(7)).tolist()
+    gen = SpeculativeGenerator(model, drafter, builder)
+    best = float("inf")
+    for rep in range(repeats + 1):
+        stats = GenerationStats()
+        for _ in gen.generate_blocks(pattern * 2, GenerationConfig(max_new_tokens=tokens, ignore_eos=True), stats):
+            pass
+        calls = stats.draft_forwards or sum(stats.drafted_at_depth)
+        if rep and calls:                                            # the first is a warm-up
+            best = min(best, stats.draft_seconds / calls)
+    return best if best < float("inf") else 0.0
+
+
+def cost_table(model, drafter, builder: TreeBuilder | None, signature: str) -> CostTable | None:
+    """The :class:`CostTable` of ``drafter`` on ``model`` (:func:`forward_seconds`, :func:`draft_seconds`), or
+    ``None`` where the model has no tune (or nothing drafts)."""
+    if builder is None or drafter is None:
+        return None
+    forward = forward_seconds(model)
+    if forward is None:
+        return None
+    return CostTable(forward, draft_seconds(model, drafter, builder, signature))
+
+
+class RoundSizer:
+    """One generation's round sizing: a :class:`~speculant.engine.goodput.SequenceSpeculation` from ``costs`` and
+    the builder's tree shape.  :meth:`depth` before a round's drafting (and, for a drafter with draft confidence,
+    ``state.draft_stop`` set), :meth:`observe` after its acceptance."""
+
+    def __init__(self, costs: CostTable, builder: TreeBuilder, confidence: bool):
+        from .goodput import SequenceSpeculation
+        self.speculation = SequenceSpeculation(costs)
+        self.nodes = nodes_at_depth(builder)
+        self.confidence = confidence
+
+    def depth(self, state, max_depth: int) -> int:
+        """The round's depth bound in ``0 .. max_depth`` (0: an ``ar`` round); sets ``state.draft_stop``."""
+        d = self.speculation.depth(max_depth, self.nodes) if max_depth > 0 else 0
+        state.draft_stop = self.speculation.stop_rule(self.nodes) if d and self.confidence else None
+        return d
+
+    def observe(self, drafted_depth: int, accepted: int) -> None:
+        self.speculation.observe(drafted_depth, accepted)
+
+
+def timed(fn, *args):
+    """``(fn(*args), seconds it took)``."""
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0

@@ -1,0 +1,289 @@
+"""Cost-aware speculation for one sequence (``--speculation cost``, speculant/engine/speculation.py): each round drafts
+the depth, zero included, that maximizes expected tokens per second; a zero-draft round is an ``ar`` round.
+
+Checked here: drafts that never pay give only ``ar`` rounds and ``ar``'s output; an always-right cheap drafter drafts
+its full depth every round, a never-right one stops; greedy outputs stay token-identical to ``ar`` for every method
+while the depth switches; the sampled law stays the target's while the depth switches (chi-square, with a broken
+variant that fails it); the round counters.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import tiny_model
+from stats_helpers import chi_square, exact_law
+
+from speculant import GenerationConfig, SamplingConfig, build_generator
+from speculant.drafters import base
+from speculant.drafters.base import Drafter
+from speculant.engine.generator import SpeculativeGenerator
+from speculant.engine.goodput import CostTable
+from speculant.engine.methods import MethodSpec, drafter_signature
+from speculant.engine.speculation import forward_seconds, nodes_at_depth
+from speculant.engine.stats import GenerationStats
+from speculant.errors import SpeculantError
+from speculant.trees.builders import ChainBuilder, ConstantBranchingBuilder, StochasticBeamBuilder
+from speculant.trees.tree import DraftTree
+
+PROMPT = [3, 17, 42, 8, 25, 60, 1]
+NEVER_PAYS = CostTable({1: 0.010, 2: 0.0105, 4: 0.0115, 8: 0.0135, 16: 0.0175}, 0.010)
+"""A draft call costs a whole target step: no depth pays even if every drafted token were accepted."""
+SWITCHING = CostTable({1: 1.0, 2: 1.3, 4: 1.9, 8: 3.0, 16: 5.0}, 0.3)
+"""Drafting pays only while the acceptance is high: the depth moves with it."""
+SPECS = {
+    "early-exit": dict(method="early-exit", exit_layer=2, num_speculations=3),
+    "early-exit-auto": dict(method="early-exit", exit_layer=2, num_speculations="auto"),
+    "draft-model": dict(method="draft-model", draft_model="truncated:1", num_speculations=4),
+    "prompt-lookup": dict(method="prompt-lookup", num_speculations=4),
+    "rsd-c": dict(method="rsd-c", exit_layer=2, branching="2,2"),
+    "rsd-s": dict(method="rsd-s", exit_layer=2, beam_width=3, draft_length=3),
+    "specinfer": dict(method="specinfer", exit_layer=1, branching="2,2"),
+    "eagle": dict(method="eagle", num_speculations=3, draft_head="HEAD"),
+    "rsd-s-head": dict(method="rsd-s", beam_width=2, draft_length=3, draft_head="HEAD"),
+}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=3, scale=2.5, vocab=96, hidden=64, heads=4, kv_heads=2, inter=128)
+
+
+@pytest.fixture(scope="module")
+def head_dir(model, tmp_path_factory):
+    from speculant.drafters.draft_head import new_head, save_head
+    path = tmp_path_factory.mktemp("head")
+    torch.manual_seed(0)
+    save_head(new_head(model, torch.arange(0, 96, 2)), path)
+    return str(path)
+
+
+def _spec(name, head_dir):
+    return {k: (head_dir if v == "HEAD" else v) for k, v in SPECS[name].items()}
+
+
+def run(gen, prompt=PROMPT, n=40, sampling=None):
+    stats = GenerationStats()
+    cfg = GenerationConfig(max_new_tokens=n, chat=False, sampling=sampling or SamplingConfig())
+    toks = [t for block in gen.generate_blocks(prompt, cfg, stats) for t in block]
+    return toks, stats
+
+
+@pytest.fixture(scope="module")
+def ar_ids(model):
+    return run(build_generator(model, method="ar"))[0]
+
+
+# ------------------------------------------------------------------ (a) drafts that never pay
+@pytest.mark.parametrize("name", ["early-exit", "prompt-lookup", "rsd-c", "eagle"])
+def test_drafting_that_never_pays_gives_only_ar_rounds(model, ar_ids, head_dir, name):
+    toks, stats = run(build_generator(model, costs=NEVER_PAYS, **_spec(name, head_dir)))
+    assert toks == ar_ids
+    assert stats.speculated_rounds == 0 and stats.ar_rounds == stats.rounds == len(toks) - 1
+    assert stats.drafted_tokens == 0 and stats.draft_forwards == 0
+    # the same drafter with `always` does draft (the test can fail)
+    _, always = run(build_generator(model, speculation="always", **_spec(name, head_dir)))
+    assert always.speculated_rounds > 0
+
+
+# ------------------------------------------------------------------ (b) an always-right / never-right drafter
+class OracleDrafter(Drafter):
+    """Drafts the next tokens of a known output: ``ar``'s own (always right), or each one shifted (never right)."""
+
+    name = "oracle"
+
+    def __init__(self, prompt, output, wrong=False, vocab=96):
+        self.reference, self.wrong, self.vocab = list(prompt) + list(output), wrong, vocab
+
+    def draft(self, state, builder, generator, max_nodes, max_depth):
+        tree, n = DraftTree(), len(state.tokens)
+        parent = -1
+        for tok in self.reference[n:n + min(max_depth, max_nodes)]:
+            parent = tree.add(parent, (tok + 1) % self.vocab if self.wrong else tok)
+        return tree
+
+
+CHEAP = CostTable({1: 0.010, 2: 0.0102, 4: 0.0106, 8: 0.0114, 16: 0.013}, 0.0001)
+"""Extra rows and draft calls nearly free: a drafter that is right should draft its full depth."""
+
+
+def test_always_right_cheap_drafter_drafts_the_full_depth(model, ar_ids):
+    k = 4
+    gen = SpeculativeGenerator(model, OracleDrafter(PROMPT, ar_ids), ChainBuilder(k), costs=CHEAP)
+    toks, stats = run(gen)
+    assert toks == ar_ids
+    assert stats.ar_rounds == 0
+    # every round drafted min(K, tokens still to emit - 1)
+    assert stats.drafted_tokens == stats.accepted_tokens == len(toks) - 1 - stats.rounds
+    assert stats.drafted_at_depth[k - 1] == stats.rounds - (1 if (len(toks) - 1) % (k + 1) else 0)
+
+
+def test_never_right_drafter_stops_drafting(model):
+    ar60 = run(build_generator(model, method="ar"), n=60)[0]
+    gen = SpeculativeGenerator(model, OracleDrafter(PROMPT, ar60, wrong=True), ChainBuilder(4), costs=SWITCHING)
+    toks, stats = run(gen, n=60)
+    assert toks == ar60
+    assert stats.accepted_tokens == 0
+    # a few rounds learn that the drafts fail, then only an exploring round each 16 ar rounds drafts
+    assert stats.speculated_rounds <= 6 and stats.ar_rounds >= stats.rounds - 6
+    _, always = run(SpeculativeGenerator(model, OracleDrafter(PROMPT, ar60, wrong=True), ChainBuilder(4)), n=60)
+    assert always.ar_rounds <= 1                # the last token alone (no room for a draft)
+
+
+# ------------------------------------------------------------------ (c) greedy identity, every method
+@pytest.mark.parametrize("name", SPECS)
+def test_greedy_identity_with_ar_under_cost(model, ar_ids, head_dir, name):
+    for costs in (SWITCHING, CHEAP, NEVER_PAYS):
+        toks, stats = run(build_generator(model, costs=costs, **_spec(name, head_dir)))
+        assert toks == ar_ids, (name, costs)
+        assert stats.speculated_rounds + stats.ar_rounds == stats.rounds
+
+
+def test_depth_switches_under_the_switching_costs(model, head_dir):
+    """The identity test above is not vacuous: rounds with and without drafts in one generation."""
+    _, stats = run(build_generator(model, costs=SWITCHING, **SPECS["early-exit"]))
+    assert stats.speculated_rounds > 0 and stats.ar_rounds > 0
+
+
+# ------------------------------------------------------------------ (d) sampling exactness
+RUNS = 5_000
+SMALL_PROMPT = [1, 2, 3, 1, 2]
+SAMPLING = dict(temperature=1.3, top_k=3)
+LENGTH = 4
+SWITCH_SMALL = CostTable({1: 1.0, 2: 1.3, 3: 1.6, 4: 1.9}, 0.6)
+"""On the 4-token vocabulary: full depth 2 while every draft was accepted, 1 after a rejection at depth 2, none after
+one at depth 1 (running acceptance per depth, smoothing 0.2); the confidence rule cuts some depth-2 drafts."""
+SWITCH_TREE = CostTable({1: 1.0, 3: 1.3, 5: 1.6}, 0.6)
+"""The same for an RSD-S tree of 2 beams (2 nodes per depth)."""
+CONFIDENT = CostTable({1: 1.0, 2: 1.45, 3: 1.9}, 0.1)
+"""The depth-1 draft is dropped when its top draft probability is under ~0.41 (the confidence rule)."""
+
+
+@pytest.fixture(scope="module")
+def small():
+    return tiny_model(seed=5, scale=1.5, vocab=4, layers=2, hidden=32, heads=2, kv_heads=1, inter=64)
+
+
+@pytest.fixture(scope="module")
+def law(small):
+    return exact_law(small, SMALL_PROMPT, SamplingConfig(**SAMPLING), length=LENGTH)
+
+
+def sample(model, spec, costs, runs=RUNS):
+    gen = build_generator(model, costs=costs, **spec)
+    outs, rounds = [], {"speculated": 0, "ar": 0}
+    for seed in range(runs):
+        toks, stats = run(gen, SMALL_PROMPT, LENGTH, SamplingConfig(seed=seed, **SAMPLING))
+        rounds["speculated"] += stats.speculated_rounds
+        rounds["ar"] += stats.ar_rounds
+        outs.append(tuple(toks))
+    assert rounds["speculated"] > 0 and rounds["ar"] > 0, rounds      # the depth did switch
+    return outs
+
+
+EXACT = {
+    "early-exit": (dict(method="early-exit", exit_layer=1, num_speculations=2), SWITCH_SMALL),
+    "rsd-s": (dict(method="rsd-s", exit_layer=1, beam_width=2, draft_length=2), SWITCH_TREE),
+    "early-exit-confident": (dict(method="early-exit", exit_layer=1, num_speculations=2), CONFIDENT),
+}
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_sampled_law_is_the_targets_while_the_depth_switches(small, law, name):
+    stat, threshold = chi_square(sample(small, *EXACT[name]), law)
+    assert stat < threshold, (name, stat, threshold)
+
+
+def test_broken_confidence_rule_fails(small, law, monkeypatch):
+    """Dropping a depth for the probability of the token just *sampled* there (instead of the top token's) biases the
+    draft law; the same test catches it."""
+    monkeypatch.setattr(base, "depth_confidence", lambda confidence, frontier, q, kids: max(
+        (confidence[node] * float(row[t]) for node, row, toks in zip(frontier, q, kids) for t in toks), default=0.0))
+    stat, threshold = chi_square(sample(small, *EXACT["early-exit-confident"]), law)
+    assert stat > threshold, (stat, threshold)
+
+
+# ------------------------------------------------------------------ (e) counters, options, cost sources
+def test_round_counters(model, ar_ids):
+    toks, stats = run(build_generator(model, costs=SWITCHING, **SPECS["early-exit"]))
+    d = stats.to_dict()
+    assert d["speculated_rounds"] == stats.speculated_rounds and d["ar_rounds"] == stats.ar_rounds
+    assert stats.speculated_rounds == stats.drafted_at_depth[0]      # a round that drafted reached depth 1
+    assert stats.rounds == stats.target_forwards - 1 == len(toks) - 1 - stats.accepted_tokens
+    json.dumps(d)
+    _, ar = run(build_generator(model, method="ar"))
+    assert ar.speculated_rounds == 0 and ar.ar_rounds == ar.rounds
+
+
+def test_speculation_option_is_checked(model):
+    with pytest.raises(SpeculantError) as e:
+        MethodSpec(method="early-exit", speculation="sometimes")
+    assert "\n" not in str(e.value) and "sometimes" in str(e.value) and "cost, always" in str(e.value)
+    assert build_generator(model, speculation="always", **SPECS["early-exit"]).costs is None
+    # a model without a tune has no measured costs: `cost` then drafts as `always` does
+    assert build_generator(model, **SPECS["early-exit"]).costs is None
+    assert MethodSpec(method="eagle").speculation == "cost"
+    assert drafter_signature(MethodSpec(method="early-exit", exit_layer=2)) != drafter_signature(
+        MethodSpec(method="early-exit", exit_layer=3))
+
+
+def test_cli_and_bench_take_the_option():
+    from speculant.bench.specs import parse_methods
+    from speculant.cli import build_parser
+    args = build_parser().parse_args(["generate", "x", "--method", "eagle", "--speculation", "always"])
+    from speculant.arguments import method_spec_from_args
+    assert method_spec_from_args(args).speculation == "always"
+    assert method_spec_from_args(build_parser().parse_args(["generate", "x", "--method", "eagle"])).speculation == "cost"
+    a, b = parse_methods("eagle:K=4,spec=always,eagle:K=4")
+    assert a.spec.speculation == "always" and b.spec.speculation == "cost"
+    assert parse_methods("eagle", speculation="always")[0].spec.speculation == "always"
+    with pytest.raises(SpeculantError):
+        parse_methods("eagle:spec=never")
+
+
+def test_cost_sources():
+    class Tune:
+        forward_ms = {"1": 10.0, "2": 11.0}
+        fp32_route = "linear"
+
+        def row(self, fmt, route=None):
+            return {"ms": {"1": 8.0, "16": 20.0}}
+
+    class Model:
+        tune, weights = Tune(), "w4a8"
+    assert forward_seconds(Model()) == {1: 0.010, 2: 0.011}
+    Model.tune.forward_ms = {}
+    assert forward_seconds(Model()) == {1: 0.008, 16: 0.020}
+    Model.tune.forward_ms = {"1": 10.0, "2": 30.0, "3": 12.0}            # a spike from another process's work
+    assert forward_seconds(Model()) == {1: 0.010, 2: 0.012, 3: 0.012}
+    Model.tune = None
+    assert forward_seconds(Model()) is None
+    assert [nodes_at_depth(ChainBuilder(4))(d) for d in range(5)] == [0, 1, 2, 3, 4]
+    assert [nodes_at_depth(ConstantBranchingBuilder("3,2,1"))(d) for d in range(4)] == [0, 3, 9, 15]
+    assert nodes_at_depth(StochasticBeamBuilder(3, 4))(2) == 6
+
+
+def test_generate_json_reports_rounds_end_to_end(capsys, tmp_path):
+    """The CLI path with a tune: the loaded model's measured costs (the tuner's table), the drafter's cost measured
+    once and kept with the tune, rounds reported in --json, outputs as ar's."""
+    from speculant.cli import main
+    from speculant.models.loading import save_hf_dir
+    from speculant.runtime.loader import load_model
+    directory = save_hf_dir(tiny_model(seed=11, scale=2.5, vocab=64, layers=4, eos=63), tmp_path / "tiny_hf")
+    out = {}
+    for name, extra in {"ar": [], "cost": ["--method", "early-exit", "--exit-layer", "2"],
+                        "always": ["--method", "early-exit", "--exit-layer", "2", "--speculation", "always"]}.items():
+        assert main(["generate", "t1 t2 t3 t4", "--model", str(directory), "--raw", "--json", "--max-new-tokens", "16",
+                     *extra]) == 0
+        out[name] = json.loads(capsys.readouterr().out)
+    for name, d in out.items():
+        s = d["stats"]
+        assert d["token_ids"] == out["ar"]["token_ids"], name
+        assert s["speculated_rounds"] + s["ar_rounds"] == s["rounds"], name
+    assert out["ar"]["stats"]["speculated_rounds"] == 0
+    assert out["always"]["stats"]["ar_rounds"] <= 1 < out["always"]["stats"]["speculated_rounds"]
+    tune = load_model(str(directory), weights="fp32", compile=False).tune
+    assert "early-exit,exit_layer=2" in tune.draft_ms and tune.draft_ms["early-exit,exit_layer=2"] > 0
+    assert forward_seconds(load_model(str(directory), weights="fp32", compile=False)) is not None
