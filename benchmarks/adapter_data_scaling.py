@@ -17,7 +17,7 @@ import glob
 
 import torch
 
-from speculant.models.loading import load_model
+from speculant.models.loading import read_checkpoint
 from speculant.training.adapter import new_adapter
 from speculant.training.losses import topk_distill_loss
 from speculant.training.train import _eval_subset, evaluate_adapter, lr_at, remap, select_vocab
@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--fractions", default="0.125,0.25,0.5,1")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    model = load_model()
+    model = read_checkpoint()
     V = model.config.vocab_size
     E = args.exit_layer
     tr = torch.load(glob.glob(f"{args.cache_dir}/features-train-*.pt")[0])

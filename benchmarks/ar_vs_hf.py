@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     from speculant.bench.runner import machine_info
     from speculant.engine.generator import GenerationConfig, SpeculativeGenerator
     from speculant.engine.stats import GenerationStats
-    from speculant.models.loading import load_model
+    from speculant.models.loading import read_checkpoint
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     hf_logging.set_verbosity_error()
 
-    model = load_model(args.model, args.dtype)
+    model = read_checkpoint(args.model, args.dtype)
     cats = args.categories.split(",") if args.categories else None
     prompts = load_prompts(args.dataset, cats, limit=args.limit)
     ours = SpeculativeGenerator(model)

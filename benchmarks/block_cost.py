@@ -41,19 +41,19 @@ def main() -> None:
     caches = {}
     with torch.inference_mode():
         for w, m in models.items():
-            caches[w] = m.decoder.new_cache(ctx + max(rows_list))
-            m.decoder(prompt, None, None, caches[w], 0)
+            caches[w] = m.executor.new_cache(ctx + max(rows_list))
+            m.executor(prompt, None, None, caches[w], 0)
         times = {w: {r: [] for r in rows_list} for w in models}
         for rep in range(args.repeats + 1):
             for rows in rows_list:
                 ids = torch.randint(0, 49152, (1, rows), generator=g)
                 for w, m in models.items():
                     t0 = time.perf_counter()
-                    m.decoder(ids, None, None, caches[w], ctx)
+                    m.executor(ids, None, None, caches[w], ctx)
                     if rep:
                         times[w][rows].append(time.perf_counter() - t0)
     runtime = ", ".join(f"{w}: " + ("fused step" if m.fused else "compiled" if m.compiled else "eager")
-                        + f", {str(m.decoder.attention_dtype).removeprefix('torch.')} KV cache" for w, m in models.items())
+                        + f", {str(m.executor.kv_dtype).removeprefix('torch.')} KV cache" for w, m in models.items())
     print(f"threads {torch.get_num_threads()}, context {ctx}, runtime ({runtime}), kernels {build.loaded_isa()}; "
           "cost of a T-token forward in one-token steps of the same format\n")
     print("| weights | one step [ms] | " + " | ".join(f"T={r}" for r in rows_list) + " |")

@@ -35,13 +35,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=200)
     args = ap.parse_args()
     model = load_model(args.model)
-    dec, n, d = model.decoder, args.context, model.config.hidden_size
+    dec, n, d = model.executor, args.context, model.config.hidden_size      # the runtime's route
     cache = dec.new_cache(n + 8)
     dec.run_layers(torch.randn(1, n, d), 0, dec.num_layers, torch.arange(n), None, cache, 0)
     x = torch.randn(1, 1, d)
 
     def target_step():
-        return dec.lm_head_proj(dec.norm(dec.run_layers(x, 0, dec.num_layers, torch.arange(n, n + 1), None, cache, n)))
+        return dec.lm_head(dec.final_norm(dec.run_layers(x, 0, dec.num_layers, torch.arange(n, n + 1), None, cache, n)))
 
     print(f"weights {model.weights}, compiled {model.compiled}, context {n}, threads {torch.get_num_threads()}\n")
     print("| head projections | target step [ms] | head step [ms] | head / target | head weight bytes [MB] |")

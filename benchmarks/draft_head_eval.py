@@ -14,7 +14,7 @@ import json
 import torch
 
 from speculant.drafters.draft_head import load_head
-from speculant.models.loading import load_model
+from speculant.models.loading import read_checkpoint
 from speculant.training.head import default_cache_dir, evaluate_head, head_inputs, load_split, sequences
 
 
@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--topk", type=int, default=32)
     args = ap.parse_args()
-    model = load_model(args.model, torch.float32)       # the float32 model the heads were trained against
+    model = read_checkpoint(args.model, torch.float32)       # the float32 model the heads were trained against
     held = load_split(model, args.corpus.split(","), "heldout", args.topk, default_cache_dir(), None, True)
     for name in args.heads:
         head = load_head(name, model)

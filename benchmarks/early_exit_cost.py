@@ -20,7 +20,7 @@ import json
 import torch
 
 from speculant.bench.costs import expected_speedup, measure_step_costs, required_acceptance
-from speculant.models.loading import load_model as float_load_model
+from speculant.models.loading import read_checkpoint
 from speculant.runtime.loader import load_model
 from speculant.drafters.exit_adapter import ExitHead
 from speculant.training.adapter import new_adapter
@@ -45,10 +45,10 @@ def main() -> None:
     exits = [int(x) for x in args.exit_layers.split(",")]
     ks = [int(x) for x in args.ks.split(",")]
     model = load_model(weights=args.weights, compile=not args.no_compile, threads=args.threads)
-    dec = model.decoder
+    dec = model.executor                   # the runtime's route (fused step or compiled layers)
     vocab_ids = torch.arange(args.draft_vocab)
 
-    float_model = float_load_model()       # adapters are trained (and initialised) on the float32 model
+    float_model = read_checkpoint()       # adapters are trained (and initialised) on the float32 model
 
     def adapter_head(e: int):
         return ExitHead(new_adapter(float_model, e, num_blocks=2, vocab_ids=vocab_ids), dec.config.vocab_size)

@@ -26,22 +26,22 @@ from pathlib import Path
 import torch
 
 from speculant.kernels import build
+from speculant.runtime.executor import Executor
 from speculant.runtime.tune import cpu_description
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def _model(name: str, threads: int | None, kv_cache: str):
-    """The decoder (float16 or float32 KV cache as asked; ``auto``: the tuned one for SmolLM2, float16 else)."""
+def _model(name: str, threads: int | None, kv_cache: str) -> Executor:
+    """The model's executor (float16 or float32 KV cache as asked; ``auto``: the tuned one for SmolLM2, float16
+    else)."""
     if name == "smollm2":
         from speculant.runtime.loader import load_model
-        return load_model(weights="w4a8", threads=threads, kv_cache=kv_cache).decoder
+        return load_model(weights="w4a8", threads=threads, kv_cache=kv_cache).executor
     from shaped_model import shaped_decoder
     if threads:
         torch.set_num_threads(threads)
-    dec = shaped_decoder(name)
-    dec.attention_dtype = torch.float32 if kv_cache == "float32" else torch.float16
-    return dec
+    return Executor(shaped_decoder(name), torch.float32 if kv_cache == "float32" else torch.float16)
 
 
 def _baseline_lib(checkout: str, isa: str, here: ctypes.CDLL) -> ctypes.CDLL:
@@ -105,7 +105,7 @@ def main() -> None:
     fused.lib = build._LIB = here
     print(f"CPU: {cpu_description()['model']}, {torch.get_num_threads()} threads, load average "
           f"{load0[0]:.2f} -> {os.getloadavg()[0]:.2f}; model {args.model}, context {ctx}, "
-          f"{str(dec.attention_dtype).removeprefix('torch.')} KV cache, weight prefetch {build.weight_prefetch()} B, "
+          f"{str(dec.kv_dtype).removeprefix('torch.')} KV cache, weight prefetch {build.weight_prefetch()} B, "
           f"{args.repeats} alternated repeats (best, {args.clock} clock)\n")
     print("| kernels | one step [ms] | " + " | ".join(f"T={t}" for t in rows) + " |")
     print("|---|---|" + "---|" * len(rows))

@@ -8,7 +8,9 @@ embedding.  The text it writes is noise; the work of a forward (bytes read, prod
 real model in our runtime.
 
     from shaped_model import shaped_decoder
+    from speculant.runtime.executor import Executor
     decoder = shaped_decoder("llama-3.2-1b")      # ~0.9 GB of codes, ~1 GB of embedding; a few seconds
+    run = Executor(decoder, torch.float16)        # the fused step over a float16 KV cache
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ def random_w8a8(in_features: int, out_features: int, g: torch.Generator) -> W8A8
 
 def shaped_decoder(shape: str, seed: int = 0) -> LlamaDecoder:
     """A :class:`~speculant.models.llama.LlamaDecoder` of shape ``shape`` (a key of :data:`SHAPES`) in ``w4a8``,
-    random weights from ``seed``, float32 KV cache (``decoder.attention_dtype`` may be changed before the first
-    cache is made).
+    random weights from ``seed``; run it through an executor
+    (``speculant.runtime.executor.Executor(decoder, kv_dtype)``: the fused step, its KV cache dtype).
 
     Raises:
         KeyError: an unknown shape.
@@ -78,6 +80,5 @@ def shaped_decoder(shape: str, seed: int = 0) -> LlamaDecoder:
                                                  requires_grad=False)
     dec.lm_head_proj = random_w8a8(d, cfg.vocab_size, g)
     dec.rope_cos, dec.rope_sin = rope_tables(cfg)
-    dec.attention_dtype = torch.float32
     dec.weight_format = "w4a8"
     return dec.eval().requires_grad_(False)

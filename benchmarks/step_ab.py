@@ -74,7 +74,7 @@ def main() -> None:
                 getattr(other, entry).restype = getattr(here, entry).restype
     if other is not here and hasattr(other, "spec_set_weight_prefetch"):   # the same distance as this build
         other.spec_set_weight_prefetch(prefetch["this build"])
-    dec, ctx = model.decoder, args.context
+    dec, ctx = model.executor, args.context           # the runtime's route: the fused step
     fused = dec.fused_layers()
     g = torch.Generator().manual_seed(0)
     times = {(name, t): [] for name in ("baseline", "this build") for t in (1, 5)}

@@ -1,11 +1,11 @@
 """Where a decoding step's time goes: the decoder layers and the LM head of one forward, fused step vs compiled layers.
 
 Not a test.  SmolLM2-135M in ``w4a8`` with a KV cache holding ``--context`` tokens; for T = 1 and 5 new tokens, the
-best of ``--repeats`` timings of: the whole forward (``decoder(ids, ..., cache, context)``), the 30 decoder layers
-alone (``run_layers``) and the final norm + LM head alone, in two runtimes of the same packed weights, interleaved:
+best of ``--repeats`` timings of: the whole forward (``executor(ids, ..., cache, context)``), the 30 decoder layers
+alone (``executor.run_layers``) and the final norm + LM head alone, in two runtimes of the same packed weights, interleaved:
 
 * ``fused``: every layer of the forward in one C call (:mod:`speculant.kernels.decode_step`, the default);
-* ``compiled``: the fused step turned off (``decoder.use_fused = False``) and the layer step compiled with
+* ``compiled``: the fused step turned off (``executor.use_fused = False``) and the layer step compiled with
   ``torch.compile`` (:mod:`speculant.runtime.compiled`), the runtime before the fused step.
 
     python benchmarks/step_breakdown.py [--context 300] [--repeats 30]
@@ -35,8 +35,8 @@ def main() -> None:
     args = ap.parse_args()
     fused = load_model(weights="w4a8")
     compiled = load_model(weights="w4a8")
-    compiled.decoder.use_fused = False
-    if not fused.fused or not enable_compile(compiled.decoder):
+    compiled.executor.use_fused = False
+    if not fused.fused or not enable_compile(compiled.executor):
         raise SystemExit("needs the fused step (our kernels) and a C++ compiler for torch.compile")
     ctx = args.context
     g = torch.Generator().manual_seed(0)
@@ -45,14 +45,14 @@ def main() -> None:
     with torch.inference_mode():
         caches = {}
         for name, m in (("fused", fused), ("compiled", compiled)):
-            caches[name] = m.decoder.new_cache(ctx + 16)
-            m.decoder(prompt, None, None, caches[name], 0)
+            caches[name] = m.executor.new_cache(ctx + 16)
+            m.executor(prompt, None, None, caches[name], 0)
         for t in (1, 5):
             ids = torch.randint(0, fused.config.vocab_size, (1, t), generator=g)
             pos = torch.arange(ctx, ctx + t)
             hidden = torch.randn(1, t, fused.config.hidden_size, generator=g)
             for name, m in (("fused", fused), ("compiled", compiled)):
-                d, c = m.decoder, caches[name]
+                d, c = m.executor, caches[name]
                 h = d.embed(ids)
                 rows[(name, t)] = (best_ms(lambda: d(ids, None, None, c, ctx), args.repeats),
                                    best_ms(lambda: d.run_layers(h, 0, d.num_layers, pos, None, c, ctx), args.repeats),
