@@ -14,8 +14,9 @@ from speculant.runtime.loader import load_model
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 5, 6], [9, 9, 9, 4]]
 SPECS = {"ar": dict(method="ar"), "draft-model": dict(method="draft-model", draft_model="truncated:1",
-                                                     num_speculations=3),
-         "prompt-lookup": dict(method="prompt-lookup", num_speculations=3, max_ngram=2)}
+                                                     num_speculations=3, speculation="always"),
+         "prompt-lookup": dict(method="prompt-lookup", num_speculations=3, max_ngram=2,
+                                         speculation="always")}
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,8 @@ def model(model_dir):
     return load_model(str(model_dir), weights="int8", compile=False)     # batch-invariant kernels everywhere
 
 
-DRAFT = ("--method", "draft-model", "--draft-model", "truncated:1", "--num-speculations", "3")
+DRAFT = ("--method", "draft-model", "--draft-model", "truncated:1", "--num-speculations", "3",
+         "--speculation", "always")          # every round drafts (the tests read drafted tokens)
 AR = ("--method", "ar")
 
 

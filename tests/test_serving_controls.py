@@ -22,7 +22,9 @@ from speculant.runtime.loader import load_model
 from speculant.sampling.grammar import compile_grammar
 
 PROMPT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3,"
-LOOKUP = MethodSpec(method="draft-model", draft_model="truncated:1", num_speculations=3)
+LOOKUP = MethodSpec(method="draft-model", draft_model="truncated:1", num_speculations=3, speculation="always")
+"""The server's drafting: its batched policy drafts every round, as ``speculation="always"`` does for one sequence
+(a seeded sample depends on which rounds drafted, not its law)."""
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "enum": [1, 2, 3]}},
           "required": ["ok", "n"], "additionalProperties": False,
           "x-guidance": {"whitespace_flexible": False}}   # a random model would wander in whitespace otherwise
