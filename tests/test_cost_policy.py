@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import tiny_model
 from stats_helpers import chi_square, exact_law
+from test_golden_ids import SPECS as GOLDEN_SPECS
 
 from speculant import GenerationConfig, SamplingConfig, build_generator
 from speculant.drafters import base
@@ -33,17 +34,8 @@ NEVER_PAYS = CostTable({1: 0.010, 2: 0.0105, 4: 0.0115, 8: 0.0135, 16: 0.0175}, 
 """A draft call costs a whole target step: no depth pays even if every drafted token were accepted."""
 SWITCHING = CostTable({1: 1.0, 2: 1.3, 4: 1.9, 8: 3.0, 16: 5.0}, 0.3)
 """Drafting pays only while the acceptance is high: the depth moves with it."""
-SPECS = {
-    "early-exit": dict(method="early-exit", exit_layer=2, num_speculations=3),
-    "early-exit-auto": dict(method="early-exit", exit_layer=2, num_speculations="auto"),
-    "draft-model": dict(method="draft-model", draft_model="truncated:1", num_speculations=4),
-    "prompt-lookup": dict(method="prompt-lookup", num_speculations=4),
-    "rsd-c": dict(method="rsd-c", exit_layer=2, branching="2,2"),
-    "rsd-s": dict(method="rsd-s", exit_layer=2, beam_width=3, draft_length=3),
-    "specinfer": dict(method="specinfer", exit_layer=1, branching="2,2"),
-    "eagle": dict(method="eagle", num_speculations=3, draft_head="HEAD"),
-    "rsd-s-head": dict(method="rsd-s", beam_width=2, draft_length=3, draft_head="HEAD"),
-}
+SPECS = {name: spec for name, spec in GOLDEN_SPECS.items() if name != "ar"}
+"""Every drafting method of the golden-ids test (the same settings)."""
 
 
 @pytest.fixture(scope="module")

@@ -175,7 +175,7 @@ class LlamaDecoder(nn.Module):
 
     def run_layers(self, hidden: torch.Tensor, start: int, end: int, positions: torch.Tensor,
                    attention_mask: torch.Tensor | None = None, cache: KVCache | None = None,
-                   cache_position: int = 0) -> torch.Tensor:
+                   cache_position: int = 0, attention=None) -> torch.Tensor:
         """The reference forward of decoder layers ``start .. end-1`` over ``hidden`` ``[B, T, D]``.
 
         Args:
@@ -186,12 +186,15 @@ class LlamaDecoder(nn.Module):
             cache: KV cache; the new keys/values go to slots
                 ``cache_position .. cache_position+T-1`` of layers ``start..end-1``.
             cache_position: first slot written (tokens).
+            attention: ``attention(q, k, v, mask, is_causal, cache, layer, cache_position)`` with the signature of
+                :func:`sdpa_attention` (the default); a runtime passes its own kernel's attention here.
 
         Returns:
             hidden states ``[B, T, D]`` leaving layer ``end-1``.
         Raises:
             SpeculantError: the block would write past the cache's ``max_length``.
         """
+        attention = attention or sdpa_attention
         t = hidden.shape[1]
         cos, sin = self.rope_rows(positions, hidden)
         is_causal = False
@@ -204,7 +207,7 @@ class LlamaDecoder(nn.Module):
         for i in range(start, end):
             layer = self.layers[i]
             q, k, v = attention_inputs(layer, hidden, cos, sin)
-            hidden = layer_output(layer, hidden, sdpa_attention(q, k, v, mask, is_causal, cache, i, cache_position))
+            hidden = layer_output(layer, hidden, attention(q, k, v, mask, is_causal, cache, i, cache_position))
             self.layer_token_counts[i] += t
         return hidden
 

@@ -231,25 +231,11 @@ class Executor:
         return hidden
 
     def _run_batch(self, hidden, start, end, positions, attention_mask, cache, cache_position):
-        """:meth:`run_layers` of a ``[B, T, D]`` batch over one batched cache, or of any block without a cache:
-        the model's halves, attention by :func:`~speculant.runtime.steps.attend` (in the cache's dtype)."""
-        from ..models.llama import attention_inputs, causal_mask, layer_output
+        """:meth:`run_layers` of a ``[B, T, D]`` batch over one batched cache, or of any block without a cache: the
+        model's reference forward with attention by :func:`~speculant.runtime.steps.attend` (in the cache's dtype)."""
         from .steps import attend
-        t = hidden.shape[1]
-        cos, sin = self.decoder.rope_rows(positions, hidden)
-        is_causal = False
-        mask = attention_mask
-        if mask is None and t > 1:
-            if cache is None or cache_position == 0:
-                is_causal = True
-            else:
-                mask = causal_mask(t, cache_position, hidden.device)
-        for i in range(start, end):
-            layer = self.decoder.layers[i]
-            q, k, v = attention_inputs(layer, hidden, cos, sin)
-            hidden = layer_output(layer, hidden, attend(q, k, v, mask, is_causal, cache, i, cache_position))
-            self.decoder.layer_token_counts[i] += t
-        return hidden
+        return self.decoder.run_layers(hidden, start, end, positions, attention_mask, cache, cache_position,
+                                       attention=attend)
 
     def run_blocks(self, blocks: list, end: int | None = None) -> list[torch.Tensor]:
         """Several sequences' blocks (:class:`~speculant.runtime.ragged.RaggedBlock`, each with its own cache) in
