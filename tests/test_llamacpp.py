@@ -28,8 +28,18 @@ def test_server_args_plain():
     assert _flag(args, "-m") == "/m/x.gguf"
     assert _flag(args, "-t") == "2" and _flag(args, "-tb") == "2"
     assert _flag(args, "-c") == "640" and _flag(args, "-np") == "1"
-    assert "--no-repack" in args and "--spec-type" not in args
+    assert "--spec-type" not in args
     assert "--host" not in args and "--port" not in args          # LlamaServer adds the loopback address
+
+
+@pytest.mark.parametrize("flags,repacks", [({"avx2", "fma"}, True), ({"avx512f", "amx_int8", "amx_tile"}, False)])
+def test_server_args_repack_only_where_it_runs(monkeypatch, flags, repacks):
+    """llama.cpp repacks its weights (its default) except on AMX CPUs, where that path faults (PR 26954)."""
+    from speculant.bench import llamacpp
+    monkeypatch.setattr(llamacpp, "cpu_flags", lambda: flags)
+    assert ("--no-repack" not in server_args("x.gguf", "llamacpp", 2, 256)) == repacks
+    assert "--no-repack" not in server_args("x.gguf", "llamacpp", 2, 256, repack=True)
+    assert "--no-repack" in server_args("x.gguf", "llamacpp", 2, 256, repack=False)
 
 
 def test_server_args_lookup_defaults_and_keys():

@@ -16,9 +16,10 @@ tokens, and the generated token ids come back (``return_tokens``).  Sampling: gr
 min-p/penalties) with the request's seed, like ours.  No prompt cache between requests.  The time is the
 client's wall time of the whole request (prefill included), like ours; llama.cpp's own timings are kept.
 
-Weights stay in the GGUF's layout (``--no-repack``): llama.cpp build 11434's AMX matrix path (taken for
-Q4_1/Q4_0/Q8_0 weights on CPUs with AMX) faults on multi-row products, i.e. on every prompt (its tile
-configuration, built on the stack, is optimized away: ggml-org/llama.cpp pull request 26954).
+On CPUs with AMX the weights stay in the GGUF's layout (``--no-repack``): llama.cpp build 11434's AMX matrix
+path (taken for Q4_1/Q4_0/Q8_0 weights there) faults on multi-row products, i.e. on every prompt (its tile
+configuration, built on the stack, is optimized away: ggml-org/llama.cpp pull request 26954).  Elsewhere llama.cpp
+repacks its weights for its own fastest CPU kernels, as it does by default (:func:`repack_is_safe`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from ..cpu import cpu_flags
 from ..errors import SpeculantError
 from ..models.loading import KNOWN_MODELS, LoadedModel, find_gguf
 
@@ -56,8 +58,14 @@ def gguf_path_of(model: LoadedModel):
     return find_gguf(KNOWN_MODELS[model.name])
 
 
+def repack_is_safe() -> bool:
+    """Whether llama.cpp's weight repacking runs on this CPU: not where it takes the AMX path that faults
+    (CPU flag ``amx_int8``; see the module's docstring)."""
+    return "amx_int8" not in cpu_flags()
+
+
 def server_args(gguf: str, kind: str, threads: int, context: int, num_tokens: int | None = None,
-                max_ngram: int | None = None) -> list[str]:
+                max_ngram: int | None = None, repack: bool | None = None) -> list[str]:
     """``llama-server`` arguments (without binary, host and port) for one baseline.
 
     Args:
@@ -67,6 +75,7 @@ def server_args(gguf: str, kind: str, threads: int, context: int, num_tokens: in
         context: context size [tokens] of the single slot.
         num_tokens / max_ngram: ``llamacpp-lookup``'s draft length K and n-gram size N (``None``:
             :data:`LOOKUP_DEFAULTS`).
+        repack: let llama.cpp repack the weights (its default); ``None``: :func:`repack_is_safe` on this CPU.
     Raises:
         SpeculantError: unknown kind, threads or context < 1, K or N not a positive int, or K/N on ``llamacpp``.
     """
@@ -76,7 +85,9 @@ def server_args(gguf: str, kind: str, threads: int, context: int, num_tokens: in
         if not isinstance(v, int) or v < 1:
             raise SpeculantError(f"{name}={v!r} must be an integer >= 1")
     args = ["-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c", str(context), "-np", "1",
-            "--no-repack", "--cache-ram", "0", "--no-webui"]
+            "--cache-ram", "0", "--no-webui"]
+    if not (repack_is_safe() if repack is None else repack):
+        args.append("--no-repack")
     if kind == "llamacpp":
         if num_tokens is not None or max_ngram is not None:
             raise SpeculantError("llamacpp takes no K or N (they belong to llamacpp-lookup)")
