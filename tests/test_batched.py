@@ -17,7 +17,8 @@ from speculant.drafters.prompt_lookup import PromptLookupDrafter
 from speculant.engine.generator import SpeculativeGenerator
 from speculant.engine.batch import BatchedGenerator
 from speculant.engine.methods import MethodSpec
-from speculant.runtime.ragged import RaggedBlock, ragged_run_layers
+from speculant.runtime.blocks import Block
+from speculant.runtime.ragged import ragged_run_layers
 from speculant.runtime import tune
 from speculant.runtime.formats import apply_weight_format, format_available
 from speculant.serving.server import exact_batch_limit
@@ -111,10 +112,10 @@ def test_ragged_forward_is_bitwise_the_one_sequence_forward(model):
         tree.add(a, 5)
         n1 = caches[1].length
         blocks = [  # a causal chain from layer 0; a tree with its mask; an early-exit block resuming at layer 2
-            RaggedBlock(dec.embed(torch.tensor([[11, 12, 13]])), 0, torch.arange(4, 7), None, caches[0], 4),
-            RaggedBlock(dec.embed(tree.block_tokens(6)[None]), 0, tree.block_positions(n1), tree.attention_mask(n1),
+            Block(dec.embed(torch.tensor([[11, 12, 13]])), 0, torch.arange(4, 7), None, caches[0], 4),
+            Block(dec.embed(tree.block_tokens(6)[None]), 0, tree.block_positions(n1), tree.attention_mask(n1),
                         caches[1], n1),
-            RaggedBlock(torch.randn(1, 2, dec.config.hidden_size), 2, torch.arange(2, 4), None, caches[2], 2)]
+            Block(torch.randn(1, 2, dec.config.hidden_size), 2, torch.arange(2, 4), None, caches[2], 2)]
         alone_caches = [copy.deepcopy(c) for c in caches]
         alone = [dec.run_layers(b.hidden, b.start_layer, dec.num_layers, b.positions, b.mask, c, b.cache_position)
                  for b, c in zip(blocks, alone_caches)]

@@ -13,7 +13,8 @@ from helpers import tiny_model
 from speculant import load_model
 from speculant.kernels import build, decode_step
 from speculant.models.loading import save_hf_dir
-from speculant.runtime.ragged import RaggedBlock, ragged_run_layers
+from speculant.runtime.blocks import Block
+from speculant.runtime.ragged import ragged_run_layers
 from speculant.runtime import tune
 from speculant.runtime.formats import apply_weight_format
 from speculant.trees.tree import DraftTree
@@ -79,10 +80,10 @@ def test_a_batched_round_gives_each_sequence_its_own_bits(model):
         tree.add(-1, 4)
         tree.add(a, 5)
         n1 = caches[1].length
-        blocks = [RaggedBlock(dec.embed(torch.tensor([[11, 12, 13]])), 0, torch.arange(4, 7), None, caches[0], 4),
-                  RaggedBlock(dec.embed(tree.block_tokens(6)[None]), 0, tree.block_positions(n1),
+        blocks = [Block(dec.embed(torch.tensor([[11, 12, 13]])), 0, torch.arange(4, 7), None, caches[0], 4),
+                  Block(dec.embed(tree.block_tokens(6)[None]), 0, tree.block_positions(n1),
                               tree.attention_mask(n1), caches[1], n1),
-                  RaggedBlock(torch.randn(1, 2, dec.config.hidden_size), 2, torch.arange(2, 4), None, caches[2], 2)]
+                  Block(torch.randn(1, 2, dec.config.hidden_size), 2, torch.arange(2, 4), None, caches[2], 2)]
         alone_caches = [copy.deepcopy(c) for c in caches]
         alone = [dec.run_layers(b.hidden, b.start_layer, dec.num_layers, b.positions, b.mask, c, b.cache_position)
                  for b, c in zip(blocks, alone_caches)]

@@ -248,23 +248,28 @@ def test_smollm2_with_the_shipped_head_matches_ar():
 
 
 def test_head_format_is_this_machines_fastest_and_kept(tmp_path, monkeypatch):
-    """A float32 target keeps a float32 head (nothing timed); a quantized target's head runs in the drafter
-    format its one-row timing found fastest here, kept in the tune per head shape and reused."""
-    from speculant.drafters import weights as drafter_weights
+    """A float32 target keeps a float32 head (nothing timed); for a quantized target the tune step times the head's
+    drafter formats once per head shape (the loader times nothing), keeps the fastest in the tune, packs the head in
+    it, and later loads read that choice."""
+    from speculant.drafters.weights import tune_drafter
     from speculant.runtime import tune
     from speculant.runtime.formats import apply_weight_format
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
     m = tiny_model(seed=5, vocab=16, layers=2, hidden=32, heads=2, kv_heads=1, inter=64)
     head = random_head(m, seed=1)
     timed = []
-    real = drafter_weights.measure
-    monkeypatch.setattr(drafter_weights, "measure", lambda *a, **k: timed.append(1) or real(*a, **k))
-    assert head_weight_format(m, head) == "fp32" and not timed
+    real = tune.measure_drafter_weights
+    monkeypatch.setattr(tune, "measure_drafter_weights", lambda *a, **k: timed.append(1) or real(*a, **k))
+    assert head_weight_format(m, head) == "fp32" and tune_drafter(m, "draft-head", head) == "fp32" and not timed
     apply_weight_format(m.decoder, "int8")
     m.tune = tune.TuneResult(key=tune.tune_key(m.decoder.config, 1), weights="int8", fp32_route="linear", threads=1)
-    fmt = head_weight_format(m, head)
+    assert head_weight_format(m, head) == "fp32" and not timed             # not tuned yet: the loader's default
+    fmt = tune_drafter(m, "draft-head", head)
     (key, choice), = m.tune.drafter_weights.items()
     assert key.startswith("draft-head:64x32,") and fmt == choice["weights"] == min(choice["ms"], key=choice["ms"].get)
-    assert head_weight_format(m, head) == fmt and len(timed) == 1
+    assert head.weight_format == fmt and len(timed) == 1
+    again = random_head(m, seed=1)
+    assert head_weight_format(m, again) == fmt and tune_drafter(m, "draft-head", again.pack(fmt)) == fmt
+    assert len(timed) == 1
     packed = [mod for mod in random_head(m, seed=1).pack(fmt).modules() if isinstance(mod, PackedLinear)]
     assert bool(packed) == (fmt != "fp32")

@@ -17,7 +17,8 @@ from speculant.errors import SpeculantError
 from speculant.kernels import attention as kernel
 from speculant.kernels import build
 from speculant.models.kv_cache import KVCache
-from speculant.runtime.ragged import RaggedBlock, ragged_run_layers
+from speculant.runtime.blocks import Block
+from speculant.runtime.ragged import ragged_run_layers
 from speculant.runtime import loader
 from speculant.runtime.formats import apply_weight_format
 from speculant.runtime.executor import executor_of
@@ -127,9 +128,9 @@ def test_a_batched_round_over_float16_caches_gives_each_sequence_its_own_bits(mo
     dec = executor_of(model16)
     with torch.inference_mode():
         caches = prefilled_caches(dec, [[5, 9, 2, 7], [1, 2, 3, 4, 5, 6], [8, 8]], 32)
-        blocks = [RaggedBlock(dec.embed(torch.tensor([[11, 12, 13]])), 0, torch.arange(4, 7), None, caches[0], 4),
-                  RaggedBlock(dec.embed(torch.tensor([[21]])), 0, torch.arange(6, 7), None, caches[1], 6),
-                  RaggedBlock(dec.embed(torch.tensor([[31, 32]])), 0, torch.arange(2, 4), None, caches[2], 2)]
+        blocks = [Block(dec.embed(torch.tensor([[11, 12, 13]])), 0, torch.arange(4, 7), None, caches[0], 4),
+                  Block(dec.embed(torch.tensor([[21]])), 0, torch.arange(6, 7), None, caches[1], 6),
+                  Block(dec.embed(torch.tensor([[31, 32]])), 0, torch.arange(2, 4), None, caches[2], 2)]
         alone_caches = [copy.deepcopy(c) for c in caches]
         alone = [dec.run_layers(b.hidden, 0, dec.num_layers, b.positions, None, c, b.cache_position)
                  for b, c in zip(blocks, alone_caches)]

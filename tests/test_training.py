@@ -251,31 +251,36 @@ def test_a_quantized_target_drafts_with_a_packed_adapter_and_stays_exact(tmp_pat
 
 
 def test_the_adapters_format_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
-    """A quantized target's adapter runs in the fastest drafter format of a one-row timing, kept in the tune
-    (and its file) per drafter shape and reused; a float target keeps a float adapter, unmeasured."""
-    from speculant.drafters import weights as drafter_weights
+    """Loading an adapter measures nothing; the method factory's tune step times a quantized target's adapter in each
+    drafter format once per machine and drafter shape, keeps the fastest in the tune (and its file), packs the
+    adapter in it, and later loads read that choice; a float target keeps a float adapter, unmeasured."""
+    from speculant import build_generator
     from speculant.runtime import tune
     from speculant.runtime.formats import apply_weight_format
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
     _saved_adapter(tiny_model(layers=4, scale=2.0), tmp_path / "a", 2)
     fp32 = tiny_model(layers=4, scale=2.0)
     timed = []
-    real = drafter_weights.measure
-    monkeypatch.setattr(drafter_weights, "measure", lambda *a, **k: timed.append(1) or real(*a, **k))
-    head, _ = exit_adapter_mod.load_exit_adapter(str(tmp_path / "a"), fp32, None)
-    assert head.adapter.packed_head is None and not timed
+    real = tune.measure_drafter_weights
+    monkeypatch.setattr(tune, "measure_drafter_weights", lambda *a, **k: timed.append(1) or real(*a, **k))
+    spec = dict(method="early-exit", exit_adapter=str(tmp_path / "a"), speculation="always")
+    assert build_generator(fp32, **spec).drafter.exit_head.adapter.packed_head is None and not timed
     m = tiny_model(layers=4, scale=2.0)
     apply_weight_format(m.decoder, "int8")
     m.tune = tune.TuneResult(key=tune.tune_key(m.decoder.config, 1), weights="int8", fp32_route="linear", threads=1)
-    exit_adapter_mod.load_exit_adapter(str(tmp_path / "a"), m, None)
+    head, _ = exit_adapter_mod.load_exit_adapter(str(tmp_path / "a"), m, None)
+    assert not timed and head.adapter.packed_head is None and not m.tune.drafter_weights    # the loader: nothing timed
+    tuned = build_generator(m, **spec).drafter.exit_head.adapter
     assert len(timed) == 1 and len(m.tune.drafter_weights) == 1
     (key, choice), = m.tune.drafter_weights.items()
     assert key.startswith("exit-adapter:64x") and set(choice["ms"]) >= {"fp32", "int8"}
-    assert choice["weights"] == min(choice["ms"], key=choice["ms"].get)
+    assert choice["weights"] == min(choice["ms"], key=choice["ms"].get) == tuned.weight_format
     assert tune.load(m.tune.key).drafter_weights == m.tune.drafter_weights              # saved with the tune
     assert f"drafter exit-adapter: **{choice['weights']}**" in tune.format_table(m.tune)
     head, _ = exit_adapter_mod.load_exit_adapter(str(tmp_path / "a"), m, None)
+    build_generator(m, **spec)
     assert len(timed) == 1                                                             # reused, not measured
+    assert head.adapter.weight_format == choice["weights"]
     assert (head.adapter.packed_head is None) == (choice["weights"] == "fp32")
 
 

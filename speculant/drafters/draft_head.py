@@ -101,6 +101,7 @@ class DraftHead(nn.Module):
         # not a registered submodule: not stored, and .to(dtype) must not touch a packed format's scales
         self._lm_head_rows = (lm_head_rows,)
         self.register_buffer("vocab_ids", None if vocab_ids is None else vocab_ids.long().clone(), persistent=False)
+        self.weight_format = "fp32"                         # of fc and the layer's projections (:meth:`pack`)
         self.out_norm = None
         if config["feature"] == "pre-norm":
             self.out_norm = RMSNorm(d, cfg.rms_norm_eps).requires_grad_(False)
@@ -130,8 +131,11 @@ class DraftHead(nn.Module):
         from .weights import check_drafter_format
         if check_drafter_format(fmt) == "fp32":
             return self
+        if self.weight_format != "fp32":
+            raise SpeculantError(f"draft head already packed in {self.weight_format}; allowed: pack a float head once")
         self.fc = pack_linear(fmt, self.fc.weight, self.fc.bias)
         pack_projections(self.layer, fmt)
+        self.weight_format = fmt
         return self
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
@@ -280,9 +284,9 @@ def load_head(name_or_path: str | Path, model, weights: str | None = None) -> Dr
 
 
 def head_weight_format(model, head: DraftHead) -> str:
-    """The weight format ``head``'s projections run in for ``model``: ``fp32`` for a float32 target; for a
-    quantized one the fastest drafter format on this machine for the head's shapes
-    (:func:`~speculant.drafters.weights.drafter_weight_format`: measured once per machine, kept in the tune)."""
+    """The weight format ``head``'s projections are loaded in for ``model``, measuring nothing: ``fp32`` for a
+    float32 target; for a quantized one what the tune step (:func:`~speculant.drafters.weights.tune_drafter`) chose
+    on this machine for the head's shapes (:func:`~speculant.drafters.weights.drafter_weight_format`)."""
     from .weights import drafter_weight_format
     return drafter_weight_format(model, "draft-head", head.float_projections())
 

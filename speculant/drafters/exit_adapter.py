@@ -79,6 +79,7 @@ class ExitAdapter(nn.Module):
         self.head_bias = nn.Parameter(torch.zeros(head_weight.shape[0], dtype=head_weight.dtype))
         self.register_buffer("vocab_ids", None if vocab_ids is None else vocab_ids.long().clone(), persistent=False)
         self.packed_head: nn.Module | None = None          # the head rows in a weight format (:meth:`pack`)
+        self.weight_format = "fp32"
 
     @property
     def exit_layer(self) -> int:
@@ -98,10 +99,14 @@ class ExitAdapter(nn.Module):
         from .weights import check_drafter_format
         if check_drafter_format(fmt) == "fp32":
             return self
+        if self.weight_format != "fp32":
+            raise SpeculantError(f"exit adapter already packed in {self.weight_format}; "
+                                 "allowed: pack a float adapter once")
         for b in self.blocks:
             b.gate_up_proj = pack_linear(fmt, b.gate_up_proj.weight)
             b.down_proj = pack_linear(fmt, b.down_proj.weight)
         self.packed_head = pack_linear(fmt, self.head_weight, self.head_bias)
+        self.weight_format = fmt
         return self
 
     def float_projections(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -180,9 +185,10 @@ def load_adapter(path: str | Path, model) -> ExitAdapter:
 
 def load_exit_adapter(name_or_path: str, model, exit_layer: int | None = None, weights: str | None = None):
     """Load an exit adapter by name (``default``) or directory for ``model``, for decoding: its projections in
-    ``weights`` (``fp32``/``int8``/``w8a8``/``bf16``), by default the fastest on this machine for a quantized target
-    (:func:`~speculant.drafters.weights.drafter_weight_format`, measured once per machine), float32 for a float
-    one (:meth:`ExitAdapter.pack`).
+    ``weights`` (``fp32``/``int8``/``w8a8``/``bf16``), by default what the tune step
+    (:func:`~speculant.drafters.weights.tune_drafter`) chose on this machine for a quantized target, float32 for a
+    float one or before that step ran (:func:`~speculant.drafters.weights.drafter_weight_format`; nothing is
+    measured here; :meth:`ExitAdapter.pack`).
 
     Args:
         name_or_path: a shipped name (see :func:`available_adapters`) or an adapter directory.

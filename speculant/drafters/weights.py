@@ -3,23 +3,21 @@
 A drafter's projections (an exit adapter's MLPs and head rows, a draft head's ``fc`` and layer) are read once per
 draft call, from DRAM: the target's weight stream evicts them between calls.  Which kernel reads them fastest
 for one row depends on the CPU (torch's int8 weight-only kernel, our int8-activation ``w8a8`` kernel,
-``speculant/kernels/qgemm.c``, or float32), so it is timed at the first load of a drafter of those shapes and kept
-with the machine's tune (:attr:`~speculant.runtime.tune.TuneResult.drafter_weights`).  Exactness does not depend
+``speculant/kernels/qgemm.c``, or float32), so it is timed once per machine and drafter shape by an explicit tune step
+(:func:`tune_drafter`, which the method factory :func:`speculant.engine.methods.build_generator` calls after loading
+a drafter; :func:`speculant.runtime.tune.measure_drafter_weights` times) and kept with the machine's tune
+(:attr:`~speculant.runtime.tune.TuneResult.drafter_weights`).  Loading an artefact only reads that choice.  Exactness does not depend
 on it: the acceptance rules take whatever draft distribution the drafter gives (Leviathan et al. 2023, Sec. 2.3);
 the draft distribution moves by the format's rounding.
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..errors import SpeculantError
+from ..runtime.formats import DRAFTER_FORMATS
 
-DRAFTER_FORMATS = ("fp32", "int8", "w8a8")
-"""Weight formats a drafter's projections can be packed in (``w8a8``: Q8_0 codes on int8 activations, where our
-kernels run)."""
 
 
 def check_drafter_format(fmt: str) -> str:
@@ -37,57 +35,40 @@ def check_drafter_format(fmt: str) -> str:
     return fmt
 
 
-def _packed(fmt: str, projections):
-    from ..models.linear import small_batch_linear
-    from ..runtime.formats import pack_linear
-    if fmt == "fp32":          # the float32 route the drafters' float projections take (DecodeLinear)
-        return [lambda x, w=w, b=b: small_batch_linear(x, w, b) for w, b in projections]
-    return [pack_linear(fmt, w, b) for w, b in projections]
-
-
-def measure(projections: list[tuple[torch.Tensor, torch.Tensor | None]], evict, candidates=None,
-            repeats: int = 7) -> dict[str, float]:
-    """One-row pass over ``projections`` (``(weight [O, I] float32, bias [O] or None)``) packed in each of
-    ``candidates`` (default: :data:`DRAFTER_FORMATS` that run here), each timed pass after ``evict()`` (something
-    that streams the target's weights, as a decoding step does), formats alternated, best of ``repeats``
-    after a warm-up [milliseconds]."""
-    from ..kernels import qgemm
-    candidates = candidates or [f for f in DRAFTER_FORMATS if f != "w8a8" or qgemm.available()]
-    mods = {f: _packed(f, projections) for f in candidates}
-    g = torch.Generator().manual_seed(5)
-    inputs = {w.shape[1]: torch.randn(1, w.shape[1], generator=g) for w, _ in projections}
-    best = {f: float("inf") for f in candidates}
-    with torch.inference_mode():
-        for rep in range(repeats + 1):
-            for f in candidates:
-                evict()
-                t = time.perf_counter()
-                for (w, _), m in zip(projections, mods[f]):
-                    m(inputs[w.shape[1]])
-                if rep:
-                    best[f] = min(best[f], time.perf_counter() - t)
-    return {f: round(v * 1e3, 3) for f, v in best.items()}
+def _key(kind: str, projections) -> str:
+    return kind + ":" + ",".join(f"{w.shape[1]}x{w.shape[0]}" for w, _ in projections)
 
 
 def drafter_weight_format(model, kind: str, projections: list[tuple[torch.Tensor, torch.Tensor | None]]) -> str:
-    """The format a drafter of ``kind`` (e.g. ``"exit-adapter"``) with these float32 ``projections`` runs in for
-    ``model`` (a :class:`~speculant.models.loading.LoadedModel`): ``fp32`` for a float32 target (whose own
-    kernels are float); for a quantized target, the fastest of :func:`measure` (the target's LM head as the
-    eviction between timings), measured once per machine and drafter shape and kept in ``model.tune``
-    (saved) when the model has one."""
-    decoder = model.decoder
-    if getattr(decoder, "weight_format", "fp32") == "fp32":
+    """The format a drafter of ``kind`` (e.g. ``"exit-adapter"``) with these float32 ``projections`` is loaded in for
+    ``model`` (a :class:`~speculant.models.loading.LoadedModel`), measuring nothing: ``fp32`` for a float32 target
+    (whose own kernels are float); for a quantized target the format :func:`tune_drafter` chose on this machine for
+    these shapes (``model.tune``), else ``fp32`` (the default, until that step has run)."""
+    if getattr(model.decoder, "weight_format", "fp32") == "fp32":
         return "fp32"
-    key = kind + ":" + ",".join(f"{w.shape[1]}x{w.shape[0]}" for w, _ in projections)
     result = getattr(model, "tune", None)
-    known = result.drafter_weights.get(key) if result is not None else None
-    if known is not None:
-        return known["weights"]
-    row = torch.zeros(1, decoder.config.hidden_size)
-    ms = measure(projections, lambda: decoder.lm_head(row))
+    known = result.drafter_weights.get(_key(kind, projections)) if result is not None else None
+    return known["weights"] if known is not None else "fp32"
+
+
+def tune_drafter(model, kind: str, module) -> str:
+    """The tune step of a loaded drafter ``module`` (an exit adapter or a draft head, with ``float_projections()``
+    and ``pack(fmt)``) of ``kind`` for ``model``: where the target is quantized and this machine has no choice stored
+    for these shapes, time a one-row pass in each drafter format
+    (:func:`speculant.runtime.tune.measure_drafter_weights`, the target's LM head as the eviction between timings),
+    keep the fastest in ``model.tune`` (saved) and pack ``module`` in it.  Returns the format ``module`` runs in."""
+    if module.weight_format != "fp32" or getattr(model.decoder, "weight_format", "fp32") == "fp32":
+        return module.weight_format
+    projections = module.float_projections()
+    result = getattr(model, "tune", None)
+    key = _key(kind, projections)
+    if result is None or key in result.drafter_weights:   # no tune, or one whose choice the loader already applied
+        return module.weight_format
+    from ..runtime import tune
+    row = torch.zeros(1, model.decoder.config.hidden_size)
+    ms = tune.measure_drafter_weights(projections, lambda: model.decoder.lm_head(row))
     choice = min(ms, key=ms.get)
-    if result is not None:
-        from ..runtime import tune
-        result.drafter_weights[key] = {"weights": choice, "ms": ms}
-        tune.save(result)
+    result.drafter_weights[key] = {"weights": choice, "ms": ms}
+    tune.save(result)
+    module.pack(choice)
     return choice

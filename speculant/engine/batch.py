@@ -2,7 +2,7 @@
 
 Each round drafts for every active sequence (each with its own drafter state, tree builder, sampling
 ``torch.Generator`` and KV cache), then verifies *all* their trees in one ragged target forward
-(:meth:`~speculant.runtime.executor.Executor.run_blocks`: the rows of every block concatenated for the projections
+(:meth:`~speculant.runtime.executor.Executor.run`: the rows of every block concatenated for the projections
 and the MLP, attention per sequence against its own cache and mask), then accepts and commits each sequence
 with its own accepted length (:func:`~speculant.engine.rounds.accept_and_commit`, the same code the
 one-sequence generator runs).  Sequences join (:meth:`BatchedGenerator.start`: their own prefill forward) and
@@ -38,7 +38,7 @@ from ..errors import SpeculantError
 from ..kernels import attention as attention_kernel
 from ..models.loading import LoadedModel
 from ..runtime.executor import executor_of
-from ..runtime.ragged import RaggedBlock
+from ..runtime.blocks import Block
 from ..trees.builders import IIDTreeBuilder, TreeBuilder
 from ..trees.tree import DraftTree
 from .generator import GenerationConfig
@@ -211,10 +211,10 @@ class BatchedGenerator:
         for group in groups:
             t0 = time.perf_counter()
             states = [new[i].state for i in group]
-            blocks = [RaggedBlock(target.embed(torch.tensor([st.tokens[cached[i]:]])), 0,
+            blocks = [Block(target.embed(torch.tensor([st.tokens[cached[i]:]])), 0,
                                   torch.arange(cached[i], len(st.tokens)), None, st.cache, cached[i])
                       for i, st in zip(group, states)]
-            hidden = target.run_blocks(blocks)
+            hidden = target.run(blocks)
             logits = target.lm_head(target.final_norm(torch.cat([h[0, -1:] for h in hidden])))    # [G, V]
             self.target_forwards += 1
             for k, (i, st) in enumerate(zip(group, states)):
@@ -412,9 +412,9 @@ class BatchedGenerator:
                 c.crop(6)
             ids = [torch.randint(vocab, (1, t), generator=g) for t in sizes]
             alone = target(ids[0], torch.arange(6, 6 + sizes[0]), None, caches[-1], 6)[0]
-            blocks = [RaggedBlock(target.embed(x), 0, torch.arange(6, 6 + x.shape[1]), None, c, 6)
+            blocks = [Block(target.embed(x), 0, torch.arange(6, 6 + x.shape[1]), None, c, 6)
                       for x, c in zip(ids, caches)]
-            hidden = target.run_blocks(blocks)
+            hidden = target.run(blocks)
             logits = target.lm_head(target.final_norm(torch.cat(hidden, dim=1)))[0, :sizes[0]]
             same &= torch.equal(alone, logits)
         return bool(same)
@@ -426,8 +426,8 @@ class BatchedGenerator:
         blocks = []
         for s, tree in zip(seqs, trees):
             v = s.drafter.verification_input(s.state, tree)
-            blocks.append(RaggedBlock(v.hidden, v.start_layer, v.positions, v.mask, s.state.cache, v.cache_position))
-        hidden = target.run_blocks(blocks)
+            blocks.append(Block(v.hidden, v.start_layer, v.positions, v.mask, s.state.cache, v.cache_position))
+        hidden = target.run(blocks)
         if self.drafter.capabilities.needs_features:
             for s, tree, h in zip(seqs, trees, hidden):
                 s.drafter.verification_hidden(s.state, tree, h[0])

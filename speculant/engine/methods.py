@@ -11,6 +11,7 @@ from ..drafters.eagle import DraftHeadDrafter
 from ..drafters.early_exit import EarlyExitDrafter
 from ..drafters.exit_adapter import default_adapter_exit_layer, default_adapter_for, load_exit_adapter
 from ..drafters.prompt_lookup import PromptLookupDrafter
+from ..drafters.weights import tune_drafter
 from ..errors import SpeculantError, check_range
 from ..models.loading import LoadedModel, read_checkpoint
 from ..runtime.executor import executor_of
@@ -162,7 +163,9 @@ def _drafter(spec: MethodSpec, model: LoadedModel) -> Drafter | None:
         if name is None:
             raise SpeculantError(f"no draft head ships for model {model.name!r}; allowed: --draft-head DIR "
                                  "(train one with `speculant train --recipe draft-head`)")
-        return DraftHeadDrafter(load_head(name, model))
+        head = load_head(name, model)                   # in the format tuned for it here (float before that)
+        tune_drafter(model, "draft-head", head)         # the tune step, once per machine and head shape
+        return DraftHeadDrafter(head)
     if not drafts_with_exit_layers(spec.method, spec.draft_model):
         name = spec.draft_model
         if not name:
@@ -181,6 +184,7 @@ def _drafter(spec: MethodSpec, model: LoadedModel) -> Drafter | None:
         adapter = default_adapter_for(model.name, exit_layer)
     if adapter and adapter != "none":
         head, exit_layer = load_exit_adapter(adapter, model, exit_layer)
+        tune_drafter(model, "exit-adapter", head.adapter)   # the tune step, once per machine and adapter shape
     if exit_layer is None:
         exit_layer = default_exit_layer(model)
     return EarlyExitDrafter(target.num_layers, exit_layer, head)

@@ -9,10 +9,11 @@ The model is pure (config, weights, a torch reference forward); the executor own
   torch prompt step;
 - the KV cache dtype (:attr:`Executor.kv_dtype`) and the kernels' buffers (built once from the packed weights).
 
-Its entry points are the blocks of decoding: :meth:`Executor.run_layers` (one sequence: a one-token step, a
-verification block, a tree under its mask, a prompt) and :meth:`Executor.run_blocks` (several sequences' blocks
-in one pass, a batched round: :mod:`speculant.runtime.ragged`), with :meth:`~Executor.embed`,
-:meth:`~Executor.final_norm` and :meth:`~Executor.lm_head` around them.  Nothing here measures: the choices come
+Its one entry point for the layers is :meth:`Executor.run`, over a list of
+:class:`~speculant.runtime.blocks.Block`: one sequence's one-token step, verification block, tree under its mask or
+prompt is a list of one block; a batched round is a block per sequence, run in one pass over the weights
+(:mod:`speculant.runtime.ragged`).  :meth:`~Executor.run_layers` is that call for one block, and
+:meth:`~Executor.embed`, :meth:`~Executor.final_norm` and :meth:`~Executor.lm_head` go around it.  Nothing here measures: the choices come
 from a :class:`~speculant.runtime.tune.TuneResult` (:meth:`Executor.from_tune`) or are given.
 """
 
@@ -25,6 +26,7 @@ from ..kernels import attention as attention_kernel
 from ..kernels import decode_step
 from ..models.kv_cache import KVCache, mark_dynamic
 from ..models.llama import LlamaDecoder, dense_mask
+from .blocks import Block
 from .steps import COMPILED_MAX_ROWS, decoder_layer_step, prefill_layer_step
 
 
@@ -179,21 +181,44 @@ class Executor:
         """Token ids ``[B, T]`` -> hidden states ``[B, T, D]``."""
         return self.decoder.embed(input_ids)
 
+    def run(self, blocks: list[Block], end: int | None = None) -> list[torch.Tensor]:
+        """Run each block through its layers ``block.start_layer .. end-1`` (default ``end``: all layers).
+
+        One block runs by the route of this executor: the fused step where it applies (a prompt, ``cache_position``
+        0 without a mask, only up to :attr:`fused_prompt_tokens` tokens), else the torch step: the prompt step into
+        an empty cache, the (compiled) layer step otherwise; a ``[B, T, D]`` block over a batched cache, or one
+        without a cache, the model's layer halves with :func:`~speculant.runtime.steps.attend`.  Several blocks
+        (each with its own cache: a batched round, batched prompts) run in one pass per layer, their rows
+        concatenated for the projections and MLP, each row getting the bits it gets alone
+        (:func:`speculant.runtime.ragged.ragged_run_layers`).
+
+        Returns:
+            per block, the hidden states (shaped as ``block.hidden``) leaving layer ``end - 1``.
+        Raises:
+            SpeculantError: a block would write past its cache's ``max_length``, or its mask has the wrong shape.
+        """
+        end = self.decoder.num_layers if end is None else end
+        if len(blocks) == 1:
+            b = blocks[0]
+            return [self._run_one(b.hidden, b.start_layer, end, b.positions, b.mask, b.cache, b.cache_position)]
+        from .ragged import ragged_run_layers
+        return ragged_run_layers(self, blocks, end)
+
     def run_layers(self, hidden: torch.Tensor, start: int, end: int, positions: torch.Tensor,
                    attention_mask: torch.Tensor | None = None, cache: KVCache | None = None,
                    cache_position: int = 0) -> torch.Tensor:
-        """Run decoder layers ``start .. end-1`` over ``hidden`` ``[B, T, D]`` by the route of this executor.
+        """:meth:`run` of one block: layers ``start .. end-1`` over ``hidden`` ``[B, T, D]``.
 
         Arguments and result as :meth:`LlamaDecoder.run_layers` (``attention_mask`` bool ``[T, S]`` or
         ``[B, 1, T, S]``, True = may attend, ``None`` causal; new keys/values to slots ``cache_position ..``).
-        One sequence over a cache runs the fused step where it applies (a prompt only up to
-        :attr:`fused_prompt_tokens` tokens), else the torch step: the prompt step into an empty cache, the
-        (compiled) layer step otherwise; several sequences, or no cache, the model's layer halves with
-        :func:`~speculant.runtime.steps.attend`.
 
         Raises:
             SpeculantError: the block would write past the cache's ``max_length``.
         """
+        return self.run([Block(hidden, start, positions, attention_mask, cache, cache_position)], end)[0]
+
+    def _run_one(self, hidden, start, end, positions, attention_mask, cache, cache_position):
+        """:meth:`run` of one block (see there)."""
         b, t, _ = hidden.shape
         if cache is None or b != 1:
             return self._run_batch(hidden, start, end, positions, attention_mask, cache, cache_position)
@@ -236,13 +261,6 @@ class Executor:
         from .steps import attend
         return self.decoder.run_layers(hidden, start, end, positions, attention_mask, cache, cache_position,
                                        attention=attend)
-
-    def run_blocks(self, blocks: list, end: int | None = None) -> list[torch.Tensor]:
-        """Several sequences' blocks (:class:`~speculant.runtime.ragged.RaggedBlock`, each with its own cache) in
-        one pass per layer (a batched round or batched prompts): per block, the hidden states ``[1, T, D]``
-        leaving layer ``end - 1`` (default: the last).  See :func:`speculant.runtime.ragged.ragged_run_layers`."""
-        from .ragged import ragged_run_layers
-        return ragged_run_layers(self, blocks, end)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The shared final RMSNorm (in C, the layers' own norm code, where the layers run as one C call)."""

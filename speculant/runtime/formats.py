@@ -49,6 +49,10 @@ HEAD_FORMATS = {"int4": "int8", "w4a8": "w8a8"}
 KERNEL_FORMATS = ("w4a8",)
 """Formats that run our own kernel (:mod:`speculant.kernels.qgemm`), available where it builds."""
 
+DRAFTER_FORMATS = ("fp32", "int8", "w8a8")
+"""Weight formats a drafter's own projections are timed in (``w8a8``: Q8_0 codes on int8 activations, where our
+kernels run; :func:`speculant.runtime.tune.measure_drafter_weights`)."""
+
 
 def head_format(fmt: str) -> str:
     """The format of the LM head of a model whose projections are in ``fmt``."""

@@ -18,41 +18,19 @@ do not mix rows, and attention is computed exactly as the single-sequence step c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..errors import SpeculantError
 from ..kernels import attention as attention_kernel
-from ..models.kv_cache import KVCache, mark_dynamic
+from ..models.kv_cache import mark_dynamic
 from ..models.llama import attention_inputs, dense_mask, layer_output
+from .blocks import Block
 from .steps import attend
-
-
-@dataclass
-class RaggedBlock:
-    """One sequence's rows in a ragged forward.
-
-    Attributes:
-        hidden: ``[1, T, D]`` hidden states entering layer ``start_layer``.
-        start_layer: the first layer this block runs (0 for tokens; an exit layer for early-exit verification).
-        positions: RoPE positions ``[T]`` (int64).
-        mask: bool ``[T, cache_position + T]`` (True = may attend), or ``None`` for causal rows.
-        cache: this sequence's KV cache; the block's keys/values go to slots ``cache_position ..``.
-        cache_position: first slot written [tokens].
-    """
-
-    hidden: torch.Tensor
-    start_layer: int
-    positions: torch.Tensor
-    mask: torch.Tensor | None
-    cache: KVCache
-    cache_position: int
 
 
 # Over 80 lines with its docstring: one loop over the layers whose state (the rows of the blocks that have joined,
 # their attention plan and RoPE rows) carries from layer to layer; split, that state would be passed around.
-def ragged_run_layers(executor, blocks: list[RaggedBlock], end: int | None = None,
+def ragged_run_layers(executor, blocks: list[Block], end: int | None = None,
                       halves=None) -> list[torch.Tensor]:
     """Run every block through its layers ``start_layer .. end-1`` in one batched pass per layer.
 

@@ -65,7 +65,7 @@ from torch import nn
 from .. import cpu
 from ..models import linear as fp32_linear
 from ..models.linear import DecodeLinear, Routes
-from .formats import FORMATS, PROJECTIONS, format_available, head_format, pack_linear
+from .formats import DRAFTER_FORMATS, FORMATS, PROJECTIONS, format_available, head_format, pack_linear
 
 ROWS = (1, 2, 4, 5, 8, 16)
 """Row counts measured: a decoding step, verification blocks and tree frontiers."""
@@ -134,10 +134,13 @@ class TuneResult:
             after :data:`FORWARD_CONTEXT` cached ones, ``{T: ms}`` for T in :data:`FORWARD_ROWS` [milliseconds]
             (:func:`measure_forward_rows`; empty: not measured, the model has no fused step).
         draft_ms: one draft call (one depth of drafting) per drafter, ``{drafter signature: ms}`` [milliseconds]
-            (:func:`speculant.engine.speculation.draft_seconds`, measured at the first cost-aware use).
+            (:func:`speculant.engine.speculation.draft_seconds`: the tune step of a drafter, run by the method factory
+            :func:`speculant.engine.methods.build_generator` the first time it builds that drafter on this machine
+            under ``speculation="cost"``).
         drafter_weights: the weight format of a drafter's own projections per drafter shape,
             ``{"<kind>:<I>x<O>,...": {"weights": fmt, "ms": {fmt: one-row pass [ms]}}}``
-            (:func:`speculant.drafters.weights.drafter_weight_format`, measured at the first load of such a drafter).
+            (:func:`measure_drafter_weights`: the tune step :func:`speculant.drafters.weights.tune_drafter`, run by
+            the method factory the first time it builds such a drafter on this machine; loaders only read it).
     """
 
     key: dict
@@ -662,6 +665,37 @@ def measure_forward_rows(decoder, rows=FORWARD_ROWS, repeats: int = 3, log=None)
         print(f"speculant: T-row forwards timed in {time.perf_counter() - start:.1f} s (T = 1: "
               f"{best[rows[0]] * 1e3:.2f} ms, T = {rows[-1]}: {best[rows[-1]] * 1e3:.2f} ms)", file=log, flush=True)
     return {str(r): round(v * 1e3, 4) for r, v in best.items()}
+
+
+def _drafter_packed(fmt: str, projections):
+    if fmt == "fp32":          # the float32 route the drafters' float projections take (DecodeLinear)
+        return [lambda x, w=w, b=b: fp32_linear.small_batch_linear(x, w, b) for w, b in projections]
+    return [pack_linear(fmt, w, b) for w, b in projections]
+
+
+def measure_drafter_weights(projections: list[tuple[torch.Tensor, torch.Tensor | None]], evict, candidates=None,
+                            repeats: int = 7) -> dict[str, float]:
+    """One-row pass over ``projections`` (``(weight [O, I] float32, bias [O] or None)``) packed in each of
+    ``candidates`` (default: :data:`DRAFTER_FORMATS` that run here), each timed pass after ``evict()`` (something
+    that streams the target's weights, as a decoding step does), formats alternated, best of ``repeats``
+    after a warm-up [milliseconds]: the tune step of a drafter's own projections
+    (:func:`speculant.drafters.weights.tune_drafter`)."""
+    from ..kernels import qgemm
+    candidates = candidates or [f for f in DRAFTER_FORMATS if f != "w8a8" or qgemm.available()]
+    mods = {f: _drafter_packed(f, projections) for f in candidates}
+    g = torch.Generator().manual_seed(5)
+    inputs = {w.shape[1]: torch.randn(1, w.shape[1], generator=g) for w, _ in projections}
+    best = {f: float("inf") for f in candidates}
+    with torch.inference_mode():
+        for rep in range(repeats + 1):
+            for f in candidates:
+                evict()
+                t = time.perf_counter()
+                for (w, _), m in zip(projections, mods[f]):
+                    m(inputs[w.shape[1]])
+                if rep:
+                    best[f] = min(best[f], time.perf_counter() - t)
+    return {f: round(v * 1e3, 3) for f, v in best.items()}
 
 
 def attention_dtype(result: TuneResult) -> torch.dtype:
