@@ -279,3 +279,32 @@ def test_generate_json_reports_rounds_end_to_end(capsys, tmp_path):
     tune = load_model(str(directory), weights="fp32", compile=False).tune
     assert "early-exit,exit_layer=2" in tune.draft_ms and tune.draft_ms["early-exit,exit_layer=2"] > 0
     assert forward_seconds(load_model(str(directory), weights="fp32", compile=False)) is not None
+
+
+def test_exploring_probes_at_depth_one_and_backs_off():
+    """While drafting does not pay, a probe round drafts depth 1 only, as every 16th round, then (each probe
+    rejected) every 32nd, 64th, ... (at most every 256th); an accepted probe brings the interval back to 16, and
+    once the accepted probes make drafting pay, rounds draft by choice again."""
+    from speculant.engine.goodput import SequenceSpeculation
+    s = SequenceSpeculation(SWITCHING)
+    chain = lambda d: d                                            # noqa: E731  (a chain: d nodes at depth d)
+    for _ in range(10):                                            # learn that the first depth fails
+        s.observe(s.depth(4, chain) or 4, 0)
+    gaps, without = [], 0
+    for _ in range(1200):
+        d = s.depth(4, chain)
+        if d:
+            assert d == 1
+            gaps.append(without)
+            without = 0
+            s.observe(1, 0)
+        else:
+            without += 1
+    assert gaps[1:6] == [31, 63, 127, 255, 255], gaps              # rounds without drafts between two probes
+    drafted = []
+    for _ in range(600):                                           # the drafts start being accepted
+        d = s.depth(4, chain)
+        if d:
+            drafted.append(d)
+            s.observe(d, d)
+    assert drafted[0] == 1 and len(drafted) > 10 and s.interval == 16    # the next probe pays: drafting resumes

@@ -246,32 +246,44 @@ class CostTable:
 class SequenceSpeculation:
     """Cost-aware sizing of one sequence's rounds: the :class:`GoodputPolicy` choice at ``batch = 1`` from a fixed
     :class:`CostTable` and the sequence's own :class:`DepthAcceptance`; the round's depth is an upper bound that the
-    drafter's own confidence may cut (:meth:`stop_rule`).  After ``explore_every`` rounds in a row without drafts
-    one round drafts its full depth, to keep the acceptance current, unless no depth could pay even if every draft
-    were accepted (:meth:`could_pay`).  Deterministic given the tokens.
+    drafter's own confidence may cut (:meth:`stop_rule`).
+
+    Exploring keeps the acceptance current while no depth pays: after ``explore_every`` rounds in a row without
+    drafts one round *probes* at depth 1 (the cheapest round that measures the first depth's acceptance, on which
+    every deeper depth's value rests), unless no depth could pay even if every draft were accepted
+    (:meth:`could_pay`).  Each probe whose draft is rejected doubles the interval, up to ``max_explore_every``
+    (exponential back-off: a drafter that keeps failing costs a vanishing share of the rounds); a probe whose draft
+    is accepted, or a round that drafts by choice, resets it.  Deterministic given the tokens.
 
     Raises:
-        SpeculantError: ``explore_every < 1`` (and see :class:`CostTable`, :class:`DepthAcceptance`).
+        SpeculantError: ``explore_every < 1`` or ``max_explore_every < explore_every`` (and see
+            :class:`CostTable`, :class:`DepthAcceptance`).
     """
 
-    def __init__(self, costs: CostTable, explore_every: int = 16, smoothing: float = 0.2):
-        if explore_every < 1:
-            raise SpeculantError(f"explore_every={explore_every} is out of range; allowed: >= 1")
-        self.costs, self.explore_every = costs, explore_every
+    def __init__(self, costs: CostTable, explore_every: int = 16, smoothing: float = 0.2,
+                 max_explore_every: int = 256):
+        if explore_every < 1 or max_explore_every < explore_every:
+            raise SpeculantError(f"explore_every={explore_every}, max_explore_every={max_explore_every} are out of "
+                                 "range; allowed: 1 <= explore_every <= max_explore_every")
+        self.costs, self.explore_every, self.max_explore_every = costs, explore_every, max_explore_every
         self.policy = GoodputPolicy(costs.forward_seconds, warmup=0, explore_every=explore_every)
         self.acceptance = DepthAcceptance(smoothing)
+        self.interval = explore_every        # rounds without drafts before the next probe [count]
         self._without = 0
+        self._probing = False                # the last depth returned was a probe's
 
     def depth(self, max_depth: int, nodes_at_depth) -> int:
         """The next round's depth bound (0: an ``ar`` round)."""
         d = self.policy.draft_depth(1, self.acceptance, max_depth, nodes_at_depth, self.costs.draft_seconds)
         if d == 0 and max_depth > 0 and self.could_pay(max_depth, nodes_at_depth):
             self._without += 1
-            if self._without >= self.explore_every:
+            if self._without >= self.interval:
                 self._without = 0
-                return max_depth
+                self._probing = True
+                return 1
         elif d:
             self._without = 0
+            self.interval = self.explore_every
         return d
 
     def could_pay(self, max_depth: int, nodes_at_depth) -> bool:
@@ -298,6 +310,9 @@ class SequenceSpeculation:
 
     def observe(self, drafted_depth: int, accepted: int) -> None:
         """The round drafted ``drafted_depth`` depths and accepted ``accepted`` tokens."""
+        if self._probing:
+            self._probing = False
+            self.interval = self.explore_every if accepted else min(2 * self.interval, self.max_explore_every)
         if drafted_depth:
             self.acceptance.observe(drafted_depth, accepted)
 
