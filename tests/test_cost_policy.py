@@ -283,8 +283,8 @@ def test_generate_json_reports_rounds_end_to_end(capsys, tmp_path):
 
 def test_exploring_probes_at_depth_one_and_backs_off():
     """While drafting does not pay, a probe round drafts depth 1 only, as every 16th round, then (each probe
-    rejected) every 32nd, 64th, ... (at most every 256th); an accepted probe brings the interval back to 16, and
-    once the accepted probes make drafting pay, rounds draft by choice again."""
+    rejected) every 32nd, 64th, ... (at most every 256th); accepted probes keep the interval, and once their
+    acceptance makes drafting pay, rounds draft by choice again and the interval is 16."""
     from speculant.engine.goodput import SequenceSpeculation
     s = SequenceSpeculation(SWITCHING)
     chain = lambda d: d                                            # noqa: E731  (a chain: d nodes at depth d)
@@ -302,9 +302,9 @@ def test_exploring_probes_at_depth_one_and_backs_off():
             without += 1
     assert gaps[1:6] == [31, 63, 127, 255, 255], gaps              # rounds without drafts between two probes
     drafted = []
-    for _ in range(600):                                           # the drafts start being accepted
+    for _ in range(2000):                                          # the drafts start being accepted
         d = s.depth(4, chain)
         if d:
             drafted.append(d)
             s.observe(d, d)
-    assert drafted[0] == 1 and len(drafted) > 10 and s.interval == 16    # the next probe pays: drafting resumes
+    assert drafted[:3] == [1] * 3 and max(drafted) > 1 and len(drafted) > 100 and s.interval == 16   # drafting resumes

@@ -252,8 +252,9 @@ class SequenceSpeculation:
     drafts one round *probes* at depth 1 (the cheapest round that measures the first depth's acceptance, on which
     every deeper depth's value rests), unless no depth could pay even if every draft were accepted
     (:meth:`could_pay`).  Each probe whose draft is rejected doubles the interval, up to ``max_explore_every``
-    (exponential back-off: a drafter that keeps failing costs a vanishing share of the rounds); a probe whose draft
-    is accepted, or a round that drafts by choice, resets it.  Deterministic given the tokens.
+    (exponential back-off: a drafter that keeps failing costs a vanishing share of the rounds); an accepted one
+    keeps it; a round that drafts by choice (the probes' acceptance made drafting pay) resets it.  Deterministic
+    given the tokens.
 
     Raises:
         SpeculantError: ``explore_every < 1`` or ``max_explore_every < explore_every`` (and see
@@ -312,7 +313,8 @@ class SequenceSpeculation:
         """The round drafted ``drafted_depth`` depths and accepted ``accepted`` tokens."""
         if self._probing:
             self._probing = False
-            self.interval = self.explore_every if accepted else min(2 * self.interval, self.max_explore_every)
+            if not accepted:
+                self.interval = min(2 * self.interval, self.max_explore_every)
         if drafted_depth:
             self.acceptance.observe(drafted_depth, accepted)
 
