@@ -50,8 +50,7 @@ def _baseline_lib(checkout: str, isa: str, here: ctypes.CDLL) -> ctypes.CDLL:
     path = subprocess.run([sys.executable, "-c", code, checkout, isa], capture_output=True, text=True,
                           check=True).stdout.strip().splitlines()[-1]
     lib = ctypes.CDLL(path)
-    for entry in ("spec_decode_layers", "spec_rms_norm", "spec_w8a8_f32", "spec_w4a8_f32",
-                  "spec_set_weight_prefetch"):
+    for entry in ("spec_decode_layers", "spec_rms_norm", "spec_w8a8_f32", "spec_w4a8_f32"):
         getattr(lib, entry).argtypes = getattr(here, entry).argtypes
         getattr(lib, entry).restype = getattr(here, entry).restype
     return lib
@@ -83,10 +82,11 @@ def main() -> None:
                 libs[f"{isa} (baseline)"] = _baseline_lib(args.baseline, isa, here)
             except subprocess.CalledProcessError:       # a variant the other checkout does not have
                 print(f"rows_cost: the baseline has no variant {isa}", file=sys.stderr)
-    for lib in libs.values():
-        lib.spec_set_weight_prefetch(build.weight_prefetch())
     fused = dec.fused_layers()
     assert fused is not None, "the model does not run as the fused step"
+    for lib in libs.values():
+        if hasattr(lib, "spec_set_weight_prefetch"):    # a baseline from before the distance was an argument
+            lib.spec_set_weight_prefetch(fused.weight_prefetch)
     ctx, vocab = args.context, dec.config.vocab_size
     g = torch.Generator().manual_seed(0)
     times = {(name, t): float("inf") for name in libs for t in rows}
@@ -105,7 +105,7 @@ def main() -> None:
     fused.lib = build._LIB = here
     print(f"CPU: {cpu_description()['model']}, {torch.get_num_threads()} threads, load average "
           f"{load0[0]:.2f} -> {os.getloadavg()[0]:.2f}; model {args.model}, context {ctx}, "
-          f"{str(dec.kv_dtype).removeprefix('torch.')} KV cache, weight prefetch {build.weight_prefetch()} B, "
+          f"{str(dec.kv_dtype).removeprefix('torch.')} KV cache, weight prefetch {fused.weight_prefetch} B, "
           f"{args.repeats} alternated repeats (best, {args.clock} clock)\n")
     print("| kernels | one step [ms] | " + " | ".join(f"T={t}" for t in rows) + " |")
     print("|---|---|" + "---|" * len(rows))

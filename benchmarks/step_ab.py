@@ -45,14 +45,15 @@ def main() -> None:
     here = build.load()
     if here is None:
         raise SystemExit(f"our kernels do not run here: {build.unavailable_reason()}")
-    model = load_model(weights="w4a8")                  # applies the tuned weight prefetch
-    prefetch = {"this build": build.weight_prefetch(), "baseline": args.weight_prefetch}
+    model = load_model(weights="w4a8")                  # its executor passes the tuned weight prefetch
+    prefetch = {"this build": model.executor.weight_prefetch or 0, "baseline": args.weight_prefetch}
+    runs = {"this build": model.executor, "baseline": model.executor}
     if args.weight_prefetch is not None:
         try:
-            build.set_weight_prefetch(args.weight_prefetch)
+            build.check_weight_prefetch(args.weight_prefetch)
         except ValueError as e:
             raise SystemExit(f"step_ab: {e}") from None
-        build.set_weight_prefetch(prefetch["this build"])
+        runs["baseline"] = model.executor.replace(weight_prefetch=args.weight_prefetch)
         other = here
     elif args.variant:
         try:
@@ -72,29 +73,28 @@ def main() -> None:
             if hasattr(other, entry):
                 getattr(other, entry).argtypes = getattr(here, entry).argtypes
                 getattr(other, entry).restype = getattr(here, entry).restype
-    if other is not here and hasattr(other, "spec_set_weight_prefetch"):   # the same distance as this build
-        other.spec_set_weight_prefetch(prefetch["this build"])
-    dec, ctx = model.executor, args.context           # the runtime's route: the fused step
-    fused = dec.fused_layers()
+    if other is not here and hasattr(other, "spec_set_weight_prefetch"):   # a build from before the distance was
+        other.spec_set_weight_prefetch(prefetch["this build"])              # an argument: the same distance
+    ctx = args.context                                # the runtime's route: the fused step
     g = torch.Generator().manual_seed(0)
     times = {(name, t): [] for name in ("baseline", "this build") for t in (1, 5)}
     with torch.inference_mode():
-        cache = dec.new_cache(ctx + 16)
-        dec(torch.randint(0, model.config.vocab_size, (1, ctx), generator=g), None, None, cache, 0)
+        cache = model.executor.new_cache(ctx + 16)
+        model.executor(torch.randint(0, model.config.vocab_size, (1, ctx), generator=g), None, None, cache, 0)
         for _ in range(args.repeats):
             for name, lib in (("baseline", other), ("this build", here)):
-                fused.lib = lib
+                dec = runs[name]
+                dec.fused_layers().lib = lib
                 if args.variant:                    # the LM head too (a baseline checkout's covers the layers)
                     build._LIB = lib
-                if prefetch["baseline"] is not None:
-                    build.set_weight_prefetch(prefetch[name])
                 for t in (1, 5):
                     ids = torch.randint(0, model.config.vocab_size, (1, t), generator=g)
                     t0 = time.perf_counter()
                     dec(ids, None, None, cache, ctx)
                     times[name, t].append(time.perf_counter() - t0)
-    fused.lib = build._LIB = here
-    build.set_weight_prefetch(prefetch["this build"])
+    for dec in runs.values():
+        dec.fused_layers().lib = here
+    build._LIB = here
     print(f"CPU: {cpu_description()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; "
           f"context {ctx}, {args.repeats} alternated repeats; this build: kernels {build.loaded_isa()}; baseline: "
           f"{args.baseline or ('kernels ' + args.variant if args.variant else '')}; weight prefetch [bytes]: this build "

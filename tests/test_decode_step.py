@@ -139,9 +139,10 @@ def test_the_loader_runs_w4a8_fused_without_torch_compile(tmp_path, monkeypatch)
     # the prompt route was timed once on the fused model and kept in the tune cache
     assert loaded.tune.fused_prompt_tokens is not None and loaded.tune.prompt_ms
     assert executor_of(loaded).fused_prompt_tokens == loaded.tune.fused_prompt_tokens
-    # so was the weight prefetch distance, now in force
+    # so was the weight prefetch distance, which this model's kernel calls now pass
     assert loaded.tune.weight_prefetch in tune.WEIGHT_PREFETCH_BYTES and loaded.tune.weight_prefetch_ms
-    assert build.weight_prefetch() == loaded.tune.weight_prefetch
+    assert executor_of(loaded).fused_layers().model.weight_prefetch == loaded.tune.weight_prefetch
+    assert loaded.decoder.lm_head_proj.prefetch == loaded.tune.weight_prefetch
     # and the KV cache's dtype, which --kv-cache auto takes in this format
     assert loaded.tune.kv_cache in ("float32", "float16") and set(loaded.tune.kv_cache_ms) == {"float32", "float16"}
     assert executor_of(loaded).kv_dtype == getattr(torch, loaded.tune.kv_cache)
@@ -334,23 +335,24 @@ def test_the_kv_cache_dtype_is_measured_and_the_decoder_left_as_it_was(model):
 
 
 def test_the_weight_prefetch_is_measured_kept_and_applied(model):
-    """The tuner times the one-token forward at each distance, picks the fastest, restores the distance in force;
-    a tune result's distance is put in force by ``apply_choices``."""
-    before = build.weight_prefetch()
-    best, ms = tune.measure_weight_prefetch(executor_of(model), distances=(0, 1024, 4096), repeats=2)
+    """The tuner times the one-token forward at each distance on copies of the executor and picks the fastest,
+    leaving the executor as it was; an executor built from a tune result passes its distance to its own kernel
+    calls only (the fused step's struct, the packed projections), not to another model's."""
+    ex = executor_of(model)
+    before = (ex.weight_prefetch, ex.fused_layers().model.weight_prefetch)
+    best, ms = tune.measure_weight_prefetch(ex, distances=(0, 1024, 4096), repeats=2)
     assert set(ms) == {"0", "1024", "4096"} and all(v > 0 for v in ms.values())
     assert best in (0, 1024, 4096) and ms[str(best)] == min(ms.values())
-    assert build.weight_prefetch() == before                      # restored
+    assert (ex.weight_prefetch, ex.fused_layers().model.weight_prefetch) == before      # unchanged
     result = tune.TuneResult(key=tune.tune_key(model.decoder.config, 1), weights="w4a8", fp32_route="linear",
                              threads=1, weight_prefetch=512)
-    try:
-        tune.apply_choices(result, set_threads=False)
-        assert build.weight_prefetch() == 512 == build.load().spec_weight_prefetch()
-        assert "weight prefetch" not in tune.format_table(result)   # nothing measured: no line
-        result.weight_prefetch_ms = ms
-        assert "weight prefetch: **512** bytes ahead" in tune.format_table(result)
-    finally:
-        build.set_weight_prefetch(before)
+    other = copy.deepcopy(model.decoder)
+    tuned = Executor.from_tune(other, result, torch.float32)
+    assert tuned.fused_layers().model.weight_prefetch == 512 == other.lm_head_proj.prefetch
+    assert ex.fused_layers().model.weight_prefetch == before[1]                          # the first model's own
+    assert "weight prefetch" not in tune.format_table(result)   # nothing measured: no line
+    result.weight_prefetch_ms = ms
+    assert "weight prefetch: **512** bytes ahead" in tune.format_table(result)
 
 
 def test_the_thread_count_is_chosen_on_a_decode_loop_and_keeps_the_default_within_the_noise(model):

@@ -179,20 +179,25 @@ def test_small_batch_linear_keeps_autograd():
 
 
 def test_decoder_uses_small_batch_route(monkeypatch):
-    """A verification-sized block goes through the transposed product (the speed fix), and its logits
-    equal those of the plain ``F.linear`` route."""
+    """A verification-sized block goes through the transposed product (the speed fix) when the executor of the
+    model says so, and its logits equal those of the plain ``F.linear`` route; the route is the model's own: a
+    second model in the same process keeps plain ``F.linear``."""
     import speculant.models.linear as lin
+    from speculant.runtime.executor import Executor
     model = tiny_model(seed=3).decoder
+    other = tiny_model(seed=4).decoder
     ids = torch.tensor([[1, 5, 7, 2, 9]])
     calls = []
     real_mm = torch.mm
     monkeypatch.setattr(lin.torch, "mm", lambda a, b: calls.append(a.shape) or real_mm(a, b))
-    monkeypatch.setattr(lin, "ROUTES", lin.Routes("linear", "transposed"))   # whatever an earlier tune chose
+    Executor(model, fp32_route="transposed")
     with torch.no_grad():
         fast = model(ids)
-    assert calls, "the small-batch route was not taken"
-    monkeypatch.setattr(lin, "ROUTES", lin.Routes("linear", "linear"))
-    calls.clear()
+        assert calls, "the small-batch route was not taken"
+        calls.clear()
+        other(ids)
+        assert not calls, "a model whose executor chose nothing took another model's route"
+    Executor(model, fp32_route="linear")
     with torch.no_grad():
         plain = model(ids)
     assert not calls

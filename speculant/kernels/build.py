@@ -195,7 +195,6 @@ def _load() -> ctypes.CDLL | None:
         return None
     isa = next(iter(libs)) if len(libs) == 1 else pick_variant(libs, cc)
     _LIB, _ISA, _WHY_NOT = libs[isa], isa, None
-    _LIB.spec_set_weight_prefetch(_PREFETCH)
     return _LIB
 
 
@@ -279,7 +278,7 @@ def time_variants(libs: dict[str, ctypes.CDLL], repeats: int = 30) -> dict[str, 
             for entry, (k, n, codes, scales, x, y) in data.items():
                 extra = (scales,) if entry == "spec_w4a8_f32" else ()
                 for m in (1, 5):
-                    getattr(lib, entry)(x, m, k, codes, scales, *extra, n, y)
+                    getattr(lib, entry)(x, m, k, codes, scales, *extra, n, y, 0)
             best[isa] = min(best[isa], time.perf_counter() - t0)
     return best
 
@@ -320,8 +319,8 @@ def load_variant(isa: str, cc: str | None = None) -> ctypes.CDLL:
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.spec_quantize_rows.argtypes = [p, i, i, p, p, p]
     lib.spec_quantize_rows.restype = None
-    lib.spec_w4a8_f32.argtypes = [p, i, i, p, p, p, i, p]
-    lib.spec_w8a8_f32.argtypes = [p, i, i, p, p, i, p]
+    lib.spec_w4a8_f32.argtypes = [p, i, i, p, p, p, i, p, i]
+    lib.spec_w8a8_f32.argtypes = [p, i, i, p, p, i, p, i]
     lib.spec_w4a8_f32.restype = lib.spec_w8a8_f32.restype = ctypes.c_int
     lib.spec_attention.argtypes = [p, p, p, i, p, i, i, i, i, i, ctypes.c_float, i, p]
     lib.spec_attention.restype = ctypes.c_int
@@ -333,40 +332,27 @@ def load_variant(isa: str, cc: str | None = None) -> ctypes.CDLL:
     lib.spec_decode_layers.restype = ctypes.c_int
     lib.spec_rms_norm.argtypes = [p, p, i, i, ctypes.c_float, p]
     lib.spec_rms_norm.restype = None
-    lib.spec_set_weight_prefetch.argtypes = [i]
-    lib.spec_set_weight_prefetch.restype = ctypes.c_int
-    lib.spec_weight_prefetch.argtypes = []
-    lib.spec_weight_prefetch.restype = i
     return lib
 
 
 WEIGHT_PREFETCH_LIMIT = 65536
 """Largest weight prefetch distance the products accept [bytes]."""
-_PREFETCH = 0
 
 
-def set_weight_prefetch(ahead: int) -> None:
-    """Have the weight-quantized products prefetch their codes ``ahead`` bytes in advance (0: no software
-    prefetch; ``qgemm.c``'s header), in the library in use now and in the one :func:`load` loads later.  The
-    distance that pays depends on the machine: :func:`speculant.runtime.tune.measure_weight_prefetch` measures it.
-    Results never depend on it.
+def check_weight_prefetch(ahead: int) -> int:
+    """``ahead`` if it is a weight prefetch distance the products take (the last argument of ``spec_w4a8_f32``,
+    ``spec_w8a8_f32`` and the fused step's model struct: how many bytes ahead of the codes in use they prefetch; 0:
+    none; ``qgemm.c``'s header).  The distance that pays depends on the machine
+    (:func:`speculant.runtime.tune.measure_weight_prefetch`); results never depend on it.
 
     Raises:
         ValueError: ``ahead`` is not 0 or a multiple of 64 up to :data:`WEIGHT_PREFETCH_LIMIT`.
     """
-    global _PREFETCH
     if isinstance(ahead, bool) or not isinstance(ahead, int) or not 0 <= ahead <= WEIGHT_PREFETCH_LIMIT \
             or ahead % 64:
         raise ValueError(f"weight prefetch distance {ahead!r}: allowed: 0 (none) or a multiple of 64 bytes up to "
                          f"{WEIGHT_PREFETCH_LIMIT}")
-    _PREFETCH = ahead
-    if _LIB is not None:
-        _LIB.spec_set_weight_prefetch(ahead)
-
-
-def weight_prefetch() -> int:
-    """The weight prefetch distance in force [bytes] (:func:`set_weight_prefetch`)."""
-    return _PREFETCH
+    return ahead
 
 
 def available() -> bool:

@@ -42,6 +42,7 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;              /* RMSNorm epsilon; softmax scale (head_dim^-1/2 as the caller rounds it) */
     const spec_layer *layers;
+    int64_t weight_prefetch;       /* bytes ahead that the products prefetch their codes (0: none; qgemm.c) */
 } spec_model;
 
 /* y [M, D] = x * rsqrt(mean(x^2) + eps) * w, row by row (fixed-order sum of squares) */
@@ -62,13 +63,14 @@ static void rms_norm(const float *x, const float *w, int64_t M, int64_t D, float
 }
 
 /* y [M, N] = x [M, K] W^T (+ bias) on int8 activations; xq, xd, xs: workspaces of M*K, M*K/32, M*K/32 */
-static void project(const spec_projection *p, const float *x, int64_t M, int8_t *xq, float *xd, float *xs, float *y) {
+static void project(const spec_projection *p, const float *x, int64_t M, int8_t *xq, float *xd, float *xs, float *y,
+                    int64_t ahead) {
     const int64_t K = p->in_features, N = p->out_features;
     spec_quantize_rows(x, M, K, xq, xd, xs);
     if (p->bits == 4)
-        spec_w4a8(xq, xd, xs, M, K, (const uint8_t *)p->codes, p->scales, p->offsets, N, y);
+        spec_w4a8(xq, xd, xs, M, K, (const uint8_t *)p->codes, p->scales, p->offsets, N, y, ahead);
     else
-        spec_w8a8(xq, xd, M, K, (const int8_t *)p->codes, p->scales, N, y);
+        spec_w8a8(xq, xd, M, K, (const int8_t *)p->codes, p->scales, N, y, ahead);
     if (p->bias)
         for (int64_t r = 0; r < M; r++)
             for (int64_t n = 0; n < N; n++) y[r * N + n] += p->bias[n];
@@ -141,7 +143,7 @@ int spec_run_layers(const spec_model *m, int64_t first, int64_t last, int64_t ns
     for (int64_t l = first; l < last && status == 0; l++) {
         const spec_layer *L = m->layers + l;
         rms_norm(x, L->input_norm, R, D, m->eps, h);
-        project(&L->qkv, h, R, xq, xd, xs, wide);
+        project(&L->qkv, h, R, xq, xd, xs, wide, m->weight_prefetch);
         for (int64_t r = 0; r < R; r++) {
             const float *row = wide + r * QKV, *c = cos + r * Dh, *s = sin + r * Dh;
             for (int64_t hd = 0; hd < H; hd++) rope_head(row + hd * Dh, c, s, Dh, q + (r * H + hd) * Dh);
@@ -153,12 +155,12 @@ int spec_run_layers(const spec_model *m, int64_t first, int64_t last, int64_t ns
         status = spec_attention_ragged(nseq, rows, start, smax, kc, vc, lstride, l, mask, q, k, v, H, HKV, Dh,
                                        m->scale, kv_bytes, att);
         if (status) break;
-        project(&L->o, att, R, xq, xd, xs, h);
+        project(&L->o, att, R, xq, xd, xs, h, m->weight_prefetch);
         add_rows(x, h, R * D);
         rms_norm(x, L->post_norm, R, D, m->eps, h);
-        project(&L->gate_up, h, R, xq, xd, xs, wide);
+        project(&L->gate_up, h, R, xq, xd, xs, wide, m->weight_prefetch);
         swiglu(wide, R, I, att);
-        project(&L->down, att, R, xq, xd, xs, h);
+        project(&L->down, att, R, xq, xd, xs, h, m->weight_prefetch);
         add_rows(x, h, R * D);
     }
     free(h); free(wide); free(q); free(kv); free(att); free(xq); free(xd);

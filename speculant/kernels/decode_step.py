@@ -48,7 +48,7 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
-                ("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer))]
+                ("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer)), ("weight_prefetch", _i64)]
 
 
 @dataclass(frozen=True)
@@ -134,14 +134,16 @@ class FusedLayers:
     call per forward.
 
     It holds pointers into the buffers' tensors (and keeps them alive): build it after the weights are packed and
-    rebuild it if they are replaced.
+    rebuild it if they are replaced.  ``weight_prefetch``: how many bytes ahead the products prefetch their codes
+    (:func:`speculant.kernels.build.check_weight_prefetch`; never changes a result).
 
     Raises:
         SpeculantError: the kernels cannot run here.
-        ValueError: the model cannot run this way over a ``cache_dtype`` cache (:func:`why_not` says why).
+        ValueError: the model cannot run this way over a ``cache_dtype`` cache (:func:`why_not` says why), or a bad
+            ``weight_prefetch``.
     """
 
-    def __init__(self, model: ModelBuffers, cache_dtype: torch.dtype = torch.float32):
+    def __init__(self, model: ModelBuffers, cache_dtype: torch.dtype = torch.float32, weight_prefetch: int = 0):
         self.lib = build.require("the fused decoding step", "the torch layer step")
         reason = why_not(model, cache_dtype)
         if reason is not None:
@@ -153,7 +155,8 @@ class FusedLayers:
                                *(p.struct() for p in (layer.qkv, layer.o, layer.gate_up, layer.down)))
         self._layers = layers
         self.model = _Model(model.hidden, model.heads, model.kv_heads, model.head_dim, model.intermediate,
-                            model.eps, model.head_dim ** -0.5, layers)
+                            model.eps, model.head_dim ** -0.5, layers, build.check_weight_prefetch(weight_prefetch))
+        self.weight_prefetch = weight_prefetch
         self.hidden = model.hidden
         self.num_layers = len(model.layers)
         self._rope = (model.rope_cos, model.rope_sin)
@@ -245,5 +248,6 @@ class FusedLayers:
         from .qgemm import _product
         entry, head = self._head
         weights = (head.scales, head.offsets) if entry == "spec_w4a8_f32" else (head.scales,)
-        y = _product(entry, hidden.reshape(-1, self.hidden).float(), head.codes, *weights)
+        y = _product(entry, hidden.reshape(-1, self.hidden).float(), head.codes, *weights,
+                     prefetch=self.weight_prefetch)
         return y.view(*hidden.shape[:-1], head.out_features)

@@ -35,9 +35,9 @@
  * saturate, see the group functions), so every variant computes the same bits; SPEC_DPBUSD = 3 runs the VNNI code
  * with vpdpbusd emulated exactly by AVX2 instructions, which is how machines without VNNI test that code.
  * Weight stream: a one-row product reads every weight once from DRAM, so each group's loop asks for its codes a
- * fixed number of bytes ahead (spec_set_weight_prefetch; 0: none), without which the hardware prefetchers restart at
- * every 4 KB page.  The distance is measured per machine (speculant.runtime.tune), not fixed here; prefetches
- * never change a result (and never fault, even past the end of a buffer).
+ * fixed number of bytes ahead (the products' last argument, `ahead`; 0: none), without which the hardware
+ * prefetchers restart at every 4 KB page.  The distance is measured per machine (speculant.runtime.tune) and passed
+ * by the caller: no state here.  Prefetches never change a result (and never fault, even past a buffer's end).
  * Build: cc -O3 -mavx2 -mfma -mf16c -fopenmp (no -ffast-math: it would let the compiler reorder the sums).
  */
 #include <immintrin.h>
@@ -77,19 +77,6 @@ INLINE __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 #endif
-
-/* Bytes ahead of the codes in use that the products prefetch (0: none); set by spec_set_weight_prefetch. */
-static int64_t weight_prefetch = 0;
-
-/* Sets the weight prefetch distance: 0 (none) or a multiple of 64 bytes up to 65536.  Returns 0, or -1 (unchanged)
- * for any other value. */
-int spec_set_weight_prefetch(int64_t bytes) {
-    if (bytes < 0 || bytes > 65536 || bytes % 64) return -1;
-    weight_prefetch = bytes;
-    return 0;
-}
-
-int64_t spec_weight_prefetch(void) { return weight_prefetch; }
 
 /* Prefetch `lines` cache lines from p + ahead on (non-temporal: each weight is read once per product); nothing when
  * ahead is 0. */
@@ -152,11 +139,11 @@ INLINE __m256 load_h8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si12
  * Int16 partial sums: each vpmaddubsw lane is 2 products of a code (0..15) and an activation (|xq| <= 127), so
  * |.| <= 3810, and 8 of them (a lane's whole block) stay <= 30480 < 2^15. */
 INLINE void q4_group(const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, const int8_t *xq, const float *xd,
-                     const float *xs, int64_t m0, int R, int64_t K, int64_t G, float *y, int64_t N, int64_t n0) {
+                     const float *xs, int64_t m0, int R, int64_t K, int64_t G, float *y, int64_t N, int64_t n0,
+                     int64_t ahead) {
     const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     (void)ones;                       /* unused with VNNI */
     __m256 acc[MB];
-    const int64_t ahead = weight_prefetch;
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *b = wc + g * 128;
@@ -202,11 +189,10 @@ INLINE void q4_group(const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, 
 /* Q8_0, one group of 8 outputs (G x 256 bytes of codes, G x 8 scales) by R rows from m0.  Signed codes times signed
  * activations as llama.cpp does: vpmaddubsw(|w|, sign(x, w)), each int16 lane <= 2 * 128 * 127 < 2^15. */
 INLINE void q8_group(const int8_t *wc, const uint16_t *wd, const int8_t *xq, const float *xd, int64_t m0, int R,
-                     int64_t K, int64_t G, float *y, int64_t N, int64_t n0) {
+                     int64_t K, int64_t G, float *y, int64_t N, int64_t n0, int64_t ahead) {
     const __m256i ones = _mm256_set1_epi16(1);
     (void)ones;
     __m256 acc[MB];
-    const int64_t ahead = weight_prefetch;
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const int8_t *b = wc + g * 256;
@@ -353,14 +339,14 @@ static void tail_outputs(const uint8_t *c4, const int8_t *c8, const uint16_t *wd
 
 /* y [M, N] = dequant(codes [N, K/2] uint8, wd, wm [N, K/32] fp16; the layout above) applied to the quantized rows */
 void spec_w4a8(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K,
-               const uint8_t *codes, const uint16_t *wd, const uint16_t *wm, int64_t N, float *y) {
+               const uint8_t *codes, const uint16_t *wd, const uint16_t *wm, int64_t N, float *y, int64_t ahead) {
     const int64_t G = K / QK;
 #define Q4_CALL(R) q4_group(codes + t * LANES * (K / 2), wd + t * LANES * G, wm + t * LANES * G, xq, xd, xs, m0, R, K, G, \
-                            y, N, t * LANES)
+                            y, N, t * LANES, ahead)
 #ifdef SPEC_ZMM
 #define Q4_PAIR(R) q4_pair(codes + t * LANES * (K / 2), codes + (t + 1) * LANES * (K / 2), wd + t * LANES * G,      \
                            wd + (t + 1) * LANES * G, wm + t * LANES * G, wm + (t + 1) * LANES * G, xq, xd, xs, m0, R, \
-                           K, G, y, N, t * LANES)
+                           K, G, y, N, t * LANES, ahead)
 #else
 #define Q4_PAIR Q4_CALL  /* never reached: no pairs */
 #endif
@@ -375,12 +361,12 @@ void spec_w4a8(const int8_t *xq, const float *xd, const float *xs, int64_t M, in
 
 /* y [M, N] = dequant(codes [N, K] int8, wd [N, K/32] fp16; the layout above) applied to the quantized rows */
 void spec_w8a8(const int8_t *xq, const float *xd, int64_t M, int64_t K,
-               const int8_t *codes, const uint16_t *wd, int64_t N, float *y) {
+               const int8_t *codes, const uint16_t *wd, int64_t N, float *y, int64_t ahead) {
     const int64_t G = K / QK;
-#define Q8_CALL(R) q8_group(codes + t * LANES * K, wd + t * LANES * G, xq, xd, m0, R, K, G, y, N, t * LANES)
+#define Q8_CALL(R) q8_group(codes + t * LANES * K, wd + t * LANES * G, xq, xd, m0, R, K, G, y, N, t * LANES, ahead)
 #ifdef SPEC_ZMM
 #define Q8_PAIR(R) q8_pair(codes + t * LANES * K, codes + (t + 1) * LANES * K, wd + t * LANES * G,                \
-                           wd + (t + 1) * LANES * G, xq, xd, m0, R, K, G, y, N, t * LANES)
+                           wd + (t + 1) * LANES * G, xq, xd, m0, R, K, G, y, N, t * LANES, ahead)
 #else
 #define Q8_PAIR Q8_CALL
 #endif
@@ -405,18 +391,19 @@ static int quantized_workspace(const float *x, int64_t M, int64_t K, int8_t **xq
 }
 
 int spec_w4a8_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *wd, const uint16_t *wm,
-                  int64_t N, float *y) {
+                  int64_t N, float *y, int64_t ahead) {
     int8_t *xq; float *xd, *xs;
     if (quantized_workspace(x, M, K, &xq, &xd, &xs)) return -1;
-    spec_w4a8(xq, xd, xs, M, K, codes, wd, wm, N, y);
+    spec_w4a8(xq, xd, xs, M, K, codes, wd, wm, N, y, ahead);
     free(xq); free(xd);
     return 0;
 }
 
-int spec_w8a8_f32(const float *x, int64_t M, int64_t K, const int8_t *codes, const uint16_t *wd, int64_t N, float *y) {
+int spec_w8a8_f32(const float *x, int64_t M, int64_t K, const int8_t *codes, const uint16_t *wd, int64_t N, float *y,
+                  int64_t ahead) {
     int8_t *xq; float *xd, *xs;
     if (quantized_workspace(x, M, K, &xq, &xd, &xs)) return -1;
-    spec_w8a8(xq, xd, M, K, codes, wd, N, y);
+    spec_w8a8(xq, xd, M, K, codes, wd, N, y, ahead);
     free(xq); free(xd);
     return 0;
 }

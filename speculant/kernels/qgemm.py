@@ -50,8 +50,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return xq, xd, xs
 
 
-def _product(entry: str, x: torch.Tensor, codes: torch.Tensor, *weight_tensors: torch.Tensor) -> torch.Tensor:
-    """``y [M, N]`` of the C entry point ``entry(x, M, K, codes, *weight_tensors, N, y)`` on float32 rows ``x``.
+def _product(entry: str, x: torch.Tensor, codes: torch.Tensor, *weight_tensors: torch.Tensor,
+             prefetch: int = 0) -> torch.Tensor:
+    """``y [M, N]`` of the C entry point ``entry(x, M, K, codes, *weight_tensors, N, y, prefetch)`` on float32 rows
+    ``x``; ``prefetch``: how many bytes ahead the product prefetches its codes (0: none; never changes ``y``).
 
     Raises:
         SpeculantError: the kernel cannot run here.
@@ -61,13 +63,14 @@ def _product(entry: str, x: torch.Tensor, codes: torch.Tensor, *weight_tensors: 
     y = torch.empty(x.shape[0], codes.shape[0])
     status = getattr(build._LIB or require(), entry)(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(),
                                                      *(t.data_ptr() for t in weight_tensors), codes.shape[0],
-                                                     y.data_ptr())
+                                                     y.data_ptr(), prefetch)
     if status != 0:
         raise MemoryError("speculant qgemm: cannot allocate the quantized-activation workspace")
     return y
 
 
-def _w4a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _w4a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+             prefetch: int = 0) -> torch.Tensor:
     """``x`` ``[M, K]`` float32 times the transpose of the 4-bit weight ``[N, K]`` -> ``[M, N]`` float32
     (``torch.ops.speculant.w4a8_mm``).
 
@@ -75,42 +78,44 @@ def _w4a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets
     in ``codes`` ``[N, K/2]`` uint8 as GGUF does (byte j of a block: code j in the low nibble, code j+16 in the
     high one); ``scales``/``offsets`` ``[N, K/32]`` float16; the rows of all three interleaved by groups of 8
     outputs (the layout in ``qgemm.c``'s header; :class:`~speculant.runtime.formats.W4A8Linear` makes it).
-    ``x`` is quantized per block of 32 to int8 first (:func:`quantize_rows`).
+    ``x`` is quantized per block of 32 to int8 first (:func:`quantize_rows`).  ``prefetch``: bytes ahead that the
+    product prefetches its codes (0: none; a multiple of 64; measured per machine by the tuner; never changes the
+    result).
 
     Raises:
         SpeculantError: the kernel cannot run here.
         MemoryError: the quantized-activation workspace cannot be allocated.
     """
-    return _product("spec_w4a8_f32", x, codes, scales, offsets)
+    return _product("spec_w4a8_f32", x, codes, scales, offsets, prefetch=prefetch)
 
 
-def _w8a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def _w8a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, prefetch: int = 0) -> torch.Tensor:
     """``x`` ``[M, K]`` float32 times the transpose of the 8-bit weight ``w[n, k] = scales[n, k // 32] * codes[n, k]``
     (``codes`` ``[N, K]`` int8, ``scales`` ``[N, K/32]`` float16; GGUF's Q8_0; rows interleaved by groups of 8
     outputs as for :func:`_w4a8_mm`, :class:`~speculant.runtime.formats.W8A8Linear`) -> ``[M, N]`` float32, on int8
-    activations (:func:`quantize_rows`; ``torch.ops.speculant.w8a8_mm``).
+    activations (:func:`quantize_rows`; ``torch.ops.speculant.w8a8_mm``); ``prefetch`` as for :func:`_w4a8_mm`.
 
     Raises:
         SpeculantError: the kernel cannot run here.
         MemoryError: the quantized-activation workspace cannot be allocated.
     """
-    return _product("spec_w8a8_f32", x, codes, scales)
+    return _product("spec_w8a8_f32", x, codes, scales, prefetch=prefetch)
 
 
 # Registered with the dispatcher directly (torch.library.custom_op's Python wrapper cost ~20 us a call, as
 # much as a projection's kernel); the fake (meta) versions give compiled graphs the output shape.
 _OPS = torch.library.Library("speculant", "FRAGMENT")
-_OPS.define("w4a8_mm(Tensor x, Tensor codes, Tensor scales, Tensor offsets) -> Tensor")
-_OPS.define("w8a8_mm(Tensor x, Tensor codes, Tensor scales) -> Tensor")
+_OPS.define("w4a8_mm(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int prefetch=0) -> Tensor")
+_OPS.define("w8a8_mm(Tensor x, Tensor codes, Tensor scales, int prefetch=0) -> Tensor")
 _OPS.impl("w4a8_mm", _w4a8_mm, "CPU")
 _OPS.impl("w8a8_mm", _w8a8_mm, "CPU")
 
 
 @torch.library.register_fake("speculant::w4a8_mm")
-def _(x, codes, scales, offsets):
+def _(x, codes, scales, offsets, prefetch=0):
     return x.new_empty(x.shape[0], codes.shape[0])
 
 
 @torch.library.register_fake("speculant::w8a8_mm")
-def _(x, codes, scales):
+def _(x, codes, scales, prefetch=0):
     return x.new_empty(x.shape[0], codes.shape[0])

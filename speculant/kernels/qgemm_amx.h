@@ -116,11 +116,11 @@ INLINE void amx_weights(uint8_t *bt, const uint8_t *wa, const uint8_t *wb, int b
  * wa, wb, scales da, db, mins ma, mb) or Q8 (bits 8; no mins); writes y[m0 + r, n0 .. n0 + 15]. */
 static void amx_pair(int bits, const uint8_t *wa, const uint8_t *wb, const uint16_t *da, const uint16_t *db,
                      const uint16_t *ma, const uint16_t *mb, const int8_t *xq, const float *xd, const float *xs,
-                     int64_t m0, int R, int64_t K, int64_t G, float *y, int64_t N, int64_t n0) {
+                     int64_t m0, int R, int64_t K, int64_t G, float *y, int64_t N, int64_t n0, int64_t ahead) {
     _Alignas(64) uint8_t bt[AMX_CHUNK][8 * 64];          /* the chunk's B tiles */
     _Alignas(64) int32_t isum[AMX_CHUNK][AMX_ROWS][16];  /* the chunk's integer sums */
     _Alignas(64) float acc[AMX_ROWS][16];
-    const int64_t ahead = weight_prefetch, wbytes = bits == 4 ? 128 : 256;
+    const int64_t wbytes = bits == 4 ? 128 : 256;
     for (int r = 0; r < R; r++) v16_store(acc[r], v16_zero_f());
     for (int64_t g0 = 0; g0 < G; g0 += AMX_CHUNK) {
         const int64_t n = G - g0 < AMX_CHUNK ? G - g0 : AMX_CHUNK;
@@ -172,7 +172,7 @@ static void amx_pair(int bits, const uint8_t *wa, const uint8_t *wb, const uint1
         for (int64_t i_ = 0; i_ < tiles_; i_++) {                                                    \
             const int rows_ = (int)(base_ + (i_ < extra_));                                          \
             if (shaped != rows_) { amx_config c_; amx_shape(&c_, rows_); amx_configure(&c_); shaped = rows_; } \
-            amx_pair(BITS, WA, WB, DA, DB, MA, MB_, xq, xd, XS, m0, rows_, K, G, y, N, N0);           \
+            amx_pair(BITS, WA, WB, DA, DB, MA, MB_, xq, xd, XS, m0, rows_, K, G, y, N, N0, ahead);         \
             m0 += rows_;                                                                             \
         }                                                                                            \
     } while (0)

@@ -97,10 +97,9 @@ INLINE v16i v16_bcast4(const int8_t *p) {
  * with int32 sums by vpdpbusd; writes y[m0 + r, n0 .. n0 + 15]. */
 INLINE void q4_pair(const uint8_t *wa, const uint8_t *wb, const uint16_t *da, const uint16_t *db, const uint16_t *ma,
                     const uint16_t *mb, const int8_t *xq, const float *xd, const float *xs, int64_t m0, int R,
-                    int64_t K, int64_t G, float *y, int64_t N, int64_t n0) {
+                    int64_t K, int64_t G, float *y, int64_t N, int64_t n0, int64_t ahead) {
     const v16i mask = v16_set1_i8(0x0F);
     v16f acc[MB];
-    const int64_t ahead = weight_prefetch;
     for (int r = 0; r < R; r++) acc[r] = v16_zero_f();
     for (int64_t g = 0; g < G; g++) {
         prefetch_ahead(wa + g * 128, ahead, 2);
@@ -130,9 +129,9 @@ INLINE void q4_pair(const uint8_t *wa, const uint8_t *wb, const uint16_t *da, co
 
 /* Q8_0, groups t and t + 1 by R rows from m0: q8_group's operations (|w| times x signed by w). */
 INLINE void q8_pair(const int8_t *wa, const int8_t *wb, const uint16_t *da, const uint16_t *db, const int8_t *xq,
-                    const float *xd, int64_t m0, int R, int64_t K, int64_t G, float *y, int64_t N, int64_t n0) {
+                    const float *xd, int64_t m0, int R, int64_t K, int64_t G, float *y, int64_t N, int64_t n0,
+                    int64_t ahead) {
     v16f acc[MB];
-    const int64_t ahead = weight_prefetch;
     for (int r = 0; r < R; r++) acc[r] = v16_zero_f();
     for (int64_t g = 0; g < G; g++) {
         prefetch_ahead(wa + g * 256, ahead, 4);

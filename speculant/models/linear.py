@@ -7,8 +7,9 @@ with a small ``M`` (2..16 rows) packs the whole weight every call and costs 2-2.
 product, while ``(W @ x^T)^T`` streams the weight once; on some, a single row runs faster as a
 two-column product (``weight @ [x, 0]``).  Which is faster (and which keeps a row's result bit-identical
 whatever else is in the batch) differs from one CPU to the next, so nothing here is fixed:
-:data:`ROUTES` starts as plain ``F.linear`` and :mod:`speculant.runtime.tune` sets it from a short
-measurement on the machine at hand.
+every :class:`DecodeLinear` starts on plain ``F.linear`` (:data:`DEFAULT_ROUTES`), :mod:`speculant.runtime.tune`
+measures the routes on the machine at hand, and the executor that runs a model sets the chosen :class:`Routes` on its
+projections (no process-wide state: two models in one process may take different routes).
 
 :class:`DecodeLinear` is an ``nn.Linear`` (same parameters and state-dict keys, trainable, LoRA-able)
 that takes the tuned route outside autograd.
@@ -26,9 +27,9 @@ SMALL_BATCH_MAX_ROWS = 16
 """Largest number of rows (tokens in a forward, batch included) the ``transposed`` route takes."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Routes:
-    """How float32 projections run (set by :func:`speculant.runtime.tune.apply_choices`).
+    """How float32 projections run (chosen by :mod:`speculant.runtime.tune`, set per model by its executor).
 
     Attributes:
         one_row: ``"linear"`` (``F.linear``) or ``"pad2"`` (a two-column ``mm``).
@@ -41,8 +42,8 @@ class Routes:
     max_rows: int = SMALL_BATCH_MAX_ROWS
 
 
-ROUTES = Routes()
-"""The routes in force in this process."""
+DEFAULT_ROUTES = Routes()
+"""Plain ``F.linear`` for every row count: a projection's route until a runtime sets another."""
 
 
 def _plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -52,7 +53,7 @@ def _plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                        routes: Routes | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` by the route in ``routes`` (default :data:`ROUTES`).
+    """``F.linear(x, weight, bias)`` by the route in ``routes`` (default :data:`DEFAULT_ROUTES`).
 
     Args:
         x: ``[..., I]``.
@@ -61,7 +62,7 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         ``[..., O]``, equal to ``F.linear`` up to float rounding (summation order differs).
     Autograd and non-CPU tensors always take ``F.linear``.
     """
-    r = routes or ROUTES
+    r = routes or DEFAULT_ROUTES
     features = x.shape[-1]
     rows = x.numel() // features if features else 0
     if rows == 0 or _plain(x, weight, bias):
@@ -80,7 +81,10 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 class DecodeLinear(nn.Linear):
-    """``nn.Linear`` whose forward uses :func:`small_batch_linear` (decoding-sized batches, CPU)."""
+    """``nn.Linear`` whose forward uses :func:`small_batch_linear` (decoding-sized batches, CPU) by its ``routes``
+    (:data:`DEFAULT_ROUTES` unless the executor running the model set the routes tuned for this machine)."""
+
+    routes: Routes = DEFAULT_ROUTES
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return small_batch_linear(x, self.weight, self.bias)
+        return small_batch_linear(x, self.weight, self.bias, self.routes)

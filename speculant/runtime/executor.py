@@ -90,10 +90,11 @@ class Executor:
         use_fused: run ``w4a8`` layers through the fused step where it applies (``False``: the torch step).
         layer_step: the one-sequence torch layer step (:func:`~speculant.runtime.steps.decoder_layer_step` or its
             compiled version, :func:`speculant.runtime.compiled.enable_compile`).
-        threads, weight_prefetch, fp32_route: torch threads, the weight prefetch distance of our products [bytes]
-            and the float32 projections' route (a key of :data:`speculant.runtime.tune.FP32_ROUTES`): settings
-            of the process (torch's thread pool, the kernel library), put in force by :meth:`activate`; ``None``
-            leaves them as they are.
+        threads: torch threads (torch's thread pool is the process's: :meth:`activate` sets it; ``None``: as is).
+        weight_prefetch: how far ahead our products prefetch their codes [bytes] (0 or ``None``: none; never changes
+            a result), passed to every kernel call of this model (:meth:`configure`).
+        fp32_route: the float32 projections' route (a key of :data:`speculant.runtime.tune.FP32_ROUTES`; ``None``:
+            plain ``F.linear``), set on this model's projections (:meth:`configure`).
 
     Attributes shared with the decoder (``config``, ``num_layers``, ``layers``, ``layer_token_counts``, ``dtype``,
     ``device``, ``weight_format``) read through, so a drafter may hold an executor where it held a decoder.
@@ -110,6 +111,7 @@ class Executor:
         self.layer_step = layer_step or decoder_layer_step
         self.halves = None          # compiled (attention_inputs, layer_output) of the ragged pass, if compiled
         self._fused = None          # (key it was built for, FusedLayers or None)
+        self.configure()
 
     @classmethod
     def from_tune(cls, decoder: LlamaDecoder, result, kv_dtype: torch.dtype | None = None) -> "Executor":
@@ -124,17 +126,41 @@ class Executor:
             out.kv_dtype = getattr(torch, result.kv_cache)
         return out
 
-    def activate(self, set_threads: bool = True) -> None:
-        """Put this executor's process-wide settings in force: the float32 route, the weight prefetch distance and
-        (with ``set_threads``) the torch thread count, where set."""
+    def configure(self) -> None:
+        """Set this executor's per-model choices on its decoder's projections: the float32 route on the
+        :class:`~speculant.models.linear.DecodeLinear` ones, the weight prefetch distance on the block-quantized ones
+        (called at construction; call it again after replacing projections)."""
+        from ..models.linear import DecodeLinear
+        from .formats import W4A8Linear, W8A8Linear
+        routes = None
         if self.fp32_route is not None:
-            from ..models import linear
             from .tune import FP32_ROUTES
-            linear.ROUTES = FP32_ROUTES[self.fp32_route]
-        if self.weight_prefetch is not None:
-            decode_step.build.set_weight_prefetch(self.weight_prefetch)
+            routes = FP32_ROUTES[self.fp32_route]
+        for m in self.decoder.modules():
+            if routes is not None and isinstance(m, DecodeLinear):
+                m.routes = routes
+            elif self.weight_prefetch is not None and isinstance(m, (W4A8Linear, W8A8Linear)):
+                m.prefetch = self.weight_prefetch
+
+    def activate(self, set_threads: bool = True) -> None:
+        """Put this executor's thread count in force (with ``set_threads``, where set): torch's thread pool and
+        OpenMP's are the process's."""
         if set_threads and self.threads:
             torch.set_num_threads(self.threads)
+
+    def replace(self, **choices) -> "Executor":
+        """A copy of this executor with ``choices`` (constructor arguments: ``kv_dtype``, ``weight_prefetch``, ...)
+        changed, on the same decoder, whose projections it leaves as they are (the tuner times alternatives this
+        way: each copy's fused step carries its own choices)."""
+        out = Executor.__new__(Executor)
+        out.__dict__.update(self.__dict__)
+        for name, value in choices.items():
+            if name not in self.__dict__ or name.startswith("_") or name in ("decoder", "halves"):
+                raise TypeError(f"Executor.replace: {name!r} is not a choice; allowed: kv_dtype, fused_prompt_tokens, "
+                                "use_fused, layer_step, threads, weight_prefetch, fp32_route")
+            setattr(out, name, value)
+        out._fused = None
+        return out
 
     def like(self, decoder: LlamaDecoder) -> "Executor":
         """An executor of ``decoder`` (e.g. a truncated copy of this one's) with this one's choices."""
@@ -170,7 +196,8 @@ class Executor:
             buffers = model_buffers(dec) if decode_step.build.available() else None
             ok = buffers is not None and not isinstance(buffers, str) and \
                 decode_step.why_not(buffers, self.kv_dtype) is None
-            self._fused = (key, decode_step.FusedLayers(buffers, self.kv_dtype) if ok else None)
+            self._fused = (key, decode_step.FusedLayers(buffers, self.kv_dtype, self.weight_prefetch or 0)
+                           if ok else None)
         return self._fused[1]
 
     def new_cache(self, max_length: int, batch: int = 1) -> KVCache:

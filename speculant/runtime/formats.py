@@ -223,9 +223,14 @@ def _interleave(x: torch.Tensor, blocks: int, inverse: bool = False) -> torch.Te
 
 class _BlockLinear(PackedLinear):
     """GGUF-style blocks of 32 on int8 activations, interleaved by groups of :data:`LANES` outputs for our kernel
-    (:mod:`speculant.kernels.qgemm`'s layout); subclasses say how a block's codes split into 32-bit words."""
+    (:mod:`speculant.kernels.qgemm`'s layout); subclasses say how a block's codes split into 32-bit words.
+
+    ``prefetch``: how many bytes ahead the kernel prefetches the codes (0: none; never changes a result); the
+    executor that runs the model sets it to the distance tuned for this machine
+    (:meth:`speculant.runtime.executor.Executor.configure`)."""
 
     _WORDS = 0           # 32-bit words of codes per block and output
+    prefetch = 0
 
     def _store(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> None:
         o, g = scale.shape
@@ -274,7 +279,7 @@ class W4A8Linear(_BlockLinear):
         self._store(c[..., :16] | (c[..., 16:] << 4), gq.scale, offset)
 
     def matmul(self, x):
-        return torch.ops.speculant.w4a8_mm(x.float(), self.codes, self.scales, self.offsets)
+        return torch.ops.speculant.w4a8_mm(x.float(), self.codes, self.scales, self.offsets, self.prefetch)
 
     def group_quantized(self):
         o, i = self.out_features, self.in_features
@@ -300,7 +305,7 @@ class W8A8Linear(_BlockLinear):
         self._store(gq.codes.to(torch.int8).view(o, i // INT4_GROUP, INT4_GROUP), gq.scale, None)
 
     def matmul(self, x):
-        return torch.ops.speculant.w8a8_mm(x.float(), self.codes, self.scales)
+        return torch.ops.speculant.w8a8_mm(x.float(), self.codes, self.scales, self.prefetch)
 
     def group_quantized(self):
         o, i = self.out_features, self.in_features

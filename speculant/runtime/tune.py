@@ -64,7 +64,7 @@ from torch import nn
 
 from .. import cpu
 from ..models import linear as fp32_linear
-from ..models.linear import DecodeLinear, Routes
+from ..models.linear import DEFAULT_ROUTES, DecodeLinear, Routes
 from .formats import DRAFTER_FORMATS, FORMATS, PROJECTIONS, format_available, head_format, pack_linear
 
 ROWS = (1, 2, 4, 5, 8, 16)
@@ -244,11 +244,18 @@ def _pass(modules: list[nn.Module], inputs: dict[int, torch.Tensor]) -> None:
         m(inputs[m.in_features])
 
 
+def set_routes(modules, routes: Routes) -> None:
+    """Have the float32 projections among ``modules`` (:class:`DecodeLinear`) take ``routes``."""
+    for m in modules:
+        if isinstance(m, DecodeLinear):
+            m.routes = routes
+
+
 def _time_pass(modules, inputs, routes: Routes | None, scale: float = 1.0) -> float:
     """Seconds of a pass over ``modules`` (the LM head last) with the layers' part multiplied by ``scale``
     (layers of the model per layer in ``modules``): the whole model's pass estimated from a sample of its layers."""
     if routes is not None:
-        fp32_linear.ROUTES = routes
+        set_routes(modules, routes)
     t = time.perf_counter()
     _pass(modules[:-1], inputs)
     t_head = time.perf_counter()
@@ -305,7 +312,7 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
     log = log or sys.stderr
     t0 = time.perf_counter()
     threads = threads or torch.get_num_threads()
-    before_threads, before_routes = torch.get_num_threads(), fp32_linear.ROUTES
+    before_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     if not all(isinstance(m, DecodeLinear) for m in _projections(decoder)):
         raise ValueError("measure() needs a float32 model (load it with weights='fp32')")
@@ -332,7 +339,7 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
         per_layer = len(PROJECTIONS)
         for fmt, route, mods, routes in variants:
             if routes is not None:
-                fp32_linear.ROUTES = routes
+                set_routes(mods, routes)
             sample[(fmt, route)] = batch_invariant(mods[:per_layer] + mods[-1:])
             batch_rows[(fmt, route)] = invariant_rows(mods[:per_layer] + mods[-1:])
         times = {(fmt, route): {r: [] for r in ROWS} for fmt, route, _, _ in variants}
@@ -358,7 +365,7 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
         best = min(candidates, key=lambda row: (not row["batch_invariant"], row["ms"]["1"]))
         fmt_mods = next(m for f, rt, m, _ in variants if f == best["format"] and (f != "fp32" or rt == fp32_pick["route"]))
         evict = next(m for f, _, m, _ in variants if f != best["format"])   # another format's weights
-        fp32_linear.ROUTES = FP32_ROUTES[fp32_pick["route"]]
+        set_routes(fmt_mods, FP32_ROUTES[fp32_pick["route"]])
         thread_ms: dict[str, list[float]] = {}
         options = sorted({1, threads} | {n for n in (2, 4, 8) if n < threads})
         inputs = {w: torch.randn(1, w, generator=g) for w in widths}
@@ -374,7 +381,7 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
         torch.set_num_threads(best_threads)
         attention_us = measure_attention(decoder.config, repeats)
     torch.set_num_threads(before_threads)
-    fp32_linear.ROUTES = before_routes
+    set_routes(base, DEFAULT_ROUTES)        # the model's own projections, as they were
     result = TuneResult(key=tune_key(decoder.config, threads), weights=best["format"], fp32_route=fp32_pick["route"],
                         threads=best_threads, table=table, thread_ms=thread_ms,
                         attention=min(attention_us, key=attention_us.get), attention_us=attention_us,
@@ -461,37 +468,33 @@ def measure_weight_prefetch(executor, distances=WEIGHT_PREFETCH_BYTES, repeats: 
                             log=None) -> tuple[int, dict]:
     """Time the model's one-token forward (all layers, final norm, LM head; :data:`WEIGHT_PREFETCH_CONTEXT` cached
     tokens) with the weight-quantized products prefetching their codes each of ``distances`` bytes ahead
-    (:func:`speculant.kernels.build.set_weight_prefetch`): a one-token step reads every weight once from DRAM, and
-    how far ahead to ask for it depends on the machine.  Distances alternated, best of ``repeats`` after a
-    warm-up; the distance in force before is restored.
+    (an executor of the same model per distance, :meth:`~speculant.runtime.executor.Executor.replace`): a one-token
+    step reads every weight once from DRAM, and how far ahead to ask for it depends on the machine.  Distances
+    alternated, best of ``repeats`` after a warm-up; ``executor`` is not changed.
 
     Returns:
         ``(best, ms)``: the fastest distance [bytes] and ``{bytes: ms}`` [milliseconds]; ``(0, {})`` when the model
         has no fused step.
     """
-    from ..kernels import build
     if executor.fused_layers() is None:
         return 0, {}
     if log is not None:
         print(f"speculant: timing the weight prefetch ({', '.join(map(str, distances))} bytes ahead) ...", file=log,
               flush=True)
     g = torch.Generator().manual_seed(4)
-    ctx, before, start = WEIGHT_PREFETCH_CONTEXT, build.weight_prefetch(), time.perf_counter()
+    ctx, start = WEIGHT_PREFETCH_CONTEXT, time.perf_counter()
     best = {d: float("inf") for d in distances}
-    try:
-        with torch.inference_mode():
-            cache = executor.new_cache(ctx + 1)
-            executor(torch.randint(executor.config.vocab_size, (1, ctx), generator=g), None, None, cache, 0)
-            ids = torch.randint(executor.config.vocab_size, (1, 1), generator=g)
-            for rep in range(repeats + 1):
-                for d in distances:
-                    build.set_weight_prefetch(d)
-                    t = time.perf_counter()
-                    executor(ids, None, None, cache, ctx)
-                    if rep:                                              # the first round is a warm-up
-                        best[d] = min(best[d], time.perf_counter() - t)
-    finally:
-        build.set_weight_prefetch(before)
+    runs = {d: executor.replace(weight_prefetch=d) for d in distances}
+    with torch.inference_mode():
+        cache = executor.new_cache(ctx + 1)
+        executor(torch.randint(executor.config.vocab_size, (1, ctx), generator=g), None, None, cache, 0)
+        ids = torch.randint(executor.config.vocab_size, (1, 1), generator=g)
+        for rep in range(repeats + 1):
+            for d in distances:
+                t = time.perf_counter()
+                runs[d](ids, None, None, cache, ctx)
+                if rep:                                              # the first round is a warm-up
+                    best[d] = min(best[d], time.perf_counter() - t)
     choice = min(distances, key=lambda d: best[d])
     if log is not None:
         print(f"speculant: weight prefetch timed in {time.perf_counter() - start:.1f} s: {choice} bytes ahead",
@@ -735,21 +738,6 @@ def load_or_measure(decoder, threads: int | None = None, log=None, force: bool =
         result = measure(decoder, threads, log=log)
         save(result)
     return result
-
-
-def apply_choices(result: TuneResult, set_threads: bool = True, executor=None) -> None:
-    """Put ``result``'s float32 route, weight prefetch (and, with ``set_threads``, its thread count) in force in this process, and
-    its KV-cache dtype and prompt route on ``executor`` (:attr:`~speculant.runtime.executor.Executor.kv_dtype`,
-    ``fused_prompt_tokens``) when given."""
-    fp32_linear.ROUTES = FP32_ROUTES[result.fp32_route]
-    if result.weight_prefetch is not None:
-        from ..kernels import build
-        build.set_weight_prefetch(result.weight_prefetch)
-    if executor is not None:
-        executor.kv_dtype = attention_dtype(result)
-        executor.fused_prompt_tokens = result.fused_prompt_tokens or 0
-    if set_threads:
-        torch.set_num_threads(result.threads)
 
 
 def _kernel_variant(key: dict) -> str:
