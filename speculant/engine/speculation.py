@@ -38,7 +38,10 @@ from .goodput import CostTable
 SPECULATION = ("cost", "always")
 """``--speculation`` choices."""
 CALIBRATION_TOKENS = 32
-"""New tokens of each calibration generation of :func:`draft_seconds` [tokens]."""
+"""New tokens of each timed calibration generation of :func:`draft_seconds` [tokens] (the warm-up makes a quarter)."""
+CALIBRATION_SECONDS = 1.0
+"""Timed calibration generations stop repeating once they took this long in all [s] (a slow weight format, e.g.
+eager float32, is timed once rather than ``repeats`` times: each generation already averages over its draft calls)."""
 
 
 def check_speculation(value: str) -> str:
@@ -106,26 +109,32 @@ def draft_seconds(model, drafter, builder: TreeBuilder, signature: str) -> float
 
 
 def measure_draft_seconds(model, drafter, builder: TreeBuilder, tokens: int = CALIBRATION_TOKENS,
-                          repeats: int = 3) -> float:
+                          repeats: int = 3, budget: float = CALIBRATION_SECONDS) -> float:
     """Time ``drafter``'s draft calls as they run in decoding, between the target's verifications: greedy
     generations of ``tokens`` tokens that draft every round (``--speculation always``) from a prompt of a 24-token
-    random pattern said twice (so that prompt lookup finds continuations; EOS ignored), a warm-up and then
-    ``repeats``; seconds in ``draft`` per draft forward (per drafted depth for a drafter without forwards, prompt
-    lookup), the least of the repeats (the figure least disturbed by other work) [s]; 0 if nothing drafted.
-    ~1 s for SmolLM2-135M on 2 cores."""
+    random pattern said twice (so that prompt lookup finds continuations; EOS ignored), a warm-up of ``tokens // 4``
+    tokens and then up to ``repeats``, fewer once the timed ones took ``budget`` seconds (at least one); seconds in
+    ``draft`` per draft forward (per drafted depth for a drafter without forwards, prompt lookup), the least of the
+    repeats (the figure least disturbed by other work) [s]; 0 if nothing drafted.  ~1 s for SmolLM2-135M on 2
+    cores in ``w4a8``."""
     from .generator import GenerationConfig, SpeculativeGenerator
     from .stats import GenerationStats
     vocab = model.config.vocab_size
     pattern = torch.randint(vocab, (24,), generator=torch.Generator().manual_seed(7)).tolist()
     gen = SpeculativeGenerator(model, drafter, builder)
-    best = float("inf")
+    best, spent = float("inf"), 0.0
     for rep in range(repeats + 1):
         stats = GenerationStats()
-        for _ in gen.generate_blocks(pattern * 2, GenerationConfig(max_new_tokens=tokens, ignore_eos=True), stats):
+        config = GenerationConfig(max_new_tokens=tokens if rep else max(1, tokens // 4), ignore_eos=True)
+        t0 = time.perf_counter()
+        for _ in gen.generate_blocks(pattern * 2, config, stats):
             pass
         calls = stats.draft_forwards or sum(stats.drafted_at_depth)
         if rep and calls:                                            # the first is a warm-up
             best = min(best, stats.draft_seconds / calls)
+        spent += (time.perf_counter() - t0) if rep else 0.0
+        if spent >= budget:
+            break
     return best if best < float("inf") else 0.0
 
 
