@@ -615,8 +615,8 @@ def weights_for(name_or_path: str, weights: str, log=None) -> str:
     Raises:
         SpeculantError: a packed format asked for such a file (:func:`gguf_files.check_weights`), or a bad file.
     """
-    if not is_gguf_source(name_or_path):
-        return weights
+    if name_or_path in KNOWN_MODELS or not gguf_files.is_gguf_path(name_or_path):
+        return weights              # HF directories, and known models (Q4_1/Q8_0 files: every format takes them)
     try:
         requantized = json.loads((converted_dir(name_or_path) / "gguf.json").read_text())["requantized"]
     except (OSError, ValueError, KeyError, TypeError):
