@@ -187,8 +187,8 @@ def _gguf_codes(name_or_path: str, cfg: ModelConfig, index=None):
 
 
 def _convert_overlapped(name: str):
-    """Convert the GGUF model ``name`` (known, or a file's path) (:func:`~speculant.models.loading.convert_gguf_in_child`) and, while the
-    child converts, read the GGUF's tensor table here and compile our kernels in a thread
+    """Convert the GGUF model ``name``, known or a file's path (:func:`~speculant.models.loading.convert_gguf_in_child`),
+    and, while the child converts, read the GGUF's tensor table here and compile our kernels in a thread
     (:func:`~speculant.kernels.build.prebuild`; timing a CPU's variants waits for a quiet machine): work the
     first load needs anyway, on the core the conversion leaves idle.  Returns the tensor table.
 
