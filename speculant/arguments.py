@@ -21,7 +21,7 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-speculations", default=None,
                    help="speculation length K: an int (default 4) or 'auto' = adaptive length (stops drafting "
                         "when the draft's confidence is low)")
-    g.add_argument("--draft-model", default=None, help="draft model name, HF directory, or truncated:E")
+    g.add_argument("--draft-model", default=None, help="draft model name, GGUF file, HF directory, or truncated:E")
     g.add_argument("--exit-adapter", default=None, help="trained exit adapter: a name ('default') or a directory")
     g.add_argument("--draft-head", default=None,
                    help="trained draft head (EAGLE): a name ('default') or a directory; drafts for eagle "
@@ -35,7 +35,7 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="known model name or HF-format directory")
+    p.add_argument("--model", default="smollm2-135m", help="known model name, GGUF file (PATH.gguf) or HF-format directory")
     p.add_argument("--weights", default="auto",
                    help="weight format of the projections: auto (default: the fastest batch-invariant format "
                         "measured on this machine), fp32, bf16, int8, int4 (the GGUF's own 4-bit codes), "

@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_models)
 
     t = sub.add_parser("tune", help="measure the kernels on this machine again, cache and print the table")
-    t.add_argument("--model", default="smollm2-135m", help="known model name or HF-format directory")
+    t.add_argument("--model", default="smollm2-135m", help="known model name, GGUF file (PATH.gguf) or HF-format directory")
     t.add_argument("--threads", type=int, default=None, help="torch threads to tune for (default: torch's)")
     t.add_argument("--json", action="store_true", help="print the measurement as JSON")
     t.set_defaults(func=cmd_tune)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ..cpu import cpu_flags
 from ..errors import SpeculantError
-from ..models.loading import KNOWN_MODELS, LoadedModel, find_gguf
+from ..models.loading import KNOWN_MODELS, LoadedModel, gguf_file_of, is_gguf_source
 
 KINDS = ("llamacpp", "llamacpp-lookup")
 LOOKUP_DEFAULTS = {"K": 4, "N": 3}   # our prompt-lookup's num_speculations and max_ngram defaults
@@ -47,15 +47,15 @@ class LlamaCppRun:
 
 
 def gguf_path_of(model: LoadedModel):
-    """The GGUF file a known model was converted from.
+    """The GGUF file a known model or a ``--model PATH.gguf`` model was converted from.
 
     Raises:
-        SpeculantError: the model is not a known GGUF model (llama.cpp needs the GGUF).
+        SpeculantError: the model is not a GGUF model (llama.cpp needs the GGUF).
     """
-    if model.name not in KNOWN_MODELS:
-        raise SpeculantError(f"llamacpp baselines need a known GGUF model ({', '.join(KNOWN_MODELS)}); "
+    if not is_gguf_source(model.name):
+        raise SpeculantError(f"llamacpp baselines need a GGUF model ({', '.join(KNOWN_MODELS)} or PATH.gguf); "
                              f"got {model.name!r}")
-    return find_gguf(KNOWN_MODELS[model.name])
+    return gguf_file_of(model.name)
 
 
 def repack_is_safe() -> bool:

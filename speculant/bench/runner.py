@@ -31,7 +31,7 @@ from ..engine.generator import GenerationConfig, SpeculativeGenerator
 from ..engine.methods import build_generator, default_exit_layer
 from ..engine.stats import GenerationStats
 from ..errors import SpeculantError, check_range
-from ..models.loading import KNOWN_MODELS, LoadedModel
+from ..models.loading import LoadedModel, is_gguf_source
 from ..runtime.executor import executor_of
 from ..sampling.processors import SamplingConfig, is_greedy
 from .datasets import Prompt
@@ -128,7 +128,7 @@ def _model_for(model: LoadedModel, method: BenchMethod, loaded: dict) -> LoadedM
         return model
     if rt not in loaded:
         from ..runtime.loader import load_model
-        loaded[rt] = load_model(model.name if model.name in KNOWN_MODELS else str(model.path), weights=rt[0],
+        loaded[rt] = load_model(model.name if is_gguf_source(model.name) else str(model.path), weights=rt[0],
                                 compile=rt[1], kv_cache=rt[2] or own_kv)
     return loaded[rt]
 

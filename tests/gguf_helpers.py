@@ -1,0 +1,104 @@
+"""Tiny GGUF files written inside the tests with the ``gguf`` package (no download, fixed seeds)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+from helpers import MERGES, byte_tokenizer
+
+T = GGMLQuantizationType
+
+
+def _stored(data: np.ndarray, kind: str) -> tuple[np.ndarray, GGMLQuantizationType]:
+    """``data`` (float32 ``[rows, cols]`` or ``[n]``) stored as GGUF type ``kind``: the raw array and its type."""
+    qtype = T[kind]
+    if kind == "F32":
+        return data.astype(np.float32), qtype
+    if kind == "F16":
+        return data.astype(np.float16), qtype
+    return quants.quantize(data.astype(np.float32), qtype), qtype
+
+
+def k_quant_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator) -> np.ndarray:
+    """Random ``Q4_K``/``Q6_K`` blocks ``[rows, cols / 256 * block bytes]`` with small finite scales (the
+    ``gguf`` package cannot quantize to K-quants; their blocks are any bytes with finite fp16 scales)."""
+    from gguf import GGML_QUANT_SIZES
+    block, size = GGML_QUANT_SIZES[T[kind]]
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    scale = np.full((rows, cols // block), 1e-3, dtype=np.float16).view(np.uint8).reshape(rows, cols // block, 2)
+    if kind == "Q4_K":                       # d, dmin first
+        raw[..., 0:2], raw[..., 2:4] = scale, scale
+    elif kind == "Q6_K":                     # d last; int8 sub-block scales before it
+        raw[..., -2:] = scale
+    return raw.reshape(rows, -1)
+
+
+def write_tiny_gguf(path: Path, kind: str = "Q8_0", arch: str = "llama", *, layers: int = 2, hidden: int = 64,
+                    heads: int = 4, kv_heads: int = 2, inter: int = 128, tie: bool = False, seed: int = 0,
+                    tokenizer: bool = True, types: dict[str, str] | None = None, name: str = "tiny") -> Path:
+    """A random Llama-family GGUF with the byte-level BPE tokenizer of :func:`helpers.byte_tokenizer`.
+
+    ``kind``: the type of every 2-D weight (``F32``, ``F16``, ``BF16``, ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0`` ...);
+    norms are F32.  ``types``: per-tensor overrides (GGUF tensor name -> type, ``Q4_K``/``Q6_K`` as random blocks).
+    ``arch``: ``llama``, ``qwen2`` (adds q/k/v biases) or any name (for the refusal tests)."""
+    rng = np.random.default_rng(seed)
+    tok = byte_tokenizer()
+    vocab = len(tok)
+    w = GGUFWriter(str(path), arch)
+    w.add_name(name)
+    w.add_block_count(layers)
+    w.add_context_length(2048)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(vocab)
+    if tokenizer:
+        ids = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list([t for t, _ in ids])
+        w.add_token_types([3 if t == "<eos>" else 1 for t, _ in ids])
+        w.add_token_merges([f"{a} {b}" for a, b in MERGES])
+        w.add_eos_token_id(0)
+        w.add_bos_token_id(0)
+    types = dict(types or {})
+    head_dim = hidden // heads
+
+    def add(name: str, shape: tuple[int, ...], scale: float = 0.1, own: str | None = None):
+        kind_here = types.get(name, own or kind)
+        if kind_here in ("Q4_K", "Q6_K"):
+            w.add_tensor(name, k_quant_blocks(shape[0], shape[1], kind_here, rng), raw_dtype=T[kind_here])
+            return
+        data = (rng.standard_normal(shape) * scale).astype(np.float32)
+        raw, qtype = _stored(data, kind_here)
+        w.add_tensor(name, raw, raw_dtype=qtype if kind_here != "F32" else None)
+
+    add("token_embd.weight", (vocab, hidden), 0.5)
+    add("output_norm.weight", (hidden,), own="F32")
+    if not tie:
+        add("output.weight", (vocab, hidden), 0.2)
+    for i in range(layers):
+        b = f"blk.{i}."
+        add(b + "attn_norm.weight", (hidden,), own="F32")
+        add(b + "ffn_norm.weight", (hidden,), own="F32")
+        add(b + "attn_q.weight", (heads * head_dim, hidden))
+        add(b + "attn_k.weight", (kv_heads * head_dim, hidden))
+        add(b + "attn_v.weight", (kv_heads * head_dim, hidden))
+        add(b + "attn_output.weight", (hidden, heads * head_dim))
+        add(b + "ffn_gate.weight", (inter, hidden))
+        add(b + "ffn_up.weight", (inter, hidden))
+        add(b + "ffn_down.weight", (hidden, inter))
+        if arch == "qwen2":
+            for n, rows in (("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim)):
+                add(b + f"attn_{n}.bias", (rows,), own="F32")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
