@@ -146,7 +146,8 @@ def test_the_loader_runs_w4a8_fused_without_torch_compile(tmp_path, monkeypatch)
     # and the KV cache's dtype, which --kv-cache auto takes in this format
     assert loaded.tune.kv_cache in ("float32", "float16") and set(loaded.tune.kv_cache_ms) == {"float32", "float16"}
     assert executor_of(loaded).kv_dtype == getattr(torch, loaded.tune.kv_cache)
-    assert loaded.tune.kv_cache_ms[loaded.tune.kv_cache] == min(loaded.tune.kv_cache_ms.values())
+    kv_ms = loaded.tune.kv_cache_ms          # float16 only when faster by more than the noise: float32 is the default
+    assert (loaded.tune.kv_cache == "float16") == (kv_ms["float16"] < kv_ms["float32"] * (1 - tune.CHOICE_NOISE))
     again = load_model(str(path), weights="w4a8")
     assert again.tune.prompt_ms == loaded.tune.prompt_ms
     assert again.tune.weight_prefetch_ms == loaded.tune.weight_prefetch_ms           # reused, not measured again

@@ -88,9 +88,11 @@ KV_CACHE_CONTEXT = 512
 """Cached tokens of the one-token forward that :func:`measure_kv_cache` times."""
 DECODE_THREAD_STEPS = 32
 """One-token steps of the decode loop that :func:`measure_decode_threads` times per thread count."""
-THREAD_NOISE = 0.05
-"""A thread count other than the default is chosen only if it is faster by more than this fraction (timings of a
-shared machine differ by a few percent between runs)."""
+CHOICE_NOISE = 0.05
+"""A choice other than the default (a thread count, a float16 KV cache, the fused step for a prompt length) is taken
+only if it is faster by more than this fraction: timings of a shared machine differ by a few percent between runs,
+and the KV cache dtype and the prompt route change the logits, so a choice within the noise would change greedy text
+from one tune to the next."""
 FORWARD_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 """New tokens T of the forwards :func:`measure_forward_rows` times (a decoding step, verification blocks, trees;
 cost-aware speculation interpolates linearly in between)."""
@@ -108,7 +110,7 @@ class TuneResult:
         weights: the default weight format (fastest batch-invariant one-row pass).
         fp32_route: name of the float32 route chosen (a key of :data:`FP32_ROUTES`).
         threads: torch threads chosen: the count measured with (all the cores torch uses by default) unless another
-            was faster by more than :data:`THREAD_NOISE`, on the fused step's decode loop where the model has one
+            was faster by more than :data:`CHOICE_NOISE`, on the fused step's decode loop where the model has one
             (``decode_thread_ms``), else on the one-row pass of ``weights`` (``thread_ms``).
         table: one row per (format, route): ``ms`` per row count [milliseconds per pass over all
             projections, estimated from :func:`sample_layers` and the LM head], ``batch_invariant`` [bool] (at :data:`ROWS`), ``invariant_rows`` [rows] (the
@@ -428,8 +430,9 @@ def measure_prompt_route(executor, lengths=PROMPT_LENGTHS, log=None) -> tuple[in
     Random tokens, each length below the context; best of 2 runs (1 above 256 tokens) after a warm-up.
 
     Returns:
-        ``(limit, ms)``: the longest measured length up to which the fused step was never slower (0 when it was
-        slower at the shortest) [tokens], and ``{length: {"fused": ms, "layer step": ms}}`` [milliseconds].
+        ``(limit, ms)``: the longest measured length up to which the fused step was faster by more than
+        :data:`CHOICE_NOISE` (0 when it was not at the shortest) [tokens], and
+        ``{length: {"fused": ms, "layer step": ms}}`` [milliseconds].
         ``(0, {})`` when the model has no fused step.
     """
     if executor.fused_layers() is None:
@@ -453,8 +456,8 @@ def measure_prompt_route(executor, lengths=PROMPT_LENGTHS, log=None) -> tuple[in
                         if rep or i:                                    # the first pass of all is a warm-up
                             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
                 ms[str(n)] = {k: round(v * 1e3, 3) for k, v in best.items()}
-                if best["fused"] > best["layer step"]:
-                    break
+                if best["fused"] >= best["layer step"] * (1 - CHOICE_NOISE):     # the routes' bits differ: a
+                    break                                        # choice within the noise would flip between tunes
                 limit = n
     finally:
         executor.fused_prompt_tokens = before
@@ -538,13 +541,13 @@ def measure_kv_cache(executor, repeats: int = 15, log=None) -> tuple[str, dict]:
                         best[name] = min(best[name], time.perf_counter() - t)
     finally:
         executor.kv_dtype = before
-    choice = min(best, key=best.get)
+    choice = "float16" if best["float16"] < best["float32"] * (1 - CHOICE_NOISE) else "float32"
     if log is not None:
         print(f"speculant: KV cache timed in {time.perf_counter() - start:.1f} s: {choice}", file=log, flush=True)
     return choice, {k: round(v * 1e3, 3) for k, v in best.items()}
 
 
-def keep_default_threads(ms: dict, default: int, noise: float = THREAD_NOISE) -> int:
+def keep_default_threads(ms: dict, default: int, noise: float = CHOICE_NOISE) -> int:
     """The thread count to use from timings ``ms`` (``{threads: ms}``, keys str or int): ``default`` (all the cores
     torch uses by default) unless the fastest count beats it by more than ``noise`` (a fraction), or ``default`` was
     not timed."""
@@ -567,7 +570,7 @@ def measure_decode_threads(executor, options=None, steps: int = DECODE_THREAD_ST
 
     Returns:
         ``(threads, ms)``: :func:`keep_default_threads` of the timings (the count in force unless another is faster
-        by more than :data:`THREAD_NOISE`) and ``{threads: ms per step}``; ``(count in force, {})`` when the model
+        by more than :data:`CHOICE_NOISE`) and ``{threads: ms per step}``; ``(count in force, {})`` when the model
         has no fused step.
     """
     before = torch.get_num_threads()
