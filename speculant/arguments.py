@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .errors import SpeculantError
+from .errors import SpeculantError, check_range
 
 
 def add_method_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +44,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="run the decoder eagerly (no torch.compile); also SPECULANT_COMPILE=0")
     p.add_argument("--dtype", default="float32",
                    help="float32 (default), bfloat16 or float16: dtype of a --weights fp32 model (activations too)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: $SPECULANT_NUM_THREADS, else the count the tuner measured fastest, "
+                        "lowered while other processes keep cores busy); a number fixes the count")
     p.add_argument("--kv-cache", default="auto", choices=("auto", "float32", "float16", "float64"),
                    help="KV cache dtype: auto (default: what the tuner measured faster here), float32, float64, or "
                         "float16 (half the cache bytes; our attention kernel only; exact within the choice)")
@@ -57,6 +60,8 @@ def compile_wanted(args) -> bool:
 def load_for_decoding(args):
     """The model named by ``--model`` in ``--weights`` (tuned, compiled unless turned off)."""
     from .runtime.loader import load_model
+    if getattr(args, "threads", None) is not None:
+        check_range("--threads", args.threads, 1)
     return load_model(args.model, weights=args.weights, compile=compile_wanted(args), dtype=args.dtype,
                       threads=getattr(args, "threads", None), blocks=getattr(args, "method", None) != "ar",
                       kv_cache=getattr(args, "kv_cache", "auto"))

@@ -232,3 +232,26 @@ def test_a_closed_stdout_pipe_ends_quietly(monkeypatch, tmp_path):
     with open(tmp_path / "stdout", "w") as f:
         monkeypatch.setattr(sys, "stdout", ClosedPipe(f))
         assert main(["models"]) == 128 + signal.SIGPIPE
+
+
+def test_threads_option_fixes_the_count_and_turns_the_governor_off(capsys, model_dir, monkeypatch):
+    """``generate --threads N`` (also ``serve``, ``bench``): the count is fixed, so the load-following governor is
+    off; a count below 1 is refused in one line before anything loads."""
+    import torch
+
+    from speculant.runtime import loader
+    monkeypatch.delenv("SPECULANT_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    loaded = []
+    real = loader.load_model
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: loaded.append(real(*a, **k)) or loaded[-1])
+    try:
+        code, out, _ = run_cli(capsys, "generate", "t1 t2", "--model", str(model_dir), "--raw", "--json",
+                               "--max-new-tokens", "4", "--weights", "w4a8", "--threads", "2")
+        assert code == 0 and json.loads(out)["token_ids"]
+        assert torch.get_num_threads() == 2 and loaded[0].executor.governor is None
+    finally:
+        torch.set_num_threads(before)
+    code, _, err = run_cli(capsys, "generate", "t1", "--model", str(model_dir), "--threads", "0")
+    assert code == 2 and err.strip().splitlines() == ["speculant: error: --threads=0 is out of range; allowed: [1, inf)"]
+    assert len(loaded) == 1

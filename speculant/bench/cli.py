@@ -19,7 +19,6 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method (min/median kept)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation per method")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--exit-adapter", default=None,
                    help="trained exit adapter (name or directory) used by early-exit drafters")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

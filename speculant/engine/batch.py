@@ -340,6 +340,7 @@ class BatchedGenerator:
         an EOS, at most ``remaining``), ``emitted`` and ``finished``."""
         if not seqs:
             return
+        executor_of(self.model).adapt_threads()      # fewer threads while other processes keep cores busy
         trees: list[DraftTree] = []
         t0 = time.perf_counter()
         drafts = self._who_drafts(seqs, t0)

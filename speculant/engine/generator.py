@@ -192,6 +192,7 @@ class SpeculativeGenerator:
             emitted = len(state.tokens) - len(prompt_ids)
             if block[-1] in eos or emitted >= max_new:
                 return
+            executor_of(self.model).adapt_threads()
             block = self._round(state, builder, budget, max_new - emitted, generator, eos, stats, sizer)
             stats.new_tokens = emitted + len(block)
             stats.seconds = time.perf_counter() - t0

@@ -111,6 +111,7 @@ class Executor:
         self.layer_step = layer_step or decoder_layer_step
         self.halves = None          # compiled (attention_inputs, layer_output) of the ragged pass, if compiled
         self._fused = None          # (key it was built for, FusedLayers or None)
+        self.governor = None        # a ThreadGovernor (runtime.occupancy) where the loader lets threads follow load
         self.configure()
 
     @classmethod
@@ -148,6 +149,13 @@ class Executor:
         if set_threads and self.threads:
             torch.set_num_threads(self.threads)
 
+    def adapt_threads(self) -> None:
+        """Between rounds: the thread count follows the machine's load where a :attr:`governor` is set
+        (:class:`~speculant.runtime.occupancy.ThreadGovernor`; the loader sets one for the fused step when the count
+        was not fixed by the user)."""
+        if self.governor is not None:
+            self.governor.tick()
+
     def replace(self, **choices) -> "Executor":
         """A copy of this executor with ``choices`` (constructor arguments: ``kv_dtype``, ``weight_prefetch``, ...)
         changed, on the same decoder, whose projections it leaves as they are (the tuner times alternatives this
@@ -155,7 +163,7 @@ class Executor:
         out = Executor.__new__(Executor)
         out.__dict__.update(self.__dict__)
         for name, value in choices.items():
-            if name not in self.__dict__ or name.startswith("_") or name in ("decoder", "halves"):
+            if name not in self.__dict__ or name.startswith("_") or name in ("decoder", "halves", "governor"):
                 raise TypeError(f"Executor.replace: {name!r} is not a choice; allowed: kv_dtype, fused_prompt_tokens, "
                                 "use_fused, layer_step, threads, weight_prefetch, fp32_route")
             setattr(out, name, value)

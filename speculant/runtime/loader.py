@@ -20,6 +20,7 @@ from ..models.loading import DEFAULT_MODEL, LoadedModel
 from . import tune
 from .compiled import enable_compile
 from .executor import Executor
+from .occupancy import ThreadGovernor
 from .formats import FORMATS, apply_weight_format, check_format
 from .store import load_packed, packed_path, save_packed
 
@@ -153,6 +154,9 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
     model.executor = executor
     # w4a8 layers run as one C call per forward (nothing left to compile); other formats through torch.compile
     model.fused = executor.fused_layers() is not None
+    if model.fused and fixed_threads is None and torch.get_num_threads() > 1:
+        # fewer threads while other processes keep cores busy (our kernels give the same bits with any count)
+        executor.governor = ThreadGovernor(torch.get_num_threads())
     model.compiled = bool(compile) and not model.fused and enable_compile(executor, log=log, blocks=blocks)
     return model
 

@@ -68,19 +68,16 @@ def register(subparsers, add_model_args, add_method_args) -> None:
                    help="seed of the train/held-out prompt split (keep it fixed across corpora)")
     m.add_argument("--batch-size", type=int, default=1,
                    help="prompts decoded together (continuous batching; the output does not depend on it)")
-    m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     m.set_defaults(func=cmd_make_data)
 
     t = subparsers.add_parser("train", help="train drafters: --recipe layerskip | exit-adapter | draft-head")
     add_model_args(t)
     from .train import add_train_args
     add_train_args(t)
-    t.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     t.set_defaults(func=cmd_train)
 
     e = subparsers.add_parser("exit-eval", help="per-layer top-1 agreement, and exit-adapter agreement, on a corpus")
     add_model_args(e)
     from .evaluate import add_eval_args
     add_eval_args(e)
-    e.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     e.set_defaults(func=cmd_exit_eval)
