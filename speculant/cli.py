@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 
 from .arguments import add_control_args, config_from_args
 from .arguments import add_method_args as _add_method_args
@@ -51,15 +52,25 @@ def cmd_generate(args) -> int:
 
 
 def cmd_models(args) -> int:
+    from .drafters.artifacts import shipped_names
     from .models.loading import list_models
     rows = list_models()
+    for r in rows:     # what the methods that need a per-model artefact can use (eagle, rsd-* with a head, ...)
+        name = Path(r["cache_dir"]).name if "exists" not in r else None
+        r["draft_heads"] = shipped_names("draft_heads", name) if name else []
+        r["exit_adapters"] = shipped_names("exit_adapters", name) if name else []
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     for r in rows:
         state = "cached" if r["cached"] else ("installed" if r["package_installed"] else f"not installed ({r['install']})")
+        if r.get("exists") is False:
+            state = "file gone"
         print(f"{r['name']:<16} {state:<12} {r['description']}")
         print(f"{'':<16} cache: {r['cache_dir']}")
+        heads, adapters = ", ".join(r["draft_heads"]) or "none", ", ".join(r["exit_adapters"]) or "none"
+        print(f"{'':<16} draft heads: {heads}; exit adapters: {adapters} (eagle and rsd-*/specinfer with a head need "
+              "one: `speculant train --recipe draft-head`; early exit runs without, better with an adapter)")
     return 0
 
 

@@ -236,3 +236,24 @@ def test_the_cli_generates_from_a_gguf_file(tmp_path):
     converted = loading.converted_dir(str(path))
     assert (converted / "model.safetensors").is_file()
     assert not [p for p in converted.parent.iterdir() if p.name.startswith(converted.name + ".")]   # no temporary left
+
+
+def test_speculant_models_lists_converted_gguf_files_and_each_models_artefacts(tmp_path, monkeypatch, in_process,
+                                                                              capsys):
+    """``speculant models``: the known models with their shipped draft heads and exit adapters, then the GGUF files
+    converted into this cache (a file removed since is marked, not hidden)."""
+    import json
+
+    from speculant.cli import main
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "m.gguf", "Q8_0", layers=1)
+    read_checkpoint(str(path))
+    assert main(["models", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["smollm2-135m"]["draft_heads"] == ["default"] and rows["smollm2-135m"]["exit_adapters"] == ["default"]
+    row = rows[str(path.resolve())]
+    assert row["cached"] and row["exists"] and row["draft_heads"] == [] and "llama (1 layers" in row["description"]
+    path.unlink()
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert f"{path.resolve()} file gone" in out and "draft heads: none; exit adapters: none" in out

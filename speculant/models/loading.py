@@ -629,13 +629,24 @@ def weights_for(name_or_path: str, weights: str, log=None) -> str:
 
 
 def list_models() -> list[dict]:
-    """Known names with whether their package is installed and their weights cached."""
+    """Known names with whether their package is installed and their weights cached, then the GGUF files converted
+    into this cache (``--model PATH.gguf``; name: the file's path, ``exists``: whether it is still there)."""
     rows = []
     for name, src in KNOWN_MODELS.items():
         installed = importlib.util.find_spec(src.package) is not None
         cached = (cache_root() / name / "model.safetensors").is_file()
         rows.append({"name": name, "description": src.description, "package_installed": installed,
                      "cached": cached, "cache_dir": str(cache_root() / name), "install": src.install})
+    for d in sorted((cache_root() / "gguf").glob("*/gguf.json")):
+        try:
+            info = json.loads(d.read_text())
+            cfg = ModelConfig.from_hf_dict(json.loads((d.parent / "config.json").read_text()))
+        except (OSError, ValueError, KeyError, SpeculantError):
+            continue                              # a conversion of another version: not listed
+        rows.append({"name": info["gguf"], "description": f"GGUF file, {info['architecture']} ({cfg.num_hidden_layers} "
+                     f"layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size})", "package_installed": True,
+                     "cached": (d.parent / "model.safetensors").is_file(), "cache_dir": str(d.parent),
+                     "install": None, "exists": Path(info["gguf"]).is_file()})
     return rows
 
 
