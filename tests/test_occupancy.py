@@ -72,3 +72,28 @@ def test_the_fused_step_gives_the_same_bits_with_any_thread_count():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(out[1], out[2]) and torch.equal(out[1], out[3])
+
+
+def test_a_long_reading_decides_alone(monkeypatch):
+    """From a model's load to its first prompt: one reading over many windows is enough."""
+    clock = {"t": 0.0, "busy": 0.0, "own": 0.0}
+    monkeypatch.setattr(occupancy.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(occupancy, "cpu_seconds", lambda: (clock["busy"], 0.0))
+    monkeypatch.setattr(occupancy, "own_cpu_seconds", lambda: clock["own"])
+    monkeypatch.setattr(occupancy.torch, "set_num_threads", lambda n: None)
+    gov = occupancy.ThreadGovernor(2, cores=2, window=0.1)
+    clock["t"] += 0.3
+    clock["busy"] += 0.3
+    clock["own"] += 0.3
+    assert gov.tick() == 2 and gov._pending is None      # a short quiet window
+    clock["t"] += 0.3
+    clock["busy"] += 0.3
+    assert gov.tick() == 2                       # a short window with a core's worth elsewhere: not yet
+    clock["t"] += 0.3
+    clock["own"] += 0.3
+    clock["busy"] += 0.3
+    assert gov.tick() == 2 and gov._pending is None      # quiet again
+    clock["t"] += 2.0
+    clock["own"] += 1.0
+    clock["busy"] += 3.0                         # 1 core ours, 1 core someone else's, for 2 s
+    assert gov.tick() == 1

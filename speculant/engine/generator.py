@@ -176,6 +176,7 @@ class SpeculativeGenerator:
         if controls is None:
             controls = make_controls(config, self.model, prompt_ids)
         generator = config.sampling.generator()
+        executor_of(self.model).adapt_threads()           # the load since the last generation, before its prefill
         t0 = time.perf_counter()
         if shared is not None:
             state = shared.start(self.drafter, controls, generator, stats, config.sampling)

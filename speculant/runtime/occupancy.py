@@ -22,6 +22,9 @@ PROC_STAT = Path("/proc/stat")
 WINDOW_SECONDS = 0.1
 """Shortest time between two readings [s] (``/proc/stat`` counts in 10 ms ticks per core: 0.1 s reads a core's
 share to ~0.1)."""
+LONG_WINDOWS = 5
+"""A reading over at least this many windows (e.g. from a model's load to its first prompt) decides alone; shorter
+ones need a second that agrees."""
 BUSY_CORE = 0.5
 """Cores' worth of other processes' work [cores] that counts as one core taken (rounded at this fraction)."""
 
@@ -57,8 +60,8 @@ class ThreadGovernor:
         threads: the tuned count (the most it sets).
         cores: cores of the machine (default ``os.cpu_count()``).
         window: seconds between readings (:data:`WINDOW_SECONDS`).
-    Call :meth:`tick` between rounds; it changes the count only when two windows in a row agree (no flapping on
-    one noisy reading).
+    Call :meth:`tick` before a prompt and between rounds; it changes the count when two windows in a row agree (no
+    flapping on one noisy reading), or at once after a reading over :data:`LONG_WINDOWS` windows.
     """
 
     def __init__(self, threads: int, cores: int | None = None, window: float = WINDOW_SECONDS):
@@ -90,7 +93,7 @@ class ThreadGovernor:
             wall = reading[0] - self._last[0]
             self.others = max(0.0, (reading[1] - self._last[1]) - (reading[2] - self._last[2])) / wall
             want = self.wanted(self.others)
-            if want != self.current and want == self._pending:
+            if want != self.current and (want == self._pending or wall >= LONG_WINDOWS * self.window):
                 self.current = want
                 torch.set_num_threads(want)
             self._pending = want if want != self.current else None
