@@ -132,3 +132,73 @@ def test_config_defaults_are_transformers_and_unknown_fields_are_refused():
         ModelConfig.from_hf_dict({"model_type": "qwen3", **d, "architectures": ["Qwen2ForCausalLM"]})
     with pytest.raises(SpeculantError, match="qk_norm=True does not fit model_type='llama'"):
         ModelConfig(**d, num_key_value_heads=4, qk_norm=True)
+
+
+GGUF_PROMPT = [258, 260, 221, 263, 258, 260, 221, 263, 258, 260]
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """Convert GGUF files in this process (no child interpreter)."""
+    from pathlib import Path
+
+    from speculant.models import loading
+
+    def convert(name, out_dir, meanwhile=None):
+        if meanwhile is not None:
+            meanwhile()
+        return loading.convert_gguf(Path(name), Path(out_dir))
+    monkeypatch.setattr(loading, "convert_gguf_in_child", convert)
+
+
+@pytest.mark.parametrize("head_dim", (128, 32))
+def test_a_qwen3_gguf_file_loads_as_its_dequantized_weights(head_dim, tmp_path, in_process):
+    """qwen3 files keep q/k rows in HF order (no llama permutation); the head size is the file's
+    ``attention.key_length`` (transformers' GGUF loader reads none for qwen3 and assumes 128, so its own forward of
+    the file is the reference only at 128; at 32 the reference is transformers' forward of our conversion)."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+    from gguf_helpers import write_tiny_gguf
+    from transformers import AutoModelForCausalLM
+
+    from speculant.models.loading import read_checkpoint
+    path = write_tiny_gguf(tmp_path / "q3.gguf", "Q8_0", arch="qwen3", head_dim=head_dim, seed=7)
+    model = read_checkpoint(str(path))
+    assert model.config.model_type == "qwen3" and model.config.head_dim == head_dim
+    ours = ours_to_hf_state(model.decoder)
+    file = {t.name: np.array(dequantize(t.data, t.tensor_type), dtype=np.float32) for t in GGUFReader(str(path)).tensors}
+    for gguf_name, hf_name in (("blk.1.attn_q.weight", "model.layers.1.self_attn.q_proj.weight"),
+                               ("blk.1.attn_k.weight", "model.layers.1.self_attn.k_proj.weight"),
+                               ("blk.1.attn_q_norm.weight", "model.layers.1.self_attn.q_norm.weight"),
+                               ("blk.0.attn_k_norm.weight", "model.layers.0.self_attn.k_norm.weight")):
+        assert torch.equal(ours[hf_name], torch.from_numpy(file[gguf_name])), hf_name
+    if head_dim == 128:
+        ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    else:
+        ref = AutoModelForCausalLM.from_pretrained(str(model.path), dtype=torch.float32)
+    ids = torch.tensor([GGUF_PROMPT])
+    with torch.inference_mode():
+        got, want = model.decoder(ids)[0], ref.eval()(ids).logits[0]
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-4
+
+
+@pytest.mark.skipif(not format_available("w4a8"), reason="our w4a8 kernel does not build on this machine")
+def test_a_qwen3_q4_0_gguf_runs_w4a8_on_its_own_codes_through_the_torch_step(tmp_path):
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf_helpers import write_tiny_gguf
+
+    from speculant.runtime.loader import load_model
+    path = write_tiny_gguf(tmp_path / "q3-q40.gguf", "Q4_0", arch="qwen3", head_dim=32, seed=8)
+    model = load_model(str(path), weights="w4a8", compile=False)       # converted in a child process
+    assert model.weights == "w4a8" and not model.fused
+    assert executor_of(model).fused_layers() is None
+    q_rows = model.config.num_attention_heads * model.config.head_dim
+    codes = model.decoder.layers[1].self_attn.qkv_proj.group_quantized().codes[:q_rows]
+    t = next(t for t in GGUFReader(str(path)).tensors if t.name == "blk.1.attn_q.weight")
+    b = np.asarray(t.data).reshape(t.data.shape[0], -1, 18)[..., 2:]
+    file_codes = np.concatenate([b & 15, b >> 4], -1).reshape(t.data.shape[0], -1)
+    assert torch.equal(codes, torch.from_numpy(file_codes.astype(np.uint8)))   # HF row order as stored
+    ar = _greedy(model, dict(method="ar"), GGUF_PROMPT)
+    assert _greedy(model, SPECS["prompt-lookup"], GGUF_PROMPT) == ar
+    assert _greedy(model, SPECS["early-exit"], GGUF_PROMPT) == ar

@@ -272,6 +272,10 @@ def convert_gguf(source: GGUFSource | Path, out_dir: Path) -> Path:
     # the file's metadata parsed once (~7 s for SmolLM2's on a 2-core CPU): the config below is what
     # AutoConfig.from_pretrained(gguf_file=...) builds from the same dict, after two more parses
     parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+    key_length = gguf_files._field(reader, f"{info.architecture}.attention.key_length")
+    if info.architecture == "qwen3" and isinstance(key_length, int):
+        # transformers' loader reads no head size of qwen3 files (its Qwen3Config then says 128); the file's is this
+        parsed["config"]["head_dim"] = key_length
     hf_config = CONFIG_MAPPING[parsed["config"]["model_type"]].from_dict(dict(parsed["config"]))
     hf_config.name_or_path = str(gguf.parent)
     cfg = config_from_gguf_load(hf_config.to_dict())
