@@ -2,7 +2,8 @@
 
 Checked on a tiny random ``Qwen3ForCausalLM`` (``head_dim`` 32 with 4 heads of a 64-wide model, so
 ``head_dim != hidden / heads``): our fp32 logits equal transformers' within 1e-4 relative; the HF directory round
-trip (``save_hf_dir`` -> transformers and ``load_hf_dir``); greedy ``early-exit``, ``prompt-lookup`` and ``rsd-s``
+trip (``save_hf_dir`` -> transformers and ``load_hf_dir``); greedy ``early-exit``, ``prompt-lookup``, ``rsd-s`` and
+``draft-model`` (a truncated copy)
 token-identical to ``ar`` in fp32 and in ``w4a8``, which runs the torch step (the fused C step refuses q/k norms);
 the config read strictly (defaults as transformers', unknown fields refused in one line).
 """
@@ -29,7 +30,8 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
 PROMPTS = ([3, 17, 42, 8, 25, 60, 1], [7, 8, 9, 10] * 4, [11, 12, 13, 14, 15, 16, 11, 12, 13])
 SPECS = {"early-exit": dict(method="early-exit", exit_layer=1, num_speculations=3),
          "prompt-lookup": dict(method="prompt-lookup", num_speculations=4),
-         "rsd-s": dict(method="rsd-s", exit_layer=1, beam_width=3, draft_length=3)}
+         "rsd-s": dict(method="rsd-s", exit_layer=1, beam_width=3, draft_length=3),
+         "draft-model": dict(method="draft-model", draft_model="truncated:1", num_speculations=3)}
 FUSED_REASON = "q/k norms (qwen3) are not in the fused step yet"
 
 
