@@ -38,12 +38,14 @@ def k_quant_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator) ->
 
 def write_tiny_gguf(path: Path, kind: str = "Q8_0", arch: str = "llama", *, layers: int = 2, hidden: int = 64,
                     heads: int = 4, kv_heads: int = 2, inter: int = 128, tie: bool = False, seed: int = 0,
-                    tokenizer: bool = True, types: dict[str, str] | None = None, name: str = "tiny") -> Path:
+                    tokenizer: bool = True, types: dict[str, str] | None = None, name: str = "tiny",
+                    head_dim: int | None = None) -> Path:
     """A random Llama-family GGUF with the byte-level BPE tokenizer of :func:`helpers.byte_tokenizer`.
 
     ``kind``: the type of every 2-D weight (``F32``, ``F16``, ``BF16``, ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0`` ...);
     norms are F32.  ``types``: per-tensor overrides (GGUF tensor name -> type, ``Q4_K``/``Q6_K`` as random blocks).
-    ``arch``: ``llama``, ``qwen2`` (adds q/k/v biases) or any name (for the refusal tests)."""
+    ``arch``: ``llama``, ``qwen2`` (adds q/k/v biases), ``qwen3`` (adds q/k norms, F32, and ``attention.key_length``
+    / ``value_length`` = ``head_dim``) or any name (for the refusal tests).  ``head_dim``: default ``hidden / heads``."""
     rng = np.random.default_rng(seed)
     tok = byte_tokenizer()
     vocab = len(tok)
@@ -68,7 +70,10 @@ def write_tiny_gguf(path: Path, kind: str = "Q8_0", arch: str = "llama", *, laye
         w.add_eos_token_id(0)
         w.add_bos_token_id(0)
     types = dict(types or {})
-    head_dim = hidden // heads
+    head_dim = head_dim or hidden // heads
+    if arch == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
 
     def add(name: str, shape: tuple[int, ...], scale: float = 0.1, own: str | None = None):
         kind_here = types.get(name, own or kind)
@@ -97,6 +102,9 @@ def write_tiny_gguf(path: Path, kind: str = "Q8_0", arch: str = "llama", *, laye
         if arch == "qwen2":
             for n, rows in (("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim)):
                 add(b + f"attn_{n}.bias", (rows,), own="F32")
+        if arch == "qwen3":
+            for n in ("q", "k"):
+                w.add_tensor(b + f"attn_{n}_norm.weight", rng.uniform(0.5, 1.5, head_dim).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -8,6 +8,10 @@ Families (``model_type``) and what is implemented of each (anything else is refu
 * ``qwen2`` (``Qwen2ForCausalLM``): q/k/v biases (no o_proj bias); a sliding window, when enabled,
   limits the context we run (see below).
 * ``mistral`` (``MistralForCausalLM``): ``sliding_window`` limits the context we run (see below).
+* ``qwen3`` (``Qwen3ForCausalLM``): an RMSNorm over each q and k head (``q_norm``/``k_norm``, weights ``[head_dim]``,
+  eps ``rms_norm_eps``) between the q/k projections and RoPE; ``attention_bias`` (q/k/v/o biases, off by default);
+  ``head_dim`` (transformers' default 128 when absent, whatever ``hidden_size / num_attention_heads`` is); a sliding
+  window as ``qwen2``'s.
 
 Sliding windows: a query at position p attends keys at positions ``> p - window`` (transformers'
 ``sliding_window_overlay``).  We never run positions at or past the window: the usable context
@@ -22,7 +26,8 @@ from dataclasses import asdict, dataclass
 from ..errors import SpeculantError
 from .rope import normalize_rope_scaling
 
-FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM"}
 """Supported ``model_type`` -> its ``architectures`` entry."""
 
 # transformers 5.24's defaults for fields a config.json may leave out (tests check them against transformers)
@@ -30,6 +35,8 @@ FAMILY_DEFAULTS = {
     "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "sliding_window": None},
     "mistral": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "sliding_window": 4096},
     "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "sliding_window": 4096},
+    "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "sliding_window": 4096,
+              "head_dim": 128},
 }
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _READ = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -37,7 +44,8 @@ _READ = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", 
          "rope_scaling", "tie_word_embeddings", "head_dim", "bos_token_id", "eos_token_id", "hidden_act",
          "model_type", "architectures"}
 _FAMILY_FIELDS = {"llama": {"attention_bias", "mlp_bias"}, "mistral": {"sliding_window"},
-                  "qwen2": {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}}
+                  "qwen2": {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
+                  "qwen3": {"attention_bias", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}}
 # fields that do not change the forward at inference: metadata, training-only settings (dropout,
 # initialisation, tensor-parallel split), generation defaults of old config.json files (our sampling
 # comes from GenerationConfig) and output switches
@@ -64,12 +72,15 @@ class ModelConfig:
     ``hidden_size // num_attention_heads``.  Beyond those:
 
     Attributes:
-        model_type: ``llama`` | ``mistral`` | ``qwen2`` (what :meth:`to_hf_dict` writes back).
+        model_type: ``llama`` | ``mistral`` | ``qwen2`` | ``qwen3`` (what :meth:`to_hf_dict` writes back).
         rope_scaling: ``None`` or validated RoPE scaling parameters (:func:`~speculant.models.rope.normalize_rope_scaling`).
         qkv_bias / o_bias / mlp_bias: biases of the q/k/v, o and MLP projections.
         sliding_window: attention window [tokens] when one is active, else ``None``; see :attr:`context_length`.
+        qk_norm: an RMSNorm (weight ``[head_dim]``) over each q and each k head before RoPE; ``None`` (the default)
+            means what the family has: ``True`` for ``qwen3`` only.
     Raises:
-        SpeculantError: heads not a multiple of the KV heads, an odd ``head_dim``, bad RoPE scaling.
+        SpeculantError: heads not a multiple of the KV heads, an odd ``head_dim``, bad RoPE scaling, ``qk_norm``
+            other than the family's.
     """
 
     vocab_size: int
@@ -91,6 +102,7 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
+    qk_norm: bool | None = None
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -104,6 +116,12 @@ class ModelConfig:
             raise SpeculantError(f"head_dim={self.head_dim} is odd; allowed: an even head size (RoPE rotates pairs)")
         if self.model_type not in FAMILIES:
             raise SpeculantError(f"model_type={self.model_type!r} is not supported; allowed: {', '.join(FAMILIES)}")
+        family_norm = self.model_type == "qwen3"
+        if self.qk_norm is None:
+            object.__setattr__(self, "qk_norm", family_norm)
+        elif self.qk_norm != family_norm:
+            raise SpeculantError(f"qk_norm={self.qk_norm!r} does not fit model_type={self.model_type!r}; "
+                                 f"allowed: {family_norm} (q/k norms are qwen3's only)")
         object.__setattr__(self, "rope_scaling", normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings))
 
     @property
@@ -116,7 +134,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ModelConfig":
-        """Build from a Hugging Face ``config.json`` dict of a ``llama``, ``mistral`` or ``qwen2`` model.
+        """Build from a Hugging Face ``config.json`` dict of a ``llama``, ``mistral``, ``qwen2`` or ``qwen3`` model.
 
         Every field that changes the forward is either implemented or refused: unknown fields, other
         architectures, activations other than SiLU, RoPE types other than default/linear/dynamic/llama3,
@@ -166,6 +184,9 @@ class ModelConfig:
         if model_type == "llama":
             qkv_bias = o_bias = bool(d.get("attention_bias", False))
             mlp_bias = bool(d.get("mlp_bias", False))
+        elif model_type == "qwen3":
+            qkv_bias = o_bias = bool(d.get("attention_bias", False))
+            mlp_bias = False
         else:
             qkv_bias, o_bias, mlp_bias = model_type == "qwen2", False, False
         return cls(
@@ -179,7 +200,7 @@ class ModelConfig:
             rms_norm_eps=float(get("rms_norm_eps")),
             rope_theta=float(theta),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            head_dim=d.get("head_dim"),
+            head_dim=d.get("head_dim") if d.get("head_dim") is not None else defaults.get("head_dim"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             model_type=model_type,
@@ -191,12 +212,12 @@ class ModelConfig:
         )
 
     def to_hf_dict(self) -> dict:
-        """The ``config.json`` dict that transformers reads as this model (``LlamaConfig``, ``MistralConfig``
-        or ``Qwen2Config`` by :attr:`model_type`)."""
+        """The ``config.json`` dict that transformers reads as this model (``LlamaConfig``, ``MistralConfig``,
+        ``Qwen2Config`` or ``Qwen3Config`` by :attr:`model_type`)."""
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}
         rope.update(self.rope_scaling or {})
         d = {k: v for k, v in asdict(self).items()
-             if k not in ("rope_theta", "rope_scaling", "qkv_bias", "o_bias", "mlp_bias", "sliding_window")}
+             if k not in ("rope_theta", "rope_scaling", "qkv_bias", "o_bias", "mlp_bias", "sliding_window", "qk_norm")}
         d.update(architectures=[FAMILIES[self.model_type]], hidden_act="silu", rope_parameters=rope)
         if self.model_type == "llama":
             if self.qkv_bias != self.o_bias:
@@ -206,6 +227,12 @@ class ModelConfig:
         elif self.model_type == "mistral":
             d.update(sliding_window=self.sliding_window)
         else:
+            if self.model_type == "qwen3":
+                if self.qkv_bias != self.o_bias or self.mlp_bias:
+                    raise SpeculantError("a qwen3 config has q/k/v and o biases together or not at all, and no MLP "
+                                         f"biases; got qkv_bias={self.qkv_bias}, o_bias={self.o_bias}, "
+                                         f"mlp_bias={self.mlp_bias}")
+                d.update(attention_bias=self.qkv_bias)
             d.update(use_sliding_window=self.sliding_window is not None, sliding_window=self.sliding_window,
                      max_window_layers=0)
         return d

@@ -8,7 +8,7 @@ A GGUF model's projections are stored block-wise (llama.cpp's ``ggml-quants``):
 
 :func:`read_group_quantized` returns them as :class:`GroupQuantized` tensors named like our decoder's
 projections (``layers.3.self_attn.qkv_proj`` ...), rows permuted and fused exactly as the float
-weights transformers' GGUF loader produces (``reverse_permute_weights`` for q/k of ``llama`` files; ``qwen2``
+weights transformers' GGUF loader produces (``reverse_permute_weights`` for q/k of ``llama`` files; ``qwen2``/``qwen3``
 files store q/k rows in HF order), so
 ``GroupQuantized.dequantize()`` equals the cached float32 weight bit for bit.  The weight formats in
 :mod:`speculant.runtime.formats` pack these codes for torch's int4 kernel without requantizing.

@@ -25,9 +25,9 @@ from pathlib import Path
 from ..errors import SpeculantError
 from ..paths import cache_root
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 """``general.architecture`` values our decoder runs (Mistral files use ``llama``)."""
-NOT_YET = {"qwen3": "its q/k norms are not implemented yet", "gemma3": "its four norms per layer, q/k norms and "
+NOT_YET = {"gemma3": "its four norms per layer, q/k norms and "
            "GeGLU are not implemented yet", "gemma2": "its soft-capping and GeGLU are not implemented yet"}
 """Architectures asked for that are not implemented, with why (said in the refusal)."""
 FLOAT_TYPES = ("F32", "F16", "BF16")

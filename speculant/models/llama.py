@@ -50,6 +50,9 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.qkv_proj = DecodeLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = DecodeLinear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        # Qwen3: an RMSNorm over each q and k head ([head_dim] weights) between the projection and RoPE
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
 
 class MLP(nn.Module):
@@ -74,14 +77,19 @@ class DecoderLayer(nn.Module):
 
 
 def attention_inputs(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """First half of a decoder layer: input norm, fused q/k/v projection, RoPE.
+    """First half of a decoder layer: input norm, fused q/k/v projection, the per-head q/k norms where the model has
+    them (Qwen3: ``q_norm``/``k_norm`` over each head's ``Dh`` values), RoPE.
 
     ``x`` ``[B, T, D]`` -> ``q`` ``[B, H, T, Dh]``, ``k`` and ``v`` ``[B, Hkv, T, Dh]`` (float32).
     """
     attn = layer.self_attn
     b, t, _ = x.shape
     qkv = attn.qkv_proj(layer.input_layernorm(x)).view(b, t, attn.n_heads + 2 * attn.n_kv, attn.head_dim)
-    qk = apply_rope(qkv[:, :, :attn.n_heads + attn.n_kv], cos, sin)     # q and k heads in one go
+    if attn.q_norm is None:
+        qk = apply_rope(qkv[:, :, :attn.n_heads + attn.n_kv], cos, sin)     # q and k heads in one go
+    else:
+        qk = apply_rope(torch.cat([attn.q_norm(qkv[:, :, :attn.n_heads]),
+                                   attn.k_norm(qkv[:, :, attn.n_heads:attn.n_heads + attn.n_kv])], dim=2), cos, sin)
     q = qk[:, :, :attn.n_heads].transpose(1, 2)
     k = qk[:, :, attn.n_heads:].transpose(1, 2)
     v = qkv[:, :, attn.n_heads + attn.n_kv:].transpose(1, 2)

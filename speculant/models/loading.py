@@ -272,6 +272,10 @@ def convert_gguf(source: GGUFSource | Path, out_dir: Path) -> Path:
     # the file's metadata parsed once (~7 s for SmolLM2's on a 2-core CPU): the config below is what
     # AutoConfig.from_pretrained(gguf_file=...) builds from the same dict, after two more parses
     parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+    key_length = gguf_files._field(reader, f"{info.architecture}.attention.key_length")
+    if info.architecture == "qwen3" and isinstance(key_length, int):
+        # transformers' loader reads no head size of qwen3 files (its Qwen3Config then says 128); the file's is this
+        parsed["config"]["head_dim"] = key_length
     hf_config = CONFIG_MAPPING[parsed["config"]["model_type"]].from_dict(dict(parsed["config"]))
     hf_config.name_or_path = str(gguf.parent)
     cfg = config_from_gguf_load(hf_config.to_dict())
@@ -311,7 +315,7 @@ def convert_gguf(source: GGUFSource | Path, out_dir: Path) -> Path:
 
 
 def _hf_layer_keys(cfg: ModelConfig, i: int) -> list[str]:
-    """HF parameter names of decoder layer ``i`` (biases where ``cfg`` has them)."""
+    """HF parameter names of decoder layer ``i`` (biases and q/k norms where ``cfg`` has them)."""
     p = f"model.layers.{i}."
     keys = [p + f"self_attn.{n}_proj.weight" for n in "qkvo"] + [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
     keys += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
@@ -321,6 +325,8 @@ def _hf_layer_keys(cfg: ModelConfig, i: int) -> list[str]:
         keys.append(p + "self_attn.o_proj.bias")
     if cfg.mlp_bias:
         keys += [p + f"mlp.{n}_proj.bias" for n in ("gate", "up", "down")]
+    if cfg.qk_norm:
+        keys += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
     return keys
 
 
@@ -372,7 +378,8 @@ def check_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
 
 
 def hf_state_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig, consume: bool = False) -> dict[str, torch.Tensor]:
-    """Map Hugging Face Llama/Mistral/Qwen2 parameter names to ours (fusing q/k/v and gate/up, biases alike).
+    """Map Hugging Face Llama/Mistral/Qwen2/Qwen3 parameter names to ours (fusing q/k/v and gate/up, biases alike;
+    Qwen3's q/k norms keep their names).
 
     ``consume``: remove each entry from ``state`` once mapped, so that the unfused parts of a fused weight are freed
     as it is made (no second copy of the model when ``state`` held the only references)."""
@@ -395,6 +402,9 @@ def hf_state_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig, consume: 
             out[q + f"mlp.down_proj.{kind}"] = take(p + f"mlp.down_proj.{kind}")
         out[q + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
         out[q + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+        if cfg.qk_norm:
+            for n in ("q_norm", "k_norm"):
+                out[q + f"self_attn.{n}.weight"] = take(p + f"self_attn.{n}.weight")
     return out
 
 
@@ -419,6 +429,9 @@ def ours_to_hf_state(decoder: LlamaDecoder) -> dict[str, torch.Tensor]:
                     out[p + f"{name}.{kind}"] = sd[q + f"{name}.{kind}"]
         out.update({p + "input_layernorm.weight": sd[q + "input_layernorm.weight"],
                     p + "post_attention_layernorm.weight": sd[q + "post_attention_layernorm.weight"]})
+        if cfg.qk_norm:
+            for n in ("q_norm", "k_norm"):
+                out[p + f"self_attn.{n}.weight"] = sd[q + f"self_attn.{n}.weight"]
     return {k: v.contiguous() for k, v in out.items()}
 
 

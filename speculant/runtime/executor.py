@@ -51,8 +51,10 @@ def _projection_buffers(module) -> decode_step.ProjectionBuffers | None:
 
 def model_buffers(decoder: LlamaDecoder) -> decode_step.ModelBuffers | str:
     """The buffers and shapes :class:`~speculant.kernels.decode_step.FusedLayers` runs ``decoder`` from, or why
-    not (a projection that is not W4A8/W8A8)."""
+    not (a projection that is not W4A8/W8A8, or q/k norms, which the fused step does not compute)."""
     cfg = decoder.config
+    if cfg.qk_norm:
+        return "q/k norms (qwen3) are not in the fused step yet"
     layers = []
     for i, layer in enumerate(decoder.layers):
         modules = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)

@@ -1,0 +1,206 @@
+"""Qwen3 (``model_type: qwen3``): per-head q/k RMSNorms before RoPE, an explicit ``head_dim``, no q/k/v biases.
+
+Checked on a tiny random ``Qwen3ForCausalLM`` (``head_dim`` 32 with 4 heads of a 64-wide model, so
+``head_dim != hidden / heads``): our fp32 logits equal transformers' within 1e-4 relative; the HF directory round
+trip (``save_hf_dir`` -> transformers and ``load_hf_dir``); greedy ``early-exit``, ``prompt-lookup``, ``rsd-s`` and
+``draft-model`` (a truncated copy)
+token-identical to ``ar`` in fp32 and in ``w4a8``, which runs the torch step (the fused C step refuses q/k norms);
+the config read strictly (defaults as transformers', unknown fields refused in one line).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import word_tokenizer
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from speculant import GenerationConfig, build_generator
+from speculant.errors import SpeculantError
+from speculant.models.config import ModelConfig
+from speculant.models.loading import load_hf_dir, ours_to_hf_state, save_hf_dir
+from speculant.runtime.executor import executor_of, why_not_fused
+from speculant.runtime.formats import apply_weight_format, format_available
+
+VOCAB = 100
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6)
+PROMPTS = ([3, 17, 42, 8, 25, 60, 1], [7, 8, 9, 10] * 4, [11, 12, 13, 14, 15, 16, 11, 12, 13])
+SPECS = {"early-exit": dict(method="early-exit", exit_layer=1, num_speculations=3),
+         "prompt-lookup": dict(method="prompt-lookup", num_speculations=4),
+         "rsd-s": dict(method="rsd-s", exit_layer=1, beam_width=3, draft_length=3),
+         "draft-model": dict(method="draft-model", draft_model="truncated:1", num_speculations=3)}
+FUSED_REASON = "q/k norms (qwen3) are not in the fused step yet"
+
+
+def _hf_model(tie: bool = False, seed: int = 0) -> Qwen3ForCausalLM:
+    """A random tiny Qwen3 with peaky distributions and q/k norm weights away from 1 (so that they matter)."""
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(Qwen3Config(**SHAPE, tie_word_embeddings=tie)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.5 if "embed" in name else 0.25)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen3")
+    _hf_model().save_pretrained(d)
+    word_tokenizer(VOCAB).save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("tie", (False, True))
+def test_fp32_logits_match_transformers_and_the_hf_directory_round_trips(tie, tmp_path):
+    ref = _hf_model(tie=tie, seed=int(tie))
+    ref.save_pretrained(tmp_path / "hf")
+    word_tokenizer(VOCAB).save_pretrained(tmp_path / "hf")
+    ours = load_hf_dir(tmp_path / "hf")
+    cfg = ours.config
+    assert cfg.model_type == "qwen3" and cfg.qk_norm and cfg.head_dim == 32 and not cfg.qkv_bias
+    assert cfg.tie_word_embeddings == tie
+    ids = torch.tensor([[5, 9, 2, 7, 33, 81, 14, 60, 2, 99, 0, 41]])
+    with torch.inference_mode():
+        want = ref(ids).logits[0]
+        got = ours.decoder(ids)[0]
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-4
+    # the q/k norms are applied: without them the logits differ
+    plain = copy.deepcopy(ours.decoder)
+    for layer in plain.layers:
+        layer.self_attn.q_norm.weight.data.fill_(1.0)
+    with torch.inference_mode():
+        assert float((plain(ids)[0] - want).abs().max() / want.abs().max()) > 1e-2
+    # our directory is read by transformers as the same model, and by us again bit for bit
+    save_hf_dir(ours, tmp_path / "ours")
+    back = Qwen3ForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    with torch.inference_mode():
+        assert torch.equal(back(ids).logits[0], want)
+    again = load_hf_dir(tmp_path / "ours")
+    assert again.config == cfg
+    mine, theirs = ours_to_hf_state(ours.decoder), ours_to_hf_state(again.decoder)
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert "model.layers.1.self_attn.k_norm.weight" in mine
+
+
+def _greedy(model, spec: dict, prompt: list[int]) -> list[int]:
+    return build_generator(model, **spec).generate(prompt, GenerationConfig(max_new_tokens=20)).token_ids
+
+
+@pytest.mark.parametrize("weights", ("fp32", "w4a8"))
+def test_greedy_methods_equal_ar(weights, hf_dir):
+    if not format_available(weights):
+        pytest.skip(f"our {weights} kernels do not build on this machine")
+    model = load_hf_dir(hf_dir)
+    if weights != "fp32":
+        apply_weight_format(model.decoder, weights)
+        model.weights = weights
+        # the fused C step does not compute q/k norms: w4a8 runs the torch step
+        assert executor_of(model).fused_layers() is None
+        assert why_not_fused(model.decoder, torch.float32) in (FUSED_REASON, f"the kernels {_unavailable()}")
+    for prompt in PROMPTS:
+        ar = _greedy(model, dict(method="ar"), prompt)
+        assert len(ar) == 20
+        for name, spec in SPECS.items():
+            assert _greedy(model, spec, prompt) == ar, (weights, name, prompt)
+
+
+def _unavailable() -> str:
+    from speculant.kernels import decode_step
+    return decode_step.build.unavailable_reason()
+
+
+def test_config_defaults_are_transformers_and_unknown_fields_are_refused():
+    d = {k: SHAPE[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads")}
+    ours = ModelConfig.from_hf_dict({"model_type": "qwen3", **d})
+    ref = Qwen3Config(**d)
+    assert ours.head_dim == ref.head_dim == 128            # not hidden / heads
+    assert ours.max_position_embeddings == ref.max_position_embeddings
+    assert ours.rms_norm_eps == ref.rms_norm_eps and ours.rope_theta == ref.rope_parameters["rope_theta"]
+    assert ours.sliding_window is None and ours.qk_norm and not ours.qkv_bias and not ours.o_bias
+    biased = ModelConfig.from_hf_dict({"model_type": "qwen3", **d, "attention_bias": True})
+    assert biased.qkv_bias and biased.o_bias and biased.to_hf_dict()["attention_bias"] is True
+    assert ModelConfig.from_hf_dict(ours.to_hf_dict()) == ours
+    with pytest.raises(SpeculantError) as e:
+        ModelConfig.from_hf_dict({"model_type": "qwen3", **d, "mlp_bias": True})
+    assert "mlp_bias" in str(e.value) and "qwen3" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(SpeculantError, match="architectures=.*allowed: Qwen3ForCausalLM"):
+        ModelConfig.from_hf_dict({"model_type": "qwen3", **d, "architectures": ["Qwen2ForCausalLM"]})
+    with pytest.raises(SpeculantError, match="qk_norm=True does not fit model_type='llama'"):
+        ModelConfig(**d, num_key_value_heads=4, qk_norm=True)
+
+
+GGUF_PROMPT = [258, 260, 221, 263, 258, 260, 221, 263, 258, 260]
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """Convert GGUF files in this process (no child interpreter)."""
+    from pathlib import Path
+
+    from speculant.models import loading
+
+    def convert(name, out_dir, meanwhile=None):
+        if meanwhile is not None:
+            meanwhile()
+        return loading.convert_gguf(Path(name), Path(out_dir))
+    monkeypatch.setattr(loading, "convert_gguf_in_child", convert)
+
+
+@pytest.mark.parametrize("head_dim", (128, 32))
+def test_a_qwen3_gguf_file_loads_as_its_dequantized_weights(head_dim, tmp_path, in_process):
+    """qwen3 files keep q/k rows in HF order (no llama permutation); the head size is the file's
+    ``attention.key_length`` (transformers' GGUF loader reads none for qwen3 and assumes 128, so its own forward of
+    the file is the reference only at 128; at 32 the reference is transformers' forward of our conversion)."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+    from gguf_helpers import write_tiny_gguf
+    from transformers import AutoModelForCausalLM
+
+    from speculant.models.loading import read_checkpoint
+    path = write_tiny_gguf(tmp_path / "q3.gguf", "Q8_0", arch="qwen3", head_dim=head_dim, seed=7)
+    model = read_checkpoint(str(path))
+    assert model.config.model_type == "qwen3" and model.config.head_dim == head_dim
+    ours = ours_to_hf_state(model.decoder)
+    file = {t.name: np.array(dequantize(t.data, t.tensor_type), dtype=np.float32) for t in GGUFReader(str(path)).tensors}
+    for gguf_name, hf_name in (("blk.1.attn_q.weight", "model.layers.1.self_attn.q_proj.weight"),
+                               ("blk.1.attn_k.weight", "model.layers.1.self_attn.k_proj.weight"),
+                               ("blk.1.attn_q_norm.weight", "model.layers.1.self_attn.q_norm.weight"),
+                               ("blk.0.attn_k_norm.weight", "model.layers.0.self_attn.k_norm.weight")):
+        assert torch.equal(ours[hf_name], torch.from_numpy(file[gguf_name])), hf_name
+    if head_dim == 128:
+        ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    else:
+        ref = AutoModelForCausalLM.from_pretrained(str(model.path), dtype=torch.float32)
+    ids = torch.tensor([GGUF_PROMPT])
+    with torch.inference_mode():
+        got, want = model.decoder(ids)[0], ref.eval()(ids).logits[0]
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-4
+
+
+@pytest.mark.skipif(not format_available("w4a8"), reason="our w4a8 kernel does not build on this machine")
+def test_a_qwen3_q4_0_gguf_runs_w4a8_on_its_own_codes_through_the_torch_step(tmp_path):
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf_helpers import write_tiny_gguf
+
+    from speculant.runtime.loader import load_model
+    path = write_tiny_gguf(tmp_path / "q3-q40.gguf", "Q4_0", arch="qwen3", head_dim=32, seed=8)
+    model = load_model(str(path), weights="w4a8", compile=False)       # converted in a child process
+    assert model.weights == "w4a8" and not model.fused
+    assert executor_of(model).fused_layers() is None
+    q_rows = model.config.num_attention_heads * model.config.head_dim
+    codes = model.decoder.layers[1].self_attn.qkv_proj.group_quantized().codes[:q_rows]
+    t = next(t for t in GGUFReader(str(path)).tensors if t.name == "blk.1.attn_q.weight")
+    b = np.asarray(t.data).reshape(t.data.shape[0], -1, 18)[..., 2:]
+    file_codes = np.concatenate([b & 15, b >> 4], -1).reshape(t.data.shape[0], -1)
+    assert torch.equal(codes, torch.from_numpy(file_codes.astype(np.uint8)))   # HF row order as stored
+    ar = _greedy(model, dict(method="ar"), GGUF_PROMPT)
+    assert _greedy(model, SPECS["prompt-lookup"], GGUF_PROMPT) == ar
+    assert _greedy(model, SPECS["early-exit"], GGUF_PROMPT) == ar
