@@ -319,7 +319,7 @@ def test_the_prompt_route_is_measured_and_kept(model):
     assert set(ms) <= {"8", "24"} and "8" in ms                     # beyond the context: not timed
     assert all(set(v) == {"fused", "layer step"} and min(v.values()) > 0 for v in ms.values())
     assert limit in (0, 8, 24)
-    assert limit == 0 or ms[str(limit)]["fused"] <= ms[str(limit)]["layer step"]
+    assert limit == 0 or ms[str(limit)]["fused"] < ms[str(limit)]["layer step"] * (1 - tune.CHOICE_NOISE)
     assert executor_of(model).fused_prompt_tokens == 0                 # restored
 
 
@@ -327,7 +327,8 @@ def test_the_kv_cache_dtype_is_measured_and_the_decoder_left_as_it_was(model):
     dec = executor_of(model)
     before = dec.kv_dtype
     best, ms = tune.measure_kv_cache(dec, repeats=2)
-    assert set(ms) == {"float32", "float16"} and all(v > 0 for v in ms.values()) and ms[best] == min(ms.values())
+    assert set(ms) == {"float32", "float16"} and all(v > 0 for v in ms.values())
+    assert (best == "float16") == (ms["float16"] < ms["float32"] * (1 - tune.CHOICE_NOISE))   # float32 within the noise
     assert dec.kv_dtype == before                          # restored
     result = tune.TuneResult(key=tune.tune_key(dec.config, 1), weights="w4a8", fp32_route="linear", threads=1)
     assert "KV cache" not in tune.format_table(result)
