@@ -4,7 +4,8 @@ Checked on a tiny random ``Qwen3ForCausalLM`` (``head_dim`` 32 with 4 heads of a
 ``head_dim != hidden / heads``): our fp32 logits equal transformers' within 1e-4 relative; the HF directory round
 trip (``save_hf_dir`` -> transformers and ``load_hf_dir``); greedy ``early-exit``, ``prompt-lookup``, ``rsd-s`` and
 ``draft-model`` (a truncated copy)
-token-identical to ``ar`` in fp32 and in ``w4a8``, which runs the torch step (the fused C step refuses q/k norms);
+token-identical to ``ar`` in fp32 and in ``w4a8`` on the fused C step (which applies the q/k norms; its logits
+within float tolerance of the torch step's);
 the config read strictly (defaults as transformers', unknown fields refused in one line).
 """
 
@@ -32,7 +33,6 @@ SPECS = {"early-exit": dict(method="early-exit", exit_layer=1, num_speculations=
          "prompt-lookup": dict(method="prompt-lookup", num_speculations=4),
          "rsd-s": dict(method="rsd-s", exit_layer=1, beam_width=3, draft_length=3),
          "draft-model": dict(method="draft-model", draft_model="truncated:1", num_speculations=3)}
-FUSED_REASON = "q/k norms (qwen3) are not in the fused step yet"
 
 
 def _hf_model(tie: bool = False, seed: int = 0) -> Qwen3ForCausalLM:
@@ -100,9 +100,17 @@ def test_greedy_methods_equal_ar(weights, hf_dir):
     if weights != "fp32":
         apply_weight_format(model.decoder, weights)
         model.weights = weights
-        # the fused C step does not compute q/k norms: w4a8 runs the torch step
-        assert executor_of(model).fused_layers() is None
-        assert why_not_fused(model.decoder, torch.float32) in (FUSED_REASON, f"the kernels {_unavailable()}")
+        # w4a8 runs the fused C step, q/k norms included, close to the torch step on the same weights
+        ex = executor_of(model)
+        assert ex.fused_layers() is not None, why_not_fused(model.decoder, ex.kv_dtype)
+        ids = torch.tensor([PROMPTS[0]])
+        with torch.inference_mode():
+            ex.fused_prompt_tokens = 64                    # the prompt's layers through the fused step too
+            fused = ex(ids, None, None, ex.new_cache(16), 0)
+            ex.use_fused = False
+            torch_step = ex(ids, None, None, ex.new_cache(16), 0)
+            ex.use_fused, ex.fused_prompt_tokens = True, 0
+        torch.testing.assert_close(fused, torch_step, rtol=1e-4, atol=1e-4)   # 4.7 apart without the C norms
     for prompt in PROMPTS:
         ar = _greedy(model, dict(method="ar"), prompt)
         assert len(ar) == 20
@@ -185,7 +193,7 @@ def test_a_qwen3_gguf_file_loads_as_its_dequantized_weights(head_dim, tmp_path, 
 
 
 @pytest.mark.skipif(not format_available("w4a8"), reason="our w4a8 kernel does not build on this machine")
-def test_a_qwen3_q4_0_gguf_runs_w4a8_on_its_own_codes_through_the_torch_step(tmp_path):
+def test_a_qwen3_q4_0_gguf_runs_w4a8_on_its_own_codes_through_the_fused_step(tmp_path):
     import numpy as np
     from gguf import GGUFReader
     from gguf_helpers import write_tiny_gguf
@@ -193,8 +201,7 @@ def test_a_qwen3_q4_0_gguf_runs_w4a8_on_its_own_codes_through_the_torch_step(tmp
     from speculant.runtime.loader import load_model
     path = write_tiny_gguf(tmp_path / "q3-q40.gguf", "Q4_0", arch="qwen3", head_dim=32, seed=8)
     model = load_model(str(path), weights="w4a8", compile=False)       # converted in a child process
-    assert model.weights == "w4a8" and not model.fused
-    assert executor_of(model).fused_layers() is None
+    assert model.weights == "w4a8" and model.fused
     q_rows = model.config.num_attention_heads * model.config.head_dim
     codes = model.decoder.layers[1].self_attn.qkv_proj.group_quantized().codes[:q_rows]
     t = next(t for t in GGUFReader(str(path)).tensors if t.name == "blk.1.attn_q.weight")

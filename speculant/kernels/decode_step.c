@@ -36,6 +36,7 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm;   /* RMSNorm weights [D] */
     spec_projection qkv, o, gate_up, down;
+    const float *q_norm, *k_norm;          /* per-head RMSNorm weights [head_dim] of q and k (Qwen3), or NULL */
 } spec_layer;
 
 typedef struct {
@@ -144,6 +145,11 @@ int spec_run_layers(const spec_model *m, int64_t first, int64_t last, int64_t ns
         const spec_layer *L = m->layers + l;
         rms_norm(x, L->input_norm, R, D, m->eps, h);
         project(&L->qkv, h, R, xq, xd, xs, wide, m->weight_prefetch);
+        if (L->q_norm)                   /* each head of q and of k RMS-normed before RoPE (in place, row by row) */
+            for (int64_t r = 0; r < R; r++) {
+                rms_norm(wide + r * QKV, L->q_norm, H, Dh, m->eps, wide + r * QKV);
+                rms_norm(wide + r * QKV + H * Dh, L->k_norm, HKV, Dh, m->eps, wide + r * QKV + H * Dh);
+            }
         for (int64_t r = 0; r < R; r++) {
             const float *row = wide + r * QKV, *c = cos + r * Dh, *s = sin + r * Dh;
             for (int64_t hd = 0; hd < H; hd++) rope_head(row + hd * Dh, c, s, Dh, q + (r * H + hd) * Dh);

@@ -5,7 +5,8 @@ SmolLM2 forward over ``torch.compile``'d layers took 13.40 ms, 11.59 ms of it in
 the same layers and kernels here (6.57 ms for the forward): ~240 us per layer went to the compiled layers' call
 path (guards, wrappers, one dispatcher call per kernel).
 :class:`FusedLayers` runs the same layers (RMSNorm, fused q/k/v projection, RoPE, KV-cache write, attention,
-output projection, residual, RMSNorm, SwiGLU MLP, residual; Touvron et al. 2023) as one call into our kernels
+output projection, residual, RMSNorm, SwiGLU MLP, residual; Touvron et al. 2023; Qwen3's per-head q/k RMSNorm
+before RoPE where the model has it) as one call into our kernels
 (:mod:`speculant.kernels.qgemm`'s products, :mod:`speculant.kernels.attention`'s rows), with no torch.compile
 to trace or load.
 
@@ -43,7 +44,7 @@ class _Projection(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", _Projection), ("o", _Projection),
-                ("gate_up", _Projection), ("down", _Projection)]
+                ("gate_up", _Projection), ("down", _Projection), ("q_norm", _ptr), ("k_norm", _ptr)]
 
 
 class _Model(ctypes.Structure):
@@ -75,7 +76,9 @@ class ProjectionBuffers:
 
 @dataclass(frozen=True)
 class LayerBuffers:
-    """One decoder layer's buffers: the two RMSNorm weights ``[D]`` float32 and the four projections."""
+    """One decoder layer's buffers: the two RMSNorm weights ``[D]`` float32, the four projections, and the per-head
+    q/k RMSNorm weights ``[Dh]`` float32 of a model that has them (Qwen3; applied after the q/k/v projection,
+    before RoPE) or ``None``."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -83,6 +86,8 @@ class LayerBuffers:
     o: ProjectionBuffers
     gate_up: ProjectionBuffers
     down: ProjectionBuffers
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -124,8 +129,12 @@ def why_not(model: ModelBuffers, cache_dtype: torch.dtype) -> str | None:
         for p in (layer.qkv, layer.o, layer.gate_up, layer.down):
             if not all(t.is_contiguous() and t.device.type == "cpu" for t in p.tensors()):
                 return f"layer {i} has a projection whose buffers are not contiguous CPU tensors"
-        if any(w.dtype != torch.float32 or not w.is_contiguous() for w in (layer.input_norm, layer.post_norm)):
+        norms = [w for w in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm) if w is not None]
+        if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
             return "needs float32 norm weights"
+        if (layer.q_norm is None) != (layer.k_norm is None) or \
+                any(w.numel() != model.head_dim for w in norms[2:]):
+            return f"layer {i} needs both q/k norms of head_dim values, or neither"
     return None
 
 
@@ -152,7 +161,8 @@ class FusedLayers:
         layers = (_Layer * len(model.layers))()
         for i, layer in enumerate(model.layers):
             layers[i] = _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
-                               *(p.struct() for p in (layer.qkv, layer.o, layer.gate_up, layer.down)))
+                               *(p.struct() for p in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+                               *(0 if w is None else w.data_ptr() for w in (layer.q_norm, layer.k_norm)))
         self._layers = layers
         self.model = _Model(model.hidden, model.heads, model.kv_heads, model.head_dim, model.intermediate,
                             model.eps, model.head_dim ** -0.5, layers, build.check_weight_prefetch(weight_prefetch))

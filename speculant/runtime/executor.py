@@ -51,10 +51,8 @@ def _projection_buffers(module) -> decode_step.ProjectionBuffers | None:
 
 def model_buffers(decoder: LlamaDecoder) -> decode_step.ModelBuffers | str:
     """The buffers and shapes :class:`~speculant.kernels.decode_step.FusedLayers` runs ``decoder`` from, or why
-    not (a projection that is not W4A8/W8A8, or q/k norms, which the fused step does not compute)."""
+    not (a projection that is not W4A8/W8A8)."""
     cfg = decoder.config
-    if cfg.qk_norm:
-        return "q/k norms (qwen3) are not in the fused step yet"
     layers = []
     for i, layer in enumerate(decoder.layers):
         modules = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
@@ -62,8 +60,10 @@ def model_buffers(decoder: LlamaDecoder) -> decode_step.ModelBuffers | str:
         if any(p is None for p in projections):
             kind = type(next(m for m, p in zip(modules, projections) if p is None)).__name__
             return f"layer {i} has a projection that is not w4a8/w8a8 ({kind})"
+        attn = layer.self_attn
+        qk = [None if n is None else n.weight.detach().float().contiguous() for n in (attn.q_norm, attn.k_norm)]
         layers.append(decode_step.LayerBuffers(layer.input_layernorm.weight.detach(),
-                                               layer.post_attention_layernorm.weight.detach(), *projections))
+                                               layer.post_attention_layernorm.weight.detach(), *projections, *qk))
     return decode_step.ModelBuffers(
         cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
         cfg.rms_norm_eps, layers, decoder.rope_cos.float().contiguous(), decoder.rope_sin.float().contiguous(),
