@@ -27,6 +27,11 @@ SHAPES = {
     "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
                          rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True),
+    # Qwen/Qwen3-0.6B's config.json (shape fields): per-head q/k norms, head_dim 128 != hidden / heads
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, model_type="qwen3",
+                       qk_norm=True),
 }
 """Shape name -> :class:`~speculant.models.config.ModelConfig` fields."""
 
@@ -75,6 +80,9 @@ def shaped_decoder(shape: str, seed: int = 0) -> LlamaDecoder:
         layer.mlp.down_proj = random_w4a8(inter, d, g)
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             norm.weight = torch.nn.Parameter(torch.ones(d), requires_grad=False)
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):     # Qwen3's per-head norms
+            if norm is not None:
+                norm.weight = torch.nn.Parameter(torch.ones(cfg.head_dim), requires_grad=False)
     dec.norm.weight = torch.nn.Parameter(torch.ones(d), requires_grad=False)
     dec.embed_tokens.weight = torch.nn.Parameter(torch.randn(cfg.vocab_size, d, generator=g) * 0.02,
                                                  requires_grad=False)
