@@ -49,11 +49,23 @@ def _ll_tokenizer(tokenizer, vocab_size: int | None, eos_token_ids):
     return per_tok[key]
 
 
+JSON_WHITESPACE = r"[\n]?[ \t]{0,24}"
+"""Whitespace allowed between two JSON tokens (llguidance's ``x-guidance.whitespace_pattern``): at most one line
+break and an indent of up to 24 spaces or tabs, so pretty-printed JSON stays possible but a sampled generation cannot
+run away in whitespace until its token budget ends (seen with SmolLM2 at T = 1: a 300-character run after a value;
+vLLM offers ``--disable-any-whitespace`` for the same trap).  A schema's own ``x-guidance`` options take precedence."""
+
+
+def _with_bounded_whitespace(schema: dict) -> dict:
+    return schema if "x-guidance" in schema else {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+
+
 def _grammar_text(kind: str, spec) -> str:
-    """The llguidance grammar of ``spec`` (see the module docstring for each kind)."""
+    """The llguidance grammar of ``spec`` (see the module docstring for each kind; JSON with
+    :data:`JSON_WHITESPACE`)."""
     import llguidance
     if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+        return llguidance.LLMatcher.grammar_from_json_schema(_with_bounded_whitespace({"type": "object"}))
     if kind == "json_schema":
         if isinstance(spec, str):
             try:
@@ -62,7 +74,7 @@ def _grammar_text(kind: str, spec) -> str:
                 raise SpeculantError(f"json_schema is not valid JSON ({e}); allowed: a JSON schema object") from None
         if not isinstance(spec, dict):
             raise SpeculantError(f"json_schema={spec!r} is invalid; allowed: a JSON schema object")
-        return llguidance.LLMatcher.grammar_from_json_schema(spec)
+        return llguidance.LLMatcher.grammar_from_json_schema(_with_bounded_whitespace(spec))
     if kind == "choice":
         if not isinstance(spec, (list, tuple)) or not spec or any(not isinstance(c, str) or not c for c in spec):
             raise SpeculantError(f"choice={spec!r} is invalid; allowed: a non-empty list of non-empty strings")
