@@ -45,16 +45,6 @@ def files(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-@pytest.fixture
-def in_process(monkeypatch):
-    """Convert in this process (no child interpreter: ~5 s less per file); the child route has its own tests."""
-    def convert(name, out_dir, meanwhile=None):
-        if meanwhile is not None:
-            meanwhile()
-        return loading.convert_gguf(Path(name), Path(out_dir))
-    monkeypatch.setattr(loading, "convert_gguf_in_child", convert)
-
-
 def _file_weights(path: Path) -> dict[str, torch.Tensor]:
     """``gguf.dequantize`` of every tensor of ``path``, named as HF names them, q/k rows put back in HF order for
     ``llama`` files (the inverse of llama.cpp's converter's permutation)."""

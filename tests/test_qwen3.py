@@ -147,20 +147,6 @@ def test_config_defaults_are_transformers_and_unknown_fields_are_refused():
 GGUF_PROMPT = [258, 260, 221, 263, 258, 260, 221, 263, 258, 260]
 
 
-@pytest.fixture
-def in_process(monkeypatch):
-    """Convert GGUF files in this process (no child interpreter)."""
-    from pathlib import Path
-
-    from speculant.models import loading
-
-    def convert(name, out_dir, meanwhile=None):
-        if meanwhile is not None:
-            meanwhile()
-        return loading.convert_gguf(Path(name), Path(out_dir))
-    monkeypatch.setattr(loading, "convert_gguf_in_child", convert)
-
-
 @pytest.mark.parametrize("head_dim", (128, 32))
 def test_a_qwen3_gguf_file_loads_as_its_dequantized_weights(head_dim, tmp_path, in_process):
     """qwen3 files keep q/k rows in HF order (no llama permutation); the head size is the file's
