@@ -12,8 +12,11 @@ def _threads(args) -> None:
 
 
 def cmd_make_data(args) -> int:
+    from dataclasses import replace
+
     from ..arguments import load_for_decoding
     from . import data
+    from .distributed import close, from_env
 
     _threads(args)
     config = data.MakeDataConfig.from_args(args)       # bad values fail before the model loads
@@ -27,15 +30,20 @@ def cmd_make_data(args) -> int:
     for p in args.prompts_file or ():
         prompts += data.file_prompts(p)
     model = load_for_decoding(args)          # the runtime the corpus' target decodes in (--weights, compiled)
-    summary = data.make_data(model, prompts, args.out, config)
-    print(json.dumps(summary))
+    dist = from_env(model.decoder.device)    # under torchrun: each process samples its share of the prompts
+    summary = data.make_data(model, prompts, args.out, replace(config, progress=dist.main), dist)
+    if dist.main:
+        print(json.dumps(summary))
+    close(dist)
     return 0
 
 
 def cmd_train(args) -> int:
     from .train import train_from_args
     _threads(args)
-    print(json.dumps(train_from_args(args)))
+    metrics = train_from_args(args)
+    if metrics.get("rank", 0) == 0:                 # under torchrun: rank 0 reports
+        print(json.dumps(metrics))
     return 0
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SpeculantError
+from .distributed import SINGLE, Dist
 
 BUILTIN_INSTRUCTIONS = [
     "Write a haiku about autumn.",
@@ -256,14 +257,19 @@ class MakeDataConfig:
                    chunk_tokens=args.chunk_tokens, batch_size=args.batch_size)
 
 
-def make_data(model, prompts: list[Prompt], out_path: str | Path, config: MakeDataConfig = MakeDataConfig()) -> dict:
+def make_data(model, prompts: list[Prompt], out_path: str | Path, config: MakeDataConfig = MakeDataConfig(),
+              dist: Dist = SINGLE) -> dict:
     """Sample one response per prompt from ``model`` with our engine and append records to ``out_path``.
 
     Args:
         model: the target (:class:`~speculant.models.loading.LoadedModel`).
         prompts: see the ``*_prompts`` helpers; ids must be unique.
+        dist: this process' rank under torchrun (:mod:`.distributed`): rank ``r`` of ``W`` samples every W-th
+            prompt (of the seeded order) into its shard file (:func:`shard_path`), and rank 0 then appends the
+            shards to ``out_path`` in the order one process writes them with ``batch_size`` 1; prompt i samples
+            with seed ``seed + i`` on any rank, so the records are those of one process.
     Returns:
-        summary dict: records/tokens written per split, seconds, generated tokens/s.
+        summary dict: records/tokens written per split (all ranks), seconds, generated tokens/s.
     Raises:
         SpeculantError: no prompts, duplicate ids.
     """
@@ -278,19 +284,16 @@ def make_data(model, prompts: list[Prompt], out_path: str | Path, config: MakeDa
     if len(set(ids)) != len(ids):
         raise SpeculantError("prompt ids are not unique; allowed: each source at most once")
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = set()
-    if cfg.resume and out_path.is_file():
-        done = {r["id"] for r in read_corpus(out_path)}
-    elif out_path.exists():
-        out_path.unlink()
+    order = {p.id: i for i, p in enumerate(interleave(prompts, cfg.seed))}
+    done = _prepare_output(out_path, cfg.resume, order, dist)
     split = split_prompts(prompts, cfg.heldout_fraction, cfg.split_seed)
     gen = build_generator(model, method="ar")
     t0 = time.perf_counter()
     counts = {"records": {"train": 0, "heldout": 0}, "tokens": {"train": 0, "heldout": 0}, "generated": 0}
-    todo = [p for p in interleave(prompts, cfg.seed) if p.id not in done]
-    with out_path.open("a") as f:
-        _write_text_records(f, model.tokenizer, cfg, done, counts)
+    todo = [p for p in interleave(prompts, cfg.seed) if p.id not in done][dist.rank::dist.world]
+    with (shard_path(out_path, dist.rank) if dist.active else out_path).open("a") as f:
+        if dist.main:
+            _write_text_records(f, model.tokenizer, cfg, done, counts)
         bar = tqdm(total=len(todo), desc="make-data", unit="prompt", disable=not cfg.progress)
         for p, prompt_ids, response in _responses(model, gen, todo, cfg.batch_size, cfg.temperature, cfg.top_p,
                                                   cfg.seed, ids, cfg.max_new_tokens, t0, cfg.max_minutes):
@@ -305,11 +308,57 @@ def make_data(model, prompts: list[Prompt], out_path: str | Path, config: MakeDa
             bar.update(1)
             bar.set_postfix(gen_tok_s=f"{counts['generated'] / (time.perf_counter() - t0):.1f}")
         bar.close()
+    counts = _gather_counts(counts, dist)
+    if dist.active and dist.main:
+        _merge_shards(out_path, order)
+    dist.barrier()
     secs = time.perf_counter() - t0
     return {"path": str(out_path), "records": counts["records"], "tokens": counts["tokens"],
             "generated_tokens": counts["generated"], "seconds": round(secs, 1),
             "generated_tokens_per_second": round(counts["generated"] / max(secs, 1e-9), 2),
-            "skipped_existing": len(done)}
+            "skipped_existing": len(done), "processes": dist.world}
+
+
+def shard_path(out_path: Path, rank: int) -> Path:
+    """The file rank ``rank`` of a make-data run on several processes writes (``OUT.rank<r>``)."""
+    return out_path.with_name(f"{out_path.name}.rank{rank}")
+
+
+def _merge_shards(out_path: Path, order: dict[str, int]) -> int:
+    """Append the records of ``out_path``'s rank shards to ``out_path`` as one process writes them with batch size
+    1 (text records first, then the prompts in ``order``) and remove the shards; returns the records moved."""
+    shards = sorted(out_path.parent.glob(f"{out_path.name}.rank*"))
+    recs = [json.loads(line) for s in shards for line in s.read_text().splitlines() if line.strip()]
+    recs.sort(key=lambda r: order.get(r["id"], -1))
+    with out_path.open("a") as f:
+        for r in recs:
+            f.write(json.dumps(r) + "\n")
+    for s in shards:
+        s.unlink()
+    return len(recs)
+
+
+def _prepare_output(out_path: Path, resume: bool, order: dict[str, int], dist: Dist) -> set[str]:
+    """Rank 0 starts ``out_path`` afresh (removing it and any rank shards) or, to resume, first appends the shards
+    an interrupted run left; every rank then returns the ids already written (``resume``) or an empty set."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    if dist.main:
+        if resume:
+            _merge_shards(out_path, order)
+        else:
+            for stale in [out_path, *out_path.parent.glob(f"{out_path.name}.rank*")]:
+                stale.unlink(missing_ok=True)
+    dist.barrier()
+    return {r["id"] for r in read_corpus(out_path)} if resume and out_path.is_file() else set()
+
+
+def _gather_counts(counts: dict, dist: Dist) -> dict:
+    """make-data's per-rank counts summed over the ranks."""
+    import torch
+    flat = [counts["records"]["train"], counts["records"]["heldout"], counts["tokens"]["train"],
+            counts["tokens"]["heldout"], counts["generated"]]
+    a, b, c, d, e = dist.all_sum(torch.tensor(flat, dtype=torch.int64)).tolist()
+    return {"records": {"train": a, "heldout": b}, "tokens": {"train": c, "heldout": d}, "generated": e}
 
 
 def _write_text_records(f, tokenizer, cfg: MakeDataConfig, done: set, counts: dict) -> None:

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from ..drafters.draft_head import DraftHead, load_head, new_head, save_head
 from ..errors import SpeculantError, check_range
-from .losses import topk_distill_loss
+from .losses import distill_totals, topk_distill_loss
+from .distributed import SINGLE, Dist, check_batch, main_first, save_on_main, wrap_ddp
 from .run import RunConfig, check_positions, optimize, read_checkpoint, seeded
 
 
@@ -122,30 +123,52 @@ def window_batch(f: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, spans
     return inputs, tokens, positions, nxt, mask
 
 
+def _targets(spans, weight: torch.Tensor, skip_first: bool) -> torch.Tensor:
+    """Global indices of the counted next-positions of ``spans`` (entries ``a+1 .. a+t``; ``skip_first``: from
+    ``a+2``), in span order: the regression and teacher targets of :func:`head_loss`."""
+    idx = torch.cat([torch.arange(a + 1 + skip_first, a + t + 1) for _, a, t in spans])
+    return idx[weight[idx]]
+
+
 def head_loss(head: DraftHead, f: torch.Tensor, ids: torch.Tensor, t_map: torch.Tensor, t_logp: torch.Tensor,
               weight: torch.Tensor, spans, v_weight: float, p_weight: float, hard_weight: float,
-              noise: float = 0.0, generator: torch.Generator | None = None, unroll: int = 1) -> tuple[torch.Tensor, dict]:
-    """EAGLE's loss on a batch of windows (module docstring); returns ``(loss, {"v": .., "p": ..})``.
+              noise: float = 0.0, generator: torch.Generator | None = None, unroll: int = 1,
+              share: slice | None = None) -> tuple[torch.Tensor, dict]:
+    """EAGLE's loss on a batch of windows (module docstring); returns ``(loss, {"v": .., "p": ..})`` (the parts as
+    detached scalar tensors).
 
     ``unroll=2`` adds a second pass in which every entry after the first reads the head's own prediction of its
     feature instead of the target's (a two-step form of EAGLE-3's training-time test: the head learns to draft
     from its own outputs, as at depth >= 2); the two passes' losses are averaged.
+
+    ``share``: the rows of ``spans`` (the global batch) this rank trains on (data parallelism,
+    :mod:`.distributed`); the loss and its parts are then this share of the global batch's (sums divided by the
+    global batch's counts), and the noise is drawn for the global batch, so the shares add up to the loss of one
+    process on the whole batch.  ``None``: every row.  ``head`` may be wrapped in DistributedDataParallel: its
+    first pass runs through the wrapper, the second pass and the logits through the head itself.
     """
-    x, tok, pos, nxt, mask = window_batch(f, ids, weight, spans)
+    inner = getattr(head, "module", head)
+    share = share or slice(None)
+    width = max(t for _, _, t in spans)
+    jitter = (torch.rand((len(spans), width, f.shape[1]), generator=generator) - 0.5) * noise if noise else None
+    x, tok, pos, nxt, mask = window_batch(f, ids, weight, spans[share])
     x = x.float()
     if noise:
-        x = x + (torch.rand(x.shape, generator=generator) - 0.5) * noise
+        x = x + jitter[share, :x.shape[1]]
     pred = head(x, tok, pos)
-    passes = [(pred, mask)]
+    passes = [(pred, mask, False)]
     if unroll >= 2:
-        second = head(torch.cat([x[:, :1], pred[:, :-1]], 1), tok, pos)
-        passes.append((second, torch.cat([torch.zeros_like(mask[:, :1]), mask[:, 1:]], 1)))
+        second = inner(torch.cat([x[:, :1], pred[:, :-1]], 1), tok, pos)
+        passes.append((second, torch.cat([torch.zeros_like(mask[:, :1]), mask[:, 1:]], 1), True))
     v = p = 0.0
-    for out, m in passes:
+    for out, m, skip_first in passes:
         target = nxt[m]
-        v = v + F.smooth_l1_loss(out[m], f[target].float()) / len(passes)
-        p = p + topk_distill_loss(head.logits(out[m]), t_map[target], t_logp[target], hard_weight) / len(passes)
-    return v_weight * v + p_weight * p, {"v": v.item(), "p": p.item()}
+        totals = distill_totals(t_map[_targets(spans, weight, skip_first)])
+        reg = F.smooth_l1_loss(out[m], f[target].float(), reduction="sum") / max(totals[0] * f.shape[1], 1)
+        v = v + reg / len(passes)
+        p = p + topk_distill_loss(inner.logits(out[m]), t_map[target], t_logp[target], hard_weight,
+                                  totals) / len(passes)
+    return v_weight * v + p_weight * p, {"v": v.detach(), "p": p.detach()}
 
 
 @torch.no_grad()
@@ -405,27 +428,35 @@ def _windows(seqs: torch.Tensor, lengths: torch.Tensor, cfg: DraftHeadConfig, ge
     return spans
 
 
-def train_draft_head(model, corpora: list[str], out: str, config: DraftHeadConfig = DraftHeadConfig()) -> dict:
+def train_draft_head(model, corpora: list[str], out: str, config: DraftHeadConfig = DraftHeadConfig(),
+                     dist: Dist = SINGLE) -> dict:
     """Train a draft head (recipe ``draft-head``); writes ``out/`` (head + card + metrics + checkpoint).
 
     Args:
         corpora: make-data JSONL paths (train and held-out splits).
+        dist: this process' rank in a data-parallel run (:mod:`.distributed`): rank 0 caches the features, the
+            head trains under DistributedDataParallel on each rank's share of every batch, rank 0 evaluates and
+            writes the checkpoints and the head.
     Returns:
-        metrics (held-out top-1 / T=1 acceptance before and after, the learning curve, throughput).
+        metrics (held-out top-1 / T=1 acceptance before and after, the learning curve, throughput); on ranks
+        other than 0 only ``rank`` and ``steps_done``.
     Raises:
-        SpeculantError: no records of a split, or ``resume`` without a compatible checkpoint.
+        SpeculantError: no records of a split, ``resume`` without a compatible checkpoint, or fewer windows per
+            step than processes.
     """
     cfg = config
+    check_batch("head_batch", cfg.batch_seqs, dist)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     gen = seeded(cfg.seed)
-    data = _head_data(model, corpora, cfg)
+    data = main_first(dist, lambda: _head_data(model, corpora, cfg))
     head = new_head(model, data.vocab_ids, cfg.feature, cfg.init)
     noise_width = cfg.noise * float(data.f_train[:20000].float().pow(2).mean().sqrt())
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     ckpt = out / "checkpoint.pt"
     start, history, seen = _resume_head(ckpt, cfg, head, opt, gen) if cfg.resume else (0, [], 0)
+    net = wrap_ddp(head, dist)
     ho = data.heldout
     last = {"loss": torch.tensor(float("nan")), "v": float("nan"), "p": float("nan"), "seen": seen}
 
@@ -437,36 +468,41 @@ def train_draft_head(model, corpora: list[str], out: str, config: DraftHeadConfi
         history.append({"step": done, "train_positions": last["seen"], "loss": last["loss"].item(), "v": last["v"],
                         "p": last["p"], "eval": evaluate(head)})
 
-    if start == 0:
+    if start == 0 and dist.main:
         history.append({"step": 0, "train_positions": 0, "eval": evaluate(head)})
 
     def checkpoint(step):
-        torch.save({"recipe": "draft-head", "settings": cfg.settings(), "head": head.state_dict(),
-                    "opt": opt.state_dict(), "gen": gen.get_state(), "step": step, "history": history,
-                    "seen": last["seen"]}, ckpt)
+        save_on_main(dist, lambda: {"recipe": "draft-head", "settings": cfg.settings(), "head": head.state_dict(),
+                                    "opt": opt.state_dict(), "gen": gen.get_state(), "step": step,
+                                    "history": history, "seen": last["seen"]}, ckpt)
 
     lengths = (data.seqs[:, 1] - 1).double()
 
     def batch_loss(step):
         spans = _windows(data.seqs, lengths, cfg, gen)
-        loss, parts = head_loss(head, data.f_train, data.train["ids"], data.t_map, data.train["t_logp"], data.weight,
-                                spans, cfg.v_weight, cfg.p_weight, cfg.hard_weight, noise_width, gen, cfg.unroll)
+        loss, parts = head_loss(net, data.f_train, data.train["ids"], data.t_map, data.train["t_logp"], data.weight,
+                                spans, cfg.v_weight, cfg.p_weight, cfg.hard_weight, noise_width, gen, cfg.unroll,
+                                dist.share(len(spans)))
         positions = sum(t for _, _, t in spans)
-        last.update(parts, loss=loss, seen=last["seen"] + positions)
+        v, p = dist.all_sum(torch.stack([parts["v"], parts["p"]])).tolist()
+        last.update(v=v, p=p, seen=last["seen"] + positions)
         return loss, positions
 
     def after_step(done, loss):
-        if done == 1:
+        last["loss"] = loss
+        if done == 1 and dist.main:
             history[0]["first_loss"] = loss.item()
-        if done % cfg.eval_every == 0 or done == cfg.steps:
+        if (done % cfg.eval_every == 0 or done == cfg.steps) and dist.main:
             record(done)
 
     head.train()
     done, _, secs = optimize(cfg, opt, params, start, "train draft-head", batch_loss, after_step, checkpoint,
-                             unit="pos_s")
-    if history[-1]["step"] != done:
+                             unit="pos_s", dist=dist)
+    if dist.main and history[-1]["step"] != done:
         record(done)
     checkpoint(done)
+    if not dist.main:
+        return {"rank": dist.rank, "steps_done": done}
     head.eval()
     metrics = _head_metrics(cfg, corpora, data, params, history, last, done, secs, model.config.vocab_size)
     return _save_head_and_card(model, head, out, cfg, metrics, evaluate)

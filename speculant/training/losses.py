@@ -43,24 +43,37 @@ def exit_scales(num_layers: int, enabled: list[int], e_scale: float = 1.0) -> di
 
 
 def early_exit_loss(exit_logits: dict[int, torch.Tensor], targets: torch.Tensor, scales: dict[int, float],
-                    ignore_index: int = -100) -> torch.Tensor:
+                    ignore_index: int = -100, total: int | None = None) -> torch.Tensor:
     """``sum_l scales[l] * CE(exit_logits[l], targets)`` (Eq. 2).
 
     Args:
         exit_logits: ``{layer: [N, V] logits}`` for the enabled exits.
         targets: ``[N]`` next-token ids (``ignore_index`` positions are skipped).
         scales: from :func:`exit_scales`.
+        total: counted targets of the whole global batch these ``N`` are a share of (data parallelism,
+            :mod:`.distributed`): the cross-entropies are then summed and divided by it, so the ranks' shares add
+            up to the global batch's loss; ``None``: the mean over these targets.
     Returns:
         scalar loss [nats].
     """
     loss = targets.new_zeros((), dtype=torch.float32)
     for layer, logits in exit_logits.items():
-        loss = loss + scales[layer] * F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
+        if total is None:
+            ce = F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
+        else:
+            ce = F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum") / max(total, 1)
+        loss = loss + scales[layer] * ce
     return loss
 
 
+def distill_totals(teacher_idx: torch.Tensor) -> tuple[int, int]:
+    """``(positions, positions whose teacher argmax is inside the student's vocabulary)`` of ``teacher_idx``
+    ``[N, k]`` (ids in the student's vocabulary, -1 outside): the ``totals`` of :func:`topk_distill_loss`."""
+    return teacher_idx.shape[0], int((teacher_idx[:, 0] >= 0).sum()) if teacher_idx.numel() else 0
+
+
 def topk_distill_loss(student_logits: torch.Tensor, teacher_idx: torch.Tensor, teacher_logp: torch.Tensor,
-                      hard_weight: float = 0.0) -> torch.Tensor:
+                      hard_weight: float = 0.0, totals: tuple[int, int] | None = None) -> torch.Tensor:
     """KL(p_teacher || q_student) with the teacher truncated to its top-k and renormalised (+ optional hard CE).
 
     Args:
@@ -69,8 +82,11 @@ def topk_distill_loss(student_logits: torch.Tensor, teacher_idx: torch.Tensor, t
             token is outside it (those entries are dropped before renormalising).
         teacher_logp: ``[N, k]`` teacher log-probabilities of those tokens (column 0 = argmax).
         hard_weight: weight of an extra CE term on the teacher's argmax (column 0, when inside).
+        totals: :func:`distill_totals` of the whole global batch these ``N`` positions are a share of (data
+            parallelism, :mod:`.distributed`): the KL and CE sums are divided by them, so the ranks' shares add up
+            to the global batch's loss; ``None``: this batch's own.
     Returns:
-        scalar mean loss [nats] over the ``N`` positions.
+        scalar mean loss [nats] over the ``N`` positions (over the global batch's, with ``totals``).
     """
     logq = F.log_softmax(student_logits.float(), dim=-1)
     valid = teacher_idx >= 0
@@ -79,9 +95,9 @@ def topk_distill_loss(student_logits: torch.Tensor, teacher_idx: torch.Tensor, t
     lq = logq.gather(-1, teacher_idx.clamp_min(0))
     plogp = torch.where(p > 0, p * p.clamp_min(1e-30).log(), torch.zeros_like(p))
     kl = (plogp - p * lq).masked_fill(~valid, 0.0).sum(-1)
-    loss = kl.mean()
-    if hard_weight:
-        ok = valid[:, 0]
-        if ok.any():
-            loss = loss - hard_weight * lq[ok, 0].mean()
+    if totals is None:
+        totals = distill_totals(teacher_idx)
+    loss = kl.sum() / max(totals[0], 1)
+    if hard_weight and totals[1]:
+        loss = loss - hard_weight * lq[valid[:, 0], 0].sum() / totals[1]
     return loss

@@ -27,7 +27,9 @@ import torch
 
 from ..errors import SpeculantError, check_range
 from .curricula import CURRICULA, enabled_exits
-from .losses import early_exit_loss, exit_scales, topk_distill_loss
+from .distributed import (SINGLE, Dist, check_batch, full_states, load_full_states, main_first, save_on_main,
+                          unshard, wrap_ddp, wrap_fsdp)
+from .losses import distill_totals, early_exit_loss, exit_scales, topk_distill_loss
 from .run import RunConfig, check_positions, lr_at, optimize, read_checkpoint, seeded
 from .schedules import TIME_CURRICULA, layer_dropout_rates, sample_keep_mask
 
@@ -50,6 +52,8 @@ def add_train_args(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=None, help="stop (and checkpoint) after this wall time")
     p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
+    p.add_argument("--stop-at", type=int, default=None,
+                   help="stop (and checkpoint) after this step; the schedule still spans --steps (then --resume)")
     p.add_argument("--checkpoint-every", type=int, default=200)
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--eval-tokens", type=int, default=4000, help="held-out positions used for evaluation")
@@ -300,49 +304,63 @@ def _resume_adapter(ckpt: Path, cfg: ExitAdapterConfig, adapter, opt, gen) -> tu
     return st["step"], st["history"]
 
 
-def train_exit_adapter(model, corpus: str, out: str, config: ExitAdapterConfig = ExitAdapterConfig()) -> dict:
+def train_exit_adapter(model, corpus: str, out: str, config: ExitAdapterConfig = ExitAdapterConfig(),
+                       dist: Dist = SINGLE) -> dict:
     """Train an exit adapter (recipe ``exit-adapter``); writes ``out/`` (adapter + card + metrics + checkpoint).
 
+    Args:
+        dist: this process' rank in a data-parallel run (:mod:`.distributed`): rank 0 caches the features, the
+            adapter trains under DistributedDataParallel on each rank's share of every batch, rank 0 evaluates
+            and writes the checkpoints and the adapter.
     Returns:
-        metrics dict (held-out top-1 agreement before/after, coverage, KL, training positions/s).
+        metrics dict (held-out top-1 agreement before/after, coverage, KL, training positions/s); on ranks other
+        than 0 only ``rank`` and ``steps_done``.
     Raises:
-        SpeculantError: ``resume`` without a checkpoint of this recipe and exit layer.
+        SpeculantError: ``resume`` without a checkpoint of this recipe and exit layer, or fewer positions per step
+            than processes.
     """
     from .adapter import new_adapter
 
     cfg = config
+    check_batch("batch_tokens", cfg.batch_tokens, dist)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     gen = seeded(cfg.seed)
     V = model.config.vocab_size
-    data = _adapter_data(model, corpus, cfg, Path(cfg.cache_dir) if cfg.cache_dir else out / "cache")
+    data = main_first(dist, lambda: _adapter_data(model, corpus, cfg, Path(cfg.cache_dir or out / "cache")))
     adapter = new_adapter(model, cfg.exit_layer, cfg.blocks, data.vocab_ids)
     params = [p for p in adapter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     ckpt = out / "checkpoint.pt"
     start, history = _resume_adapter(ckpt, cfg, adapter, opt, gen) if cfg.resume else (0, [])
+    net = wrap_ddp(adapter, dist)
     eh, ei, el = data.heldout
-    baseline = shared_head_top1(model, eh, ei)
-    init_eval = evaluate_adapter(adapter, eh, ei, el, V) if start == 0 else history[0]["eval"]
+    baseline = shared_head_top1(model, eh, ei) if dist.main else None
+    init_eval = history[0]["eval"] if start else evaluate_adapter(adapter, eh, ei, el, V) if dist.main else None
     if start == 0:
         history.append({"step": 0, "eval": init_eval})
 
     def checkpoint(step):
-        torch.save({"recipe": "exit-adapter", "exit_layer": cfg.exit_layer, "adapter": adapter.state_dict(),
-                    "opt": opt.state_dict(), "gen": gen.get_state(), "step": step, "history": history}, ckpt)
+        save_on_main(dist, lambda: {"recipe": "exit-adapter", "exit_layer": cfg.exit_layer,
+                                    "adapter": adapter.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+                                    "step": step, "history": history}, ckpt)
 
     def batch_loss(step):
-        idx = torch.randint(data.hidden.shape[0], (cfg.batch_tokens,), generator=gen)
-        return topk_distill_loss(adapter(data.hidden[idx].float()), data.t_map[idx], data.t_logp[idx],
-                                 cfg.hard_weight), cfg.batch_tokens
+        idx = torch.randint(data.hidden.shape[0], (cfg.batch_tokens,), generator=gen)   # the global batch
+        mine = idx[dist.share(cfg.batch_tokens)]
+        return topk_distill_loss(net(data.hidden[mine].float()), data.t_map[mine], data.t_logp[mine],
+                                 cfg.hard_weight, distill_totals(data.t_map[idx])), cfg.batch_tokens
 
     def after_step(done, loss):
-        if done % cfg.eval_every == 0 or done == cfg.steps:
+        if (done % cfg.eval_every == 0 or done == cfg.steps) and dist.main:
             history.append({"step": done, "loss": loss.item(), "eval": evaluate_adapter(adapter, eh, ei, el, V)})
 
     adapter.train()
-    done, seen, secs = optimize(cfg, opt, params, start, "train exit-adapter", batch_loss, after_step, checkpoint)
+    done, seen, secs = optimize(cfg, opt, params, start, "train exit-adapter", batch_loss, after_step, checkpoint,
+                                dist=dist)
     checkpoint(done)
+    if not dist.main:
+        return {"rank": dist.rank, "steps_done": done}
     adapter.eval()
     metrics = {"recipe": "exit-adapter", "exit_layer": cfg.exit_layer, "blocks": cfg.blocks,
                "draft_vocab": cfg.draft_vocab, "topk": cfg.topk, "lr": cfg.lr, "hard_weight": cfg.hard_weight,
@@ -381,7 +399,8 @@ def token_chunks(records: list[dict], seq_len: int, eos: int | None) -> torch.Te
     return torch.tensor([stream[i * seq_len:(i + 1) * seq_len + 1] for i in range(n)])
 
 
-def layerskip_forward(decoder, ids: torch.Tensor, keep: torch.Tensor | None, exits: list[int]) -> dict[int, torch.Tensor]:
+def layerskip_forward(decoder, ids: torch.Tensor, keep: torch.Tensor | None, exits: list[int],
+                      run: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
     """Training forward with layer dropout and early exits (Elhoushi et al. 2024, Sec. 4.1-4.2).
 
     Args:
@@ -389,6 +408,9 @@ def layerskip_forward(decoder, ids: torch.Tensor, keep: torch.Tensor | None, exi
         keep: bool ``[L, B]`` (False = skip layer l for sequence b: the residual stream passes
             through unchanged), or ``None`` (run every layer).
         exits: 0-based layers whose exits produce logits (shared final norm + LM head).
+        run: bool ``[L]``: layers to run even where ``keep`` drops all of these rows (data parallelism: the layer
+            keeps a row of another rank's share, so its parameters get a (zero) gradient here too, as DDP and FSDP
+            pair the ranks' gradients); ``None``: ``keep``'s own.
     Returns:
         ``{layer: fp32 logits [B, T, V]}``.
     """
@@ -399,7 +421,7 @@ def layerskip_forward(decoder, ids: torch.Tensor, keep: torch.Tensor | None, exi
     for layer in range(decoder.num_layers):
         if keep is None or bool(keep[layer].all()):
             h = decoder.run_layers(h, layer, layer + 1, pos)
-        elif bool(keep[layer].any()):
+        elif bool(keep[layer].any()) or (run is not None and bool(run[layer])):
             h = torch.where(keep[layer][:, None, None], decoder.run_layers(h, layer, layer + 1, pos), h)
         if layer in want:
             out[layer] = decoder.lm_head(decoder.final_norm(h))
@@ -520,31 +542,65 @@ class LayerSkipConfig(RunConfig):
                    seq_len=args.seq_len, batch=args.batch, eval_exit=args.eval_exit)
 
 
-def _resume_layerskip(ckpt: Path, dec, opt, gen) -> tuple[int, list]:
+class LayerSkipNet(torch.nn.Module):
+    """The decoder as one module whose forward is :func:`layerskip_forward`: what DistributedDataParallel and FSDP
+    wrap (their hooks run around a module's forward)."""
+
+    def __init__(self, decoder):
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, ids, keep, exits, run=None):
+        return layerskip_forward(self.decoder, ids, keep, exits, run)
+
+
+def _resume_layerskip(ckpt: Path, net, opt, gen) -> tuple[int, list]:
     """Load ``ckpt`` into the trainable weights, optimizer and generator; returns ``(step, losses)``."""
     st = read_checkpoint(ckpt)
     if st["recipe"] != "layerskip":
         raise SpeculantError(f"checkpoint {str(ckpt)!r} is for recipe {st['recipe']}; allowed: layerskip")
-    dec.load_state_dict(st["trainable"], strict=False)
-    opt.load_state_dict(st["opt"])
+    if st.get("format") != "full-state":
+        raise SpeculantError(f"checkpoint {str(ckpt)!r} is of an older format; allowed: one written by this version")
+    load_full_states(net, opt, st["trainable"], st["opt"])
     gen.set_state(st["gen"])
     return st["step"], st["losses"]
 
 
+def _wrapped_layerskip(dec, cfg: LayerSkipConfig, dist: Dist):
+    """``(net, params, opt)``: :class:`LayerSkipNet` under FSDP (full fine-tune on several processes: the weights,
+    gradients and AdamW's moments sharded) or DDP (LoRA: only the small adapters train, replicated), its
+    trainable parameters and their optimizer."""
+    if cfg.lora_rank:
+        add_lora(dec, cfg.lora_rank, cfg.lora_alpha)
+    else:
+        dec.requires_grad_(True)
+    dec.train()
+    net = LayerSkipNet(dec)
+    net = wrap_ddp(net, dist, find_unused=True) if cfg.lora_rank else wrap_fsdp(net, dist)
+    params = [p for p in net.parameters() if p.requires_grad]
+    return net, params, torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+
+
 def train_layerskip(model, corpus: str, out: str, config: LayerSkipConfig = LayerSkipConfig(),
-                    records: tuple[list[dict], list[dict]] | None = None) -> dict:
+                    records: tuple[list[dict], list[dict]] | None = None, dist: Dist = SINGLE) -> dict:
     """LayerSkip fine-tuning (Elhoushi et al. 2024, Sec. 4); writes the merged model to ``out/model``.
 
     Args:
         records: ``(train, heldout)`` corpus records to use instead of reading ``corpus``.
+        dist: this process' rank in a data-parallel run (:mod:`.distributed`): each rank trains on its share of
+            every batch (full fine-tune under FSDP, LoRA under DDP); rank 0 evaluates, writes the checkpoints and
+            the model.
     Returns:
-        metrics: held-out last-layer perplexity and exit top-1 agreement before/after, tokens/s.
+        metrics: held-out last-layer perplexity and exit top-1 agreement before/after, tokens/s; on ranks other
+        than 0 only ``rank`` and ``steps_done``.
     Raises:
-        SpeculantError: a corpus shorter than one row, or ``resume`` without a layerskip checkpoint.
+        SpeculantError: a corpus shorter than one row, ``resume`` without a layerskip checkpoint, or fewer rows per
+            step than processes.
     """
     from .data import read_corpus
 
     cfg = config
+    check_batch("batch", cfg.batch, dist)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     gen = seeded(cfg.seed)
@@ -553,36 +609,48 @@ def train_layerskip(model, corpus: str, out: str, config: LayerSkipConfig = Laye
     tr_recs, ho_recs = records if records is not None else (read_corpus(corpus, "train"), read_corpus(corpus, "heldout"))
     eos = model.eos_token_ids[0] if model.eos_token_ids else None
     chunks = token_chunks(tr_recs, cfg.seq_len, eos)
-    before = heldout_eval(dec, ho_recs, cfg.eval_tokens, cfg.eval_exit)
-    if cfg.lora_rank:
-        add_lora(dec, cfg.lora_rank, cfg.lora_alpha)
-    else:
-        dec.requires_grad_(True)
-    dec.train()
-    params = [p for p in dec.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    before = heldout_eval(dec, ho_recs, cfg.eval_tokens, cfg.eval_exit) if dist.main else None
+    net, params, opt = _wrapped_layerskip(dec, cfg, dist)
+    trainable = {n for n, p in dec.named_parameters() if p.requires_grad}
     ckpt = out / "checkpoint.pt"
-    start, losses = _resume_layerskip(ckpt, dec, opt, gen) if cfg.resume else (0, [])
+    start, losses = _resume_layerskip(ckpt, net, opt, gen) if cfg.resume else (0, [])
 
     def checkpoint(step):
-        trainable = {n: p.detach().clone() for n, p in dec.named_parameters() if p.requires_grad}
-        torch.save({"recipe": "layerskip", "trainable": trainable, "opt": opt.state_dict(),
-                    "gen": gen.get_state(), "step": step, "losses": losses}, ckpt)
+        model_state, opt_state = full_states(net, opt)       # under FSDP every rank takes part
+        save_on_main(dist, lambda: {"recipe": "layerskip", "format": "full-state", "opt": opt_state,
+                                    "trainable": {k: v for k, v in model_state.items()
+                                                  if k.removeprefix("decoder.") in trainable},
+                                    "gen": gen.get_state(), "step": step, "losses": losses}, ckpt)
 
     def batch_loss(step):
-        rows = chunks[torch.randint(len(chunks), (cfg.batch,), generator=gen)]
-        x, y = rows[:, :-1], rows[:, 1:]
+        rows = chunks[torch.randint(len(chunks), (cfg.batch,), generator=gen)]      # the global batch
         rates = layer_dropout_rates(L, cfg.p_max, step, cfg.steps, cfg.dropout_curriculum)
         keep = sample_keep_mask(rates, cfg.batch, gen)
+        mine = dist.share(cfg.batch)
+        x, y = rows[mine, :-1], rows[mine, 1:]
         exits = enabled_exits(cfg.exit_curriculum, step, L, cfg.rotation, cfg.steps)
-        logits = layerskip_forward(dec, x, keep, exits)
+        logits = net(x, keep[:, mine], exits, keep.any(1))
         loss = early_exit_loss({layer: v.reshape(-1, v.shape[-1]) for layer, v in logits.items()}, y.reshape(-1),
-                               exit_scales(L, exits, cfg.e_scale))
-        return loss, x.numel()
+                               exit_scales(L, exits, cfg.e_scale), total=cfg.batch * cfg.seq_len)
+        return loss, cfg.batch * cfg.seq_len
 
     done, seen, secs = optimize(cfg, opt, params, start, "train layerskip", batch_loss,
-                                lambda done, loss: losses.append(loss.item()), checkpoint)
+                                lambda done, loss: losses.append(loss.item()), checkpoint, dist=dist)
     checkpoint(done)
+    return _finish_layerskip(model, net, opt, cfg, out, dist, ho_recs, before, done, seen, secs, losses)
+
+
+def _finish_layerskip(model, net, opt, cfg: LayerSkipConfig, out: Path, dist: Dist, ho_recs, before, done, seen,
+                      secs, losses) -> dict:
+    """Rank 0: the trained decoder made plain (FSDP's shards gathered, LoRA merged), evaluated and written to
+    ``out/model`` with ``out/metrics.json``; the other ranks return ``rank`` and ``steps_done``."""
+    dec = model.decoder
+    if dist.active and not cfg.lora_rank:
+        full, _ = full_states(net, opt)
+        if dist.main:
+            unshard(net, full)
+    if not dist.main:
+        return {"rank": dist.rank, "steps_done": done}
     dec.eval()
     if cfg.lora_rank:
         merge_lora(dec)
@@ -595,7 +663,7 @@ def train_layerskip(model, corpus: str, out: str, config: LayerSkipConfig = Laye
                "seq_len": cfg.seq_len, "batch": cfg.batch, "lr": cfg.lr, "seed": cfg.seed,
                "train_tokens_per_second": seen / max(secs, 1e-9), "train_seconds": secs,
                "first_losses": losses[:5], "last_losses": losses[-5:], "heldout_before": before,
-               "heldout_after": after}
+               "heldout_after": after, "processes": dist.world}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
 
@@ -615,20 +683,30 @@ def command_line() -> str:
 
 def train_from_args(args) -> dict:
     """Dispatch ``speculant train`` by ``--recipe``: the recipe's config from the flags (checked before the model
-    loads), then the recipe.
+    loads), then the recipe; under torchrun on each process (:mod:`.distributed`; progress bars on rank 0 only).
 
+    Returns:
+        the recipe's metrics (on ranks other than 0: ``rank`` and ``steps_done``).
     Raises:
         SpeculantError: unknown recipe, or a bad flag value.
     """
+    from dataclasses import replace
+
     from ..models.loading import read_checkpoint
+    from .distributed import close, from_env
     from .head import DraftHeadConfig, corpus_list, train_draft_head
     if args.recipe not in RECIPES:
         raise SpeculantError(f"recipe={args.recipe!r} is unknown; allowed: {', '.join(RECIPES)}")
     if args.recipe == "draft-head":
-        head_config, corpora = DraftHeadConfig.from_args(args), corpus_list(args.corpus)
-        return train_draft_head(read_checkpoint(args.model, args.dtype), corpora, args.out, head_config)
-    if args.recipe == "exit-adapter":
-        adapter_config = ExitAdapterConfig.from_args(args)
-        return train_exit_adapter(read_checkpoint(args.model, args.dtype), args.corpus, args.out, adapter_config)
-    layerskip_config = LayerSkipConfig.from_args(args)
-    return train_layerskip(read_checkpoint(args.model, args.dtype), args.corpus, args.out, layerskip_config)
+        config, recipe = DraftHeadConfig.from_args(args), train_draft_head
+        corpus = corpus_list(args.corpus)
+    else:
+        config = (ExitAdapterConfig if args.recipe == "exit-adapter" else LayerSkipConfig).from_args(args)
+        recipe, corpus = (train_exit_adapter if args.recipe == "exit-adapter" else train_layerskip), args.corpus
+    model = read_checkpoint(args.model, args.dtype)
+    dist = from_env(model.decoder.device)
+    if not dist.main:
+        config = replace(config, progress=False)
+    metrics = recipe(model, corpus, args.out, config, dist=dist)
+    close(dist)          # not on an error: a rank that failed leaves, torchrun then stops the others
+    return metrics

@@ -1,0 +1,75 @@
+"""Jobs of tests/test_distributed_training.py, run on every rank under torchrun (``python -m torch.distributed.run
+--nproc_per_node 2 --standalone tests/distributed_worker.py JOBS.json``) or in the test's own process (a world of
+one, :func:`run_job`).  A job is a dict: ``kind`` (``exit-adapter``, ``draft-head``, ``layerskip``,
+``layerskip-lora``, ``make-data``), ``out``, ``corpus`` and, for training, ``steps``, ``stop_at``, ``resume``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("SPECULANT_COMPILE", "0")
+
+import torch  # noqa: E402
+
+from helpers import tiny_model  # noqa: E402
+
+STEPS = 6
+"""Steps of every training job (the schedule's length; ``stop_at`` cuts a run short)."""
+
+
+def make_data_prompts():
+    from speculant.training.data import Prompt
+    return [Prompt(f"p{i}", "t", " ".join(f"t{(5 * i + j) % 60 + 2}" for j in range(3 + i % 4))) for i in range(9)]
+
+
+def _train(job: dict, dist):
+    from speculant.training.head import DraftHeadConfig, train_draft_head
+    from speculant.training.train import (ExitAdapterConfig, LayerSkipConfig, train_exit_adapter,
+                                          train_layerskip)
+    common = dict(steps=STEPS, stop_at=job.get("stop_at"), resume=job.get("resume", False), eval_every=1,
+                  checkpoint_every=100, eval_tokens=60, warmup=0.3, progress=False)
+    kind, out, corpus = job["kind"], job["out"], job["corpus"]
+    if kind == "exit-adapter":       # 63 positions a step: shares of 31 and 32 rows
+        cfg = ExitAdapterConfig(exit_layer=1, blocks=1, draft_vocab=48, topk=8, lr=3e-3, batch_tokens=63,
+                                cache_dir=out + "-cache", **common)
+        return train_exit_adapter(tiny_model(layers=4, scale=2.0), corpus, out, cfg, dist=dist)
+    if kind == "draft-head":         # 3 windows a step (shares of 1 and 2), feature noise, the self-fed pass
+        cfg = DraftHeadConfig(lr=1e-2, batch_seqs=3, seq_len=12, draft_vocab=48, topk=8, noise=0.2, unroll=2,
+                              cache_dir=out + "-cache", **common)
+        return train_draft_head(tiny_model(seed=11, scale=2.5, layers=4), [corpus], out, cfg, dist=dist)
+    lora = 4 if kind == "layerskip-lora" else 0      # full fine-tune: FSDP; LoRA: DDP
+    cfg = LayerSkipConfig(lr=1e-2 if lora else 3e-3, lora_rank=lora, p_max=0.6, exit_curriculum="rotational",
+                          rotation=2, seq_len=16, batch=3 if lora else 4, eval_exit=2, **common)
+    return train_layerskip(tiny_model(layers=4), corpus, out, cfg, dist=dist)
+
+
+def run_job(job: dict, dist=None):
+    """Run ``job`` on this process (``dist``: its :class:`~speculant.training.distributed.Dist`; ``None``: one)."""
+    from speculant.training.distributed import SINGLE
+    dist = dist or SINGLE
+    if job["kind"] == "make-data":
+        from speculant.training.data import MakeDataConfig, make_data
+        model = tiny_model(seed=11, scale=2.5, vocab=64, layers=3, eos=7)
+        cfg = MakeDataConfig(temperature=0.9, max_new_tokens=12, batch_size=job.get("batch_size", 1), seed=3,
+                             progress=False)
+        return make_data(model, make_data_prompts(), job["out"], cfg, dist)
+    return _train(job, dist)
+
+
+def main() -> None:
+    from speculant.training.distributed import close, from_env
+    torch.set_num_threads(1)
+    jobs = json.loads(open(sys.argv[1]).read())
+    dist = from_env()
+    results = [run_job(job, dist) for job in jobs]
+    if dist.main:
+        with open(sys.argv[2], "w") as f:
+            json.dump({"world": dist.world, "backend": dist.backend, "results": results}, f, default=str)
+    close(dist)
+
+
+if __name__ == "__main__":
+    main()
