@@ -148,37 +148,61 @@ def wrap_fsdp(module: torch.nn.Module, d: Dist) -> torch.nn.Module:
     return fully_shard(module)
 
 
-def full_states(module: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """The full (unsharded, unwrapped) model and optimizer states on CPU, keyed by parameter name
-    (:mod:`torch.distributed.checkpoint.state_dict`); under FSDP every rank must call it and only rank 0
-    gets the tensors."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(module, options=options), get_optimizer_state_dict(module, opt, options=options)
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a collective: every rank calls it in the same order), a plain tensor detached."""
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor().detach().cpu() if isinstance(t, DTensor) else t.detach().clone().cpu()
 
 
-def load_full_states(module: torch.nn.Module, opt: torch.optim.Optimizer, model_state: dict, opt_state: dict) -> None:
-    """Load :func:`full_states`'s output (written with any world size) into ``module`` (plain, DDP or FSDP) and
-    ``opt``; ``model_state`` may hold the trainable parameters only."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
-    options = StateDictOptions(full_state_dict=True, strict=False)
-    set_model_state_dict(module, model_state, options=options)
-    set_optimizer_state_dict(module, opt, opt_state, options=options)
+def _like(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out as parameter ``p``: sharded as ``p`` under FSDP (a collective), else as it is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    if isinstance(p, DTensor) and full.dim():
+        return distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements)
+    return full.to(p.device)
 
 
-def unshard(module: torch.nn.Module, full: dict) -> None:
-    """Make an FSDP-sharded ``module`` plain again: each (DTensor) parameter replaced by a frozen plain one
-    holding ``full[name]`` (from :func:`full_states` gathered on this rank); tied parameters stay tied."""
+def full_states(named: list[tuple[str, torch.nn.Parameter]], opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The full (unsharded, unwrapped) values of the trainable parameters ``named`` (the optimizer's, in its order)
+    and of their optimizer state, on CPU, keyed by parameter name; under FSDP every rank must call it.  A parameter
+    that has had no gradient yet has no optimizer state (as in one process)."""
+    state = opt.state_dict()["state"]
+    model_state = {name: _full(p) for name, p in named}
+    opt_state = {name: {k: _full(v) for k, v in state[i].items()} for i, (name, _) in enumerate(named) if i in state}
+    return model_state, opt_state
+
+
+def load_full_states(named: list[tuple[str, torch.nn.Parameter]], opt: torch.optim.Optimizer, model_state: dict,
+                     opt_state: dict) -> None:
+    """Load :func:`full_states`'s output (written with any world size) into the parameters ``named`` (plain, under
+    DDP or sharded by FSDP) and ``opt`` (built on them, in that order).
+
+    Raises:
+        SpeculantError: a trainable parameter the checkpoint does not hold (another model or LoRA setting).
+    """
+    missing = [name for name, _ in named if name not in model_state]
+    if missing:
+        raise SpeculantError(f"checkpoint lacks trainable parameter {missing[0]!r}; allowed: a checkpoint of the "
+                             "same model and LoRA setting")
+    with torch.no_grad():
+        for name, p in named:
+            p.copy_(_like(model_state[name], p))
+    state = {i: {k: _like(v, p) for k, v in opt_state[name].items()}
+             for i, (name, p) in enumerate(named) if name in opt_state}
+    opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
+
+
+def unshard(module: torch.nn.Module) -> None:
+    """Make an FSDP-sharded ``module`` plain again on this rank: each (DTensor) parameter replaced by a frozen
+    plain one holding its whole value (a collective: every rank calls it); tied parameters stay tied."""
+    from torch.distributed.tensor import DTensor
     done: dict[int, torch.nn.Parameter] = {}
-    for mod_name, mod in module.named_modules():
+    for mod in module.modules():
         for name, p in list(mod._parameters.items()):
-            if p is None:
+            if p is None or not isinstance(p, DTensor):
                 continue
             if id(p) not in done:
-                key = f"{mod_name}.{name}" if mod_name else name
-                done[id(p)] = torch.nn.Parameter(full[key].to(p.dtype), requires_grad=False)
+                done[id(p)] = torch.nn.Parameter(p.full_tensor().detach(), requires_grad=False)
             mod._parameters[name] = done[id(p)]
 
 

@@ -554,31 +554,31 @@ class LayerSkipNet(torch.nn.Module):
         return layerskip_forward(self.decoder, ids, keep, exits, run)
 
 
-def _resume_layerskip(ckpt: Path, net, opt, gen) -> tuple[int, list]:
+def _resume_layerskip(ckpt: Path, named, opt, gen) -> tuple[int, list]:
     """Load ``ckpt`` into the trainable weights, optimizer and generator; returns ``(step, losses)``."""
     st = read_checkpoint(ckpt)
     if st["recipe"] != "layerskip":
         raise SpeculantError(f"checkpoint {str(ckpt)!r} is for recipe {st['recipe']}; allowed: layerskip")
     if st.get("format") != "full-state":
         raise SpeculantError(f"checkpoint {str(ckpt)!r} is of an older format; allowed: one written by this version")
-    load_full_states(net, opt, st["trainable"], st["opt"])
+    load_full_states(named, opt, st["trainable"], st["opt"])
     gen.set_state(st["gen"])
     return st["step"], st["losses"]
 
 
 def _wrapped_layerskip(dec, cfg: LayerSkipConfig, dist: Dist):
-    """``(net, params, opt)``: :class:`LayerSkipNet` under FSDP (full fine-tune on several processes: the weights,
+    """``(net, named, opt)``: :class:`LayerSkipNet` under FSDP (full fine-tune on several processes: the weights,
     gradients and AdamW's moments sharded) or DDP (LoRA: only the small adapters train, replicated), its
-    trainable parameters and their optimizer."""
+    trainable parameters by the decoder's names, and their optimizer."""
     if cfg.lora_rank:
         add_lora(dec, cfg.lora_rank, cfg.lora_alpha)
     else:
         dec.requires_grad_(True)
     dec.train()
-    net = LayerSkipNet(dec)
-    net = wrap_ddp(net, dist, find_unused=True) if cfg.lora_rank else wrap_fsdp(net, dist)
-    params = [p for p in net.parameters() if p.requires_grad]
-    return net, params, torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    inner = LayerSkipNet(dec)
+    net = wrap_ddp(inner, dist, find_unused=True) if cfg.lora_rank else wrap_fsdp(inner, dist)
+    named = [(n.removeprefix("decoder."), p) for n, p in inner.named_parameters() if p.requires_grad]
+    return net, named, torch.optim.AdamW([p for _, p in named], lr=cfg.lr, weight_decay=0.0)
 
 
 def train_layerskip(model, corpus: str, out: str, config: LayerSkipConfig = LayerSkipConfig(),
@@ -610,17 +610,15 @@ def train_layerskip(model, corpus: str, out: str, config: LayerSkipConfig = Laye
     eos = model.eos_token_ids[0] if model.eos_token_ids else None
     chunks = token_chunks(tr_recs, cfg.seq_len, eos)
     before = heldout_eval(dec, ho_recs, cfg.eval_tokens, cfg.eval_exit) if dist.main else None
-    net, params, opt = _wrapped_layerskip(dec, cfg, dist)
-    trainable = {n for n, p in dec.named_parameters() if p.requires_grad}
+    net, named, opt = _wrapped_layerskip(dec, cfg, dist)
+    params = [p for _, p in named]
     ckpt = out / "checkpoint.pt"
-    start, losses = _resume_layerskip(ckpt, net, opt, gen) if cfg.resume else (0, [])
+    start, losses = _resume_layerskip(ckpt, named, opt, gen) if cfg.resume else (0, [])
 
     def checkpoint(step):
-        model_state, opt_state = full_states(net, opt)       # under FSDP every rank takes part
-        save_on_main(dist, lambda: {"recipe": "layerskip", "format": "full-state", "opt": opt_state,
-                                    "trainable": {k: v for k, v in model_state.items()
-                                                  if k.removeprefix("decoder.") in trainable},
-                                    "gen": gen.get_state(), "step": step, "losses": losses}, ckpt)
+        model_state, opt_state = full_states(named, opt)       # under FSDP every rank takes part
+        save_on_main(dist, lambda: {"recipe": "layerskip", "format": "full-state", "trainable": model_state,
+                                    "opt": opt_state, "gen": gen.get_state(), "step": step, "losses": losses}, ckpt)
 
     def batch_loss(step):
         rows = chunks[torch.randint(len(chunks), (cfg.batch,), generator=gen)]      # the global batch
@@ -637,18 +635,16 @@ def train_layerskip(model, corpus: str, out: str, config: LayerSkipConfig = Laye
     done, seen, secs = optimize(cfg, opt, params, start, "train layerskip", batch_loss,
                                 lambda done, loss: losses.append(loss.item()), checkpoint, dist=dist)
     checkpoint(done)
-    return _finish_layerskip(model, net, opt, cfg, out, dist, ho_recs, before, done, seen, secs, losses)
+    return _finish_layerskip(model, cfg, out, dist, ho_recs, before, done, seen, secs, losses)
 
 
-def _finish_layerskip(model, net, opt, cfg: LayerSkipConfig, out: Path, dist: Dist, ho_recs, before, done, seen,
-                      secs, losses) -> dict:
+def _finish_layerskip(model, cfg: LayerSkipConfig, out: Path, dist: Dist, ho_recs, before, done, seen, secs,
+                      losses) -> dict:
     """Rank 0: the trained decoder made plain (FSDP's shards gathered, LoRA merged), evaluated and written to
     ``out/model`` with ``out/metrics.json``; the other ranks return ``rank`` and ``steps_done``."""
     dec = model.decoder
     if dist.active and not cfg.lora_rank:
-        full, _ = full_states(net, opt)
-        if dist.main:
-            unshard(net, full)
+        unshard(dec)
     if not dist.main:
         return {"rank": dist.rank, "steps_done": done}
     dec.eval()
