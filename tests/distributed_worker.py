@@ -1,7 +1,7 @@
 """Jobs of tests/test_distributed_training.py, run on every rank under torchrun (``python -m torch.distributed.run
 --nproc_per_node 2 --standalone tests/distributed_worker.py JOBS.json``) or in the test's own process (a world of
 one, :func:`run_job`).  A job is a dict: ``kind`` (``exit-adapter``, ``draft-head``, ``layerskip``,
-``layerskip-lora``, ``make-data``), ``out``, ``corpus`` and, for training, ``steps``, ``stop_at``, ``resume``."""
+``layerskip-lora``, ``make-data``, ``cli``: ``speculant`` with ``argv``), ``out``, ``corpus`` and, for training, ``steps``, ``stop_at``, ``resume``."""
 
 from __future__ import annotations
 
@@ -46,10 +46,30 @@ def _train(job: dict, dist):
     return train_layerskip(tiny_model(layers=4), corpus, out, cfg, dist=dist)
 
 
+def _cli(job: dict, dist) -> dict:
+    """``speculant ARGV`` on this rank (last job of a launch: the CLI leaves the process group), its stdout and
+    stderr kept in ``out/stdout.rank<r>`` and ``out/stderr.rank<r>``."""
+    import contextlib
+    import io
+    from pathlib import Path
+
+    from speculant.cli import main as cli
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli(job["argv"])
+    folder = Path(job["out"])
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"stdout.rank{dist.rank}").write_text(out.getvalue())
+    (folder / f"stderr.rank{dist.rank}").write_text(err.getvalue())
+    return {"code": code}
+
+
 def run_job(job: dict, dist=None):
     """Run ``job`` on this process (``dist``: its :class:`~speculant.training.distributed.Dist`; ``None``: one)."""
     from speculant.training.distributed import SINGLE
     dist = dist or SINGLE
+    if job["kind"] == "cli":
+        return _cli(job, dist)
     if job["kind"] == "make-data":
         from speculant.training.data import MakeDataConfig, make_data
         model = tiny_model(seed=11, scale=2.5, vocab=64, layers=3, eos=7)

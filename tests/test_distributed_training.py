@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from distributed_worker import STEPS, run_job
-from helpers import pattern_corpus
+from helpers import pattern_corpus, tiny_model
+from speculant.models.loading import save_hf_dir
 
 KINDS = ("exit-adapter", "draft-head", "layerskip", "layerskip-lora")
 STOP = 3
@@ -52,7 +53,12 @@ def runs(tmp_path_factory):
     t0 = time.perf_counter()                                                    # two processes resume it
     jobs = [j for k in KINDS for j in (job(k, "w2"), job(k, "w2-stopped", stop_at=STOP),
                                        job(k, "w1-stopped", resume=True))]
-    report = _launch(jobs + [{"kind": "make-data", "out": str(d / "data-w2.jsonl")}], d)
+    tiny = save_hf_dir(tiny_model(layers=4, scale=2.0), d / "tiny")
+    cli = {"kind": "cli", "out": str(d / "cli"),
+           "argv": ["train", "--recipe", "exit-adapter", "--model", str(tiny), "--corpus", corpus, "--out",
+                    str(d / "cli"), "--steps", "2", "--exit-layer", "1", "--blocks", "1", "--draft-vocab", "48",
+                    "--topk", "8", "--batch-tokens", "32", "--eval-tokens", "40"]}
+    report = _launch(jobs + [{"kind": "make-data", "out": str(d / "data-w2.jsonl")}, cli], d)
     print(f"torchrun launch: {time.perf_counter() - t0:.1f} s")
     results = {(j["kind"], Path(j["out"]).name.removeprefix(j["kind"] + "-")): r
                for j, r in zip(jobs, report["results"])}
@@ -61,7 +67,8 @@ def runs(tmp_path_factory):
         results[k, "w1"] = run_job(job(k, "w1"))
         results[k, "w2-stopped-resumed"] = run_job(job(k, "w2-stopped", resume=True))
     results["make-data", "w1"] = run_job({"kind": "make-data", "out": str(d / "data-w1.jsonl")})
-    results["make-data", "w2"] = report["results"][-1]
+    results["make-data", "w2"] = report["results"][-2]
+    results["cli", "w2"] = report["results"][-1]
     return d, report, results
 
 
@@ -115,3 +122,17 @@ def test_make_data_on_two_processes_writes_the_one_process_file(runs):
     assert not list(d.glob("data-w2.jsonl.rank*"))                         # the shards were merged and removed
     w1, w2 = results["make-data", "w1"], results["make-data", "w2"]
     assert (w2["records"], w2["tokens"], w2["processes"]) == (w1["records"], w1["tokens"], 2)
+
+
+def test_speculant_train_under_torchrun_reports_and_writes_from_rank_0(runs):
+    """`speculant train` itself under torchrun: both ranks train (the command exits 0 on each), rank 0 alone prints
+    the metrics and shows the progress bar, and writes the adapter and its checkpoint."""
+    d, _, results = runs
+    assert results["cli", "w2"]["code"] == 0
+    out = d / "cli"
+    metrics = json.loads((out / "stdout.rank0").read_text())
+    assert metrics["recipe"] == "exit-adapter" and metrics["steps_done"] == 2
+    assert (out / "stdout.rank1").read_text() == ""
+    assert "train exit-adapter" in (out / "stderr.rank0").read_text()
+    assert "train exit-adapter" not in (out / "stderr.rank1").read_text()
+    assert (out / "adapter.safetensors").is_file() and (out / "checkpoint.pt").is_file()
