@@ -64,12 +64,36 @@ def _cli(job: dict, dist) -> dict:
     return {"code": code}
 
 
+def _sgd(dist) -> dict:
+    """Two plain SGD steps of ``optimize`` on a linear model under DDP (gradient norms below the clipping): the
+    weights move by exactly the learning rate times the global batch's gradient, so a wrong scale would show
+    (AdamW and clipping hide one)."""
+    from speculant.training.distributed import wrap_ddp
+    from speculant.training.run import RunConfig, optimize
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    net = wrap_ddp(model, dist)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(5, 4, generator=g) * 0.1, torch.randn(5, 1, generator=g) * 0.1    # 5 rows: shares 2 and 3
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    mine = dist.share(5)
+
+    def batch_loss(step):
+        return (net(x[mine]) - y[mine]).pow(2).sum() / 5, 5
+
+    optimize(RunConfig(steps=2, warmup=0.0, progress=False), opt, list(model.parameters()), 0, "sgd", batch_loss,
+             lambda done, loss: None, lambda done: None, dist=dist)
+    return {k: v.tolist() for k, v in model.state_dict().items()}
+
+
 def run_job(job: dict, dist=None):
     """Run ``job`` on this process (``dist``: its :class:`~speculant.training.distributed.Dist`; ``None``: one)."""
     from speculant.training.distributed import SINGLE
     dist = dist or SINGLE
     if job["kind"] == "cli":
         return _cli(job, dist)
+    if job["kind"] == "sgd":
+        return _sgd(dist)
     if job["kind"] == "make-data":
         from speculant.training.data import MakeDataConfig, make_data
         model = tiny_model(seed=11, scale=2.5, vocab=64, layers=3, eos=7)

@@ -58,7 +58,7 @@ def runs(tmp_path_factory):
            "argv": ["train", "--recipe", "exit-adapter", "--model", str(tiny), "--corpus", corpus, "--out",
                     str(d / "cli"), "--steps", "2", "--exit-layer", "1", "--blocks", "1", "--draft-vocab", "48",
                     "--topk", "8", "--batch-tokens", "32", "--eval-tokens", "40"]}
-    report = _launch(jobs + [{"kind": "make-data", "out": str(d / "data-w2.jsonl")}, cli], d)
+    report = _launch(jobs + [{"kind": "sgd"}, {"kind": "make-data", "out": str(d / "data-w2.jsonl")}, cli], d)
     print(f"torchrun launch: {time.perf_counter() - t0:.1f} s")
     results = {(j["kind"], Path(j["out"]).name.removeprefix(j["kind"] + "-")): r
                for j, r in zip(jobs, report["results"])}
@@ -67,6 +67,8 @@ def runs(tmp_path_factory):
         results[k, "w1"] = run_job(job(k, "w1"))
         results[k, "w2-stopped-resumed"] = run_job(job(k, "w2-stopped", resume=True))
     results["make-data", "w1"] = run_job({"kind": "make-data", "out": str(d / "data-w1.jsonl")})
+    results["sgd", "w2"] = report["results"][-3]
+    results["sgd", "w1"] = run_job({"kind": "sgd"})
     results["make-data", "w2"] = report["results"][-2]
     results["cli", "w2"] = report["results"][-1]
     return d, report, results
@@ -99,6 +101,18 @@ def test_two_processes_follow_the_one_process_trajectory(runs, kind):
                                                                             rel=1e-5)
         assert results[kind, "w2"]["processes"] == 2
         assert (d / f"{kind}-w2" / "model" / "model.safetensors").is_file()
+
+
+def test_the_gradient_of_two_processes_is_the_global_batchs(runs):
+    """Under SGD without clipping the weights move by the gradient itself: two processes (uneven shares of 2 and 3
+    rows) move them as one process does, so the shares' scaling (by the world size, as DDP averages) is right."""
+    _, _, results = runs
+    one, two = results["sgd", "w1"], results["sgd", "w2"]
+    torch.manual_seed(0)
+    start = torch.nn.Linear(4, 1).state_dict()
+    assert any(not torch.allclose(torch.tensor(one[k]), start[k]) for k in start)          # the weights moved
+    for k in one:
+        torch.testing.assert_close(torch.tensor(two[k]), torch.tensor(one[k]), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("kind", KINDS)
