@@ -5,10 +5,10 @@ rank and the world size from the environment torchrun sets (``RANK``, ``WORLD_SI
 one process group (``gloo`` on CPU, ``nccl`` for a model on CUDA).  A process started without torchrun is a
 world of one: no process group, and every function here is then a no-op.
 
-How a step is shared (data parallelism, Li et al. 2020, "PyTorch Distributed", VLDB; the recipes in
-:mod:`.train` and :mod:`.head`): every rank draws the *global* batch from the same seeded generator, so the
-generator's state (the data position a checkpoint records) does not depend on the world size; rank ``r`` then
-trains on its contiguous share :func:`Dist.share` of the rows.  Each rank's loss is its share of the global
+How a step is shared (data parallelism, Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data
+Parallel Training", VLDB; the recipes in :mod:`.train` and :mod:`.head`): every rank draws the *global* batch
+from the same seeded generator, so the generator's state (the data position a checkpoint records) does not
+depend on the world size; rank ``r`` then trains on its contiguous share :func:`Dist.share` of the rows.  Each rank's loss is its share of the global
 batch's mean (its sums divided by the global batch's counts), so the shares add up to the one-process loss;
 :func:`speculant.training.run.optimize` scales it by ``W`` because DistributedDataParallel and FSDP average
 the gradients over the ranks.  Checkpoints are written by rank 0 and hold unwrapped (full) states, so a run
@@ -138,8 +138,9 @@ def wrap_ddp(module: torch.nn.Module, d: Dist, find_unused: bool = False) -> tor
 
 
 def wrap_fsdp(module: torch.nn.Module, d: Dist) -> torch.nn.Module:
-    """``module`` sharded by FSDP2 (:func:`torch.distributed.fsdp.fully_shard`, one group: the parameters, their
-    gradients and the optimizer's state are split over the ranks and gathered for each forward and backward), or
+    """``module`` sharded by FSDP2 (:func:`torch.distributed.fsdp.fully_shard`; Zhao et al. 2023, "PyTorch FSDP",
+    VLDB; one group: the parameters, their gradients and the optimizer's state are split over the ranks and
+    gathered for each forward and backward; it runs on gloo, checked by tests/test_distributed_training.py), or
     ``module`` itself for a world of one.  Every rank must run the module's forward each step and every
     parameter must get a gradient on all ranks or on none (the gradients' reduce-scatter pairs them up)."""
     if not d.active:

@@ -336,8 +336,10 @@ def train_exit_adapter(model, corpus: str, out: str, config: ExitAdapterConfig =
     net = wrap_ddp(adapter, dist)
     eh, ei, el = data.heldout
     baseline = shared_head_top1(model, eh, ei) if dist.main else None
-    init_eval = history[0]["eval"] if start else evaluate_adapter(adapter, eh, ei, el, V) if dist.main else None
-    if start == 0:
+    if start:
+        init_eval = history[0]["eval"]
+    else:
+        init_eval = evaluate_adapter(adapter, eh, ei, el, V) if dist.main else None     # rank 0 evaluates
         history.append({"step": 0, "eval": init_eval})
 
     def checkpoint(step):
