@@ -16,7 +16,7 @@ def cmd_make_data(args) -> int:
 
     from ..arguments import load_for_decoding
     from . import data
-    from .distributed import close, from_env
+    from .distributed import close, from_env, main_first
 
     _threads(args)
     config = data.MakeDataConfig.from_args(args)       # bad values fail before the model loads
@@ -29,8 +29,10 @@ def cmd_make_data(args) -> int:
         prompts += data.builtin_prompts()
     for p in args.prompts_file or ():
         prompts += data.file_prompts(p)
-    model = load_for_decoding(args)          # the runtime the corpus' target decodes in (--weights, compiled)
-    dist = from_env(model.decoder.device)    # under torchrun: each process samples its share of the prompts
+    dist = from_env("cpu")                   # under torchrun: each process samples its share of the prompts
+    # the runtime the corpus' target decodes in (--weights, compiled): rank 0 tunes it first, the others read its
+    # choice from the cache, so every rank samples with the same weight format
+    model = main_first(dist, lambda: load_for_decoding(args))
     summary = data.make_data(model, prompts, args.out, replace(config, progress=dist.main), dist)
     if dist.main:
         print(json.dumps(summary))
