@@ -150,3 +150,24 @@ def test_speculant_train_under_torchrun_reports_and_writes_from_rank_0(runs):
     assert "train exit-adapter" in (out / "stderr.rank0").read_text()
     assert "train exit-adapter" not in (out / "stderr.rank1").read_text()
     assert (out / "adapter.safetensors").is_file() and (out / "checkpoint.pt").is_file()
+
+
+def test_shares_cover_the_global_batch_and_bad_settings_are_one_line_errors(monkeypatch):
+    from speculant.errors import SpeculantError
+    from speculant.training.distributed import SINGLE, Dist, check_batch, from_env
+    for world in (1, 2, 3):
+        rows = [list(range(7))[Dist(r, world).share(7)] for r in range(world)]
+        assert sum(rows, []) == list(range(7)) and max(map(len, rows)) - min(map(len, rows)) <= 1
+    check_batch("batch", 2, Dist(1, 2))
+    with pytest.raises(SpeculantError, match=r"^batch=1 is smaller than the 2 processes; allowed: >= 2"):
+        check_batch("batch", 1, Dist(1, 2))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert from_env() is SINGLE                                  # no torchrun: no process group
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(SpeculantError, match=r"RANK=2 is out of range; allowed: 0..1"):
+        from_env()
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(SpeculantError, match="WORLD_SIZE='two' is invalid"):
+        from_env()
+    assert not torch.distributed.is_initialized()
