@@ -21,7 +21,7 @@ from . import tune
 from .compiled import enable_compile
 from .executor import Executor
 from .occupancy import ThreadGovernor
-from .formats import FORMATS, apply_weight_format, check_format
+from .formats import FORMATS, apply_weight_format, check_format, format_available
 from .store import load_packed, packed_path, save_packed
 
 WEIGHT_CHOICES = ("auto",) + FORMATS
@@ -107,7 +107,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
             raise SpeculantError(f"dtype={str(dtype).replace('torch.', '')} applies to weights='fp32' only; "
                                  f"for {weights} weights keep dtype=float32")
         weights = "fp32"
-    weights = loading.weights_for(name_or_path, weights, log)
+    weights = loading.weights_for(name_or_path, weights, log,
+                                  kernels=format_available("w4a8") if weights == "auto" else True)
     fixed_threads = threads or user_threads()
     threads = fixed_threads or torch.get_num_threads()
     torch.set_num_threads(threads)
