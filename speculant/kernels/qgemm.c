@@ -351,13 +351,13 @@ void spec_w4a8(const int8_t *xq, const float *xd, const float *xs, int64_t M, in
 #ifdef SPEC_ZMM
 #define Q4_PAIR(R) q4_pair(codes + t * LANES * (K / 2), codes + (t + 1) * LANES * (K / 2), wd + t * LANES * G,      \
                            wd + (t + 1) * LANES * G, wm + t * LANES * G, wm + (t + 1) * LANES * G, xq, xd, xs, m0, R, \
-                           K, G, y, N, t * LANES, ahead)
+                           K, G, y, N, t * LANES, ahead, 0)
 #else
 #define Q4_PAIR Q4_CALL  /* never reached: no pairs */
 #endif
 #define Q4_AMX AMX_ROW_TILES(4, codes + t * LANES * (K / 2), codes + (t + 1) * LANES * (K / 2), wd + t * LANES * G,   \
                               wd + (t + 1) * LANES * G, wm + t * LANES * G, wm + (t + 1) * LANES * G, xs, t * LANES, \
-                              Q4_PAIR)
+                              Q4_PAIR, 0)
     FOR_GROUPS(Q4_CALL, Q4_PAIR, tail_outputs(codes, 0, wd, wm, xq, xd, xs, M, K, N, y), Q4_AMX);
 #undef Q4_AMX
 #undef Q4_CALL
@@ -376,7 +376,7 @@ void spec_w8a8(const int8_t *xq, const float *xd, int64_t M, int64_t K,
 #define Q8_PAIR Q8_CALL
 #endif
 #define Q8_AMX AMX_ROW_TILES(8, (const uint8_t *)codes + t * LANES * K, (const uint8_t *)codes + (t + 1) * LANES * K, \
-                              wd + t * LANES * G, wd + (t + 1) * LANES * G, 0, 0, 0, t * LANES, Q8_PAIR)
+                              wd + t * LANES * G, wd + (t + 1) * LANES * G, 0, 0, 0, t * LANES, Q8_PAIR, 0)
     FOR_GROUPS(Q8_CALL, Q8_PAIR, tail_outputs(0, codes, wd, 0, xq, xd, 0, M, K, N, y), Q8_AMX);
 #undef Q8_AMX
 #undef Q8_CALL
@@ -398,8 +398,9 @@ void spec_w8a8(const int8_t *xq, const float *xd, int64_t M, int64_t K,
  * block, of its first and last 16 inputs):
  *   sub = 32: acc = fma((float)isum, wd[g] * xd[g], acc);  [acc = fma(wm[g], xs[g], acc)]
  *   sub = 16: acc = fma((float)isum_lo, wd_lo[g] * xd[g], acc);  acc = fma((float)isum_hi, wd_hi[g] * xd[g], acc)
- * These layouts run on 256-bit vectors in every variant (vpdpbusd where the variant has VNNI), never on the 512-bit
- * pairs or AMX tiles, so every variant computes the same bits. */
+ * Q4_K runs as Q4_1 does (256-bit groups, 512-bit pairs, AMX tiles: the same float sequence per lane); the 8-bit K
+ * layouts run on 256-bit vectors in every variant (vpdpbusd where the variant has VNNI), never on the 512-bit pairs
+ * or AMX tiles.  Every variant computes the same bits. */
 
 /* 8-bit codes with float32 scales per `sub` inputs (a constant after inlining) and optional float32 offsets wm
  * (NULL: none), one group of 8 outputs by R rows from m0.  Int16 partial sums (AVX2): |code| <= 32 here (any int8
@@ -504,7 +505,19 @@ void spec_w4a8k(const int8_t *xq, const float *xd, const float *xs, int64_t M, i
     const int64_t G = K / QK;
 #define Q4K_CALL(R) q4_group(codes + t * LANES * (K / 2), wd + t * LANES * G, wm + t * LANES * G, xq, xd, xs, m0, R, K, \
                              G, y, N, t * LANES, ahead, 1)
-    FOR_GROUPS_YMM(Q4K_CALL, tail_outputs_k(4, codes, wd, wm, 32, xq, xd, xs, M, K, N, y));
+#ifdef SPEC_ZMM
+#define Q4K_PAIR(R) q4_pair(codes + t * LANES * (K / 2), codes + (t + 1) * LANES * (K / 2), wd + t * LANES * G,     \
+                            wd + (t + 1) * LANES * G, wm + t * LANES * G, wm + (t + 1) * LANES * G, xq, xd, xs, m0, R, \
+                            K, G, y, N, t * LANES, ahead, 1)
+#else
+#define Q4K_PAIR Q4K_CALL
+#endif
+#define Q4K_AMX AMX_ROW_TILES(4, codes + t * LANES * (K / 2), codes + (t + 1) * LANES * (K / 2), wd + t * LANES * G,  \
+                              wd + (t + 1) * LANES * G, wm + t * LANES * G, wm + (t + 1) * LANES * G, xs, t * LANES, \
+                              Q4K_PAIR, 1)
+    FOR_GROUPS(Q4K_CALL, Q4K_PAIR, tail_outputs_k(4, codes, wd, wm, 32, xq, xd, xs, M, K, N, y), Q4K_AMX);
+#undef Q4K_AMX
+#undef Q4K_PAIR
 #undef Q4K_CALL
 }
 

@@ -20,7 +20,10 @@ Weight-only quantization: activations stay float32 between projections; the bf16
 read them rounded to bfloat16 and return bfloat16, which is converted back to float32.  The LM head of
 ``int4`` is ``int8`` (GGUF stores it as Q8_0, for which torch has no group-wise kernel).  ``w4a8`` is not
 weight-only: each projection quantizes its input rows to int8 per block of 32 and returns float32, as
-llama.cpp's CPU backend does; its LM head is ``w8a8`` (the GGUF's own Q8_0 codes, same activations).  A projection
+llama.cpp's CPU backend does; its LM head is ``w8a8`` (the GGUF's own Q8_0 codes, same activations).  A GGUF's
+projections of other types run as stored (:func:`block_linear`): Q4_K in ``w4a8`` with float32 scales, Q8_0, Q5_0,
+Q5_1, Q5_K and Q6_K in ``w8a8`` (float32 scales per 32 or 16 where the type needs them), a fused projection whose
+tensors differ in type as a :class:`StackedLinear`.  A projection
 whose shape a kernel cannot take (int4 needs ``O % 16 == 0`` and ``I % 32 == 0``; w4a8 needs ``I % 32 == 0``) falls
 back to the next format in ``w4a8 -> int8``, ``int4 -> int8 -> bf16``.
 With every projection in ``w4a8``/``w8a8``, a forward over the KV cache runs all its decoder layers as one call into
