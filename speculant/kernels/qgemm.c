@@ -399,8 +399,8 @@ void spec_w8a8(const int8_t *xq, const float *xd, int64_t M, int64_t K,
  *   sub = 32: acc = fma((float)isum, wd[g] * xd[g], acc);  [acc = fma(wm[g], xs[g], acc)]
  *   sub = 16: acc = fma((float)isum_lo, wd_lo[g] * xd[g], acc);  acc = fma((float)isum_hi, wd_hi[g] * xd[g], acc)
  * Q4_K runs as Q4_1 does (256-bit groups, 512-bit pairs, AMX tiles: the same float sequence per lane); the 8-bit K
- * layouts run on 256-bit vectors in every variant (vpdpbusd where the variant has VNNI), never on the 512-bit pairs
- * or AMX tiles.  Every variant computes the same bits. */
+ * layouts on 256-bit groups and, in the 512-bit variants, pairs (qgemm_pairs.h's q8k_pair), never on AMX tiles.
+ * Every variant computes the same bits. */
 
 /* 8-bit codes with float32 scales per `sub` inputs (a constant after inlining) and optional float32 offsets wm
  * (NULL: none), one group of 8 outputs by R rows from m0.  Int16 partial sums (AVX2): |code| <= 32 here (any int8
@@ -487,18 +487,6 @@ static void tail_outputs_k(int bits, const void *codes, const float *wd, const f
         }
 }
 
-/* Groups of 8 outputs one per unit on 256-bit vectors, then the last N % 8 as one unit (the K layouts). */
-#define FOR_GROUPS_YMM(GROUP_CALL, TAIL_CALL)                                                         \
-    do {                                                                                             \
-        const int64_t T = N / LANES, U = T + (N % LANES != 0);                                        \
-        _Pragma("omp parallel for schedule(static)")                                                 \
-        for (int64_t u = 0; u < U; u++) {                                                            \
-            if (u >= T) { TAIL_CALL; continue; }                                                     \
-            const int64_t t = u;                                                                     \
-            ROW_TILES(GROUP_CALL);                                                                   \
-        }                                                                                            \
-    } while (0)
-
 /* y [M, N] for 4-bit codes with float32 scales and offsets [N, K/32] (Q4_K; the layout above) */
 void spec_w4a8k(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, const uint8_t *codes,
                 const float *wd, const float *wm, int64_t N, float *y, int64_t ahead) {
@@ -529,13 +517,23 @@ int spec_w8a8k(const int8_t *xq, const float *xd, const float *xs, int64_t M, in
     if (sub != 16 && sub != 32) return -1;
 #define Q8K_CALL(R) q8k_group(codes + t * LANES * K, wd + t * LANES * (K / sub), wm ? wm + t * LANES * G : 0, xq, xd, \
                               xs, m0, R, K, G, y, N, t * LANES, ahead, S)
+#ifdef SPEC_ZMM
+#define Q8K_PAIR(R) q8k_pair(codes + t * LANES * K, codes + (t + 1) * LANES * K, wd + t * LANES * (K / sub),          \
+                             wd + (t + 1) * LANES * (K / sub), wm ? wm + t * LANES * G : 0,                        \
+                             wm ? wm + (t + 1) * LANES * G : 0, xq, xd, xs, m0, R, K, G, y, N, t * LANES, ahead, S)
+#else
+#define Q8K_PAIR Q8K_CALL
+#endif
+#define Q8K_AMX do { (void)amx; ROW_TILES(Q8K_PAIR); } while (0)   /* no AMX tiles for these layouts: 512-bit pairs */
     if (sub == 16) {
         const int S = 16;
-        FOR_GROUPS_YMM(Q8K_CALL, tail_outputs_k(8, codes, wd, wm, S, xq, xd, xs, M, K, N, y));
+        FOR_GROUPS(Q8K_CALL, Q8K_PAIR, tail_outputs_k(8, codes, wd, wm, S, xq, xd, xs, M, K, N, y), Q8K_AMX);
     } else {
         const int S = 32;
-        FOR_GROUPS_YMM(Q8K_CALL, tail_outputs_k(8, codes, wd, wm, S, xq, xd, xs, M, K, N, y));
+        FOR_GROUPS(Q8K_CALL, Q8K_PAIR, tail_outputs_k(8, codes, wd, wm, S, xq, xd, xs, M, K, N, y), Q8K_AMX);
     }
+#undef Q8K_AMX
+#undef Q8K_PAIR
 #undef Q8K_CALL
     return 0;
 }

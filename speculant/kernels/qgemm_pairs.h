@@ -166,4 +166,44 @@ INLINE void q8_pair(const int8_t *wa, const int8_t *wb, const uint16_t *da, cons
     for (int r = 0; r < R; r++) v16_store(y + (m0 + r) * N + n0, acc[r]);
 }
 
+/* The 8-bit K layouts (qgemm.c: float32 scales per `sub` inputs, optional float32 offsets), groups t and t + 1
+ * (codes wa, wb; scales da, db; offsets ma, mb or NULL) by R rows from m0: q8k_group's operations; writes
+ * y[m0 + r, n0 .. n0 + 15]. */
+INLINE void q8k_pair(const int8_t *wa, const int8_t *wb, const float *da, const float *db, const float *ma,
+                     const float *mb, const int8_t *xq, const float *xd, const float *xs, int64_t m0, int R, int64_t K,
+                     int64_t G, float *y, int64_t N, int64_t n0, int64_t ahead, int sub) {
+    v16f acc[MB];
+    for (int r = 0; r < R; r++) acc[r] = v16_zero_f();
+    for (int64_t g = 0; g < G; g++) {
+        prefetch_ahead(wa + g * 256, ahead, 4);
+        prefetch_ahead(wb + g * 256, ahead, 4);
+        v16i s[MB], s2[MB];           /* the first and the last 16 inputs' sums */
+        for (int r = 0; r < R; r++) s[r] = s2[r] = v16_zero();
+        for (int c = 0; c < 8; c++) {
+            const v16i w = v16_load2(wa + g * 256 + 32 * c, wb + g * 256 + 32 * c), aw = v16_abs8(w);
+            for (int r = 0; r < R; r++) {
+                const v16i p = v16_sign8(v16_bcast4(xq + (m0 + r) * K + g * QK + 4 * c), w);
+                if (c < 4) s[r] = v16_dpbusd(s[r], aw, p);
+                else s2[r] = v16_dpbusd(s2[r], aw, p);
+                V16_PIN(s[r]);
+                V16_PIN(s2[r]);
+            }
+        }
+        const float *sa = da + g * LANES * (QK / sub), *sb = db + g * LANES * (QK / sub);
+        const v16f d0 = v16_load_f2(sa, sb), d1 = sub == 16 ? v16_load_f2(sa + LANES, sb + LANES) : d0;
+        for (int r = 0; r < R; r++) {
+            const int64_t mg = (m0 + r) * G + g;
+            const v16f x = v16_set1_f(xd[mg]);
+            if (sub == 16) {
+                acc[r] = v16_fma(v16_cvt(s[r]), v16_mul(d0, x), acc[r]);
+                acc[r] = v16_fma(v16_cvt(s2[r]), v16_mul(d1, x), acc[r]);
+            } else {
+                acc[r] = v16_fma(v16_cvt(v16_add32(s[r], s2[r])), v16_mul(d0, x), acc[r]);
+            }
+            if (ma) acc[r] = v16_fma(v16_load_f2(ma + g * LANES, mb + g * LANES), v16_set1_f(xs[mg]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) v16_store(y + (m0 + r) * N + n0, acc[r]);
+}
+
 #endif
