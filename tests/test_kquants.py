@@ -255,3 +255,19 @@ def test_torch_packed_formats_refuse_k_quants_and_auto_takes_w4a8(tmp_path):
     assert loading.weights_for(path, "auto") == "w4a8"
     assert loading.weights_for(path, "auto", kernels=False) == "fp32"       # where our kernels do not run
     assert format_available("w4a8") == qgemm.available()
+
+
+@needs_kernel
+def test_a_stack_of_parts_is_its_parts_side_by_side_and_torch_formats_requantize_it(tmp_path):
+    """A fused projection of Q4_K and Q6_K tensors: ``w4a8`` stacks them as stored (columns in order, bias after),
+    ``int4`` quantizes the float weight as it did for mixed types before (one layout per projection)."""
+    from speculant.runtime.formats import pack_linear
+    rng = np.random.default_rng(7)
+    parts = [_codes(k, _raw(k, n, 256, rng), tmp_path) for k, n in (("Q4_K", 16), ("Q6_K", 16))]
+    weight = torch.cat([p.dequantize() for p in parts])
+    bias = torch.from_numpy(rng.standard_normal(32).astype(np.float32))
+    stack = pack_linear("w4a8", weight, bias, codes=parts)
+    assert type(stack) is StackedLinear and torch.equal(stack.dequantized_weight(), weight)
+    x = torch.from_numpy(rng.standard_normal((3, 256)).astype(np.float32))
+    assert torch.equal(stack(x), torch.cat([block_linear(p)(x) for p in parts], -1) + bias)
+    assert type(pack_linear("int4", weight, bias, codes=parts)).__name__ == "Int4Linear"

@@ -462,12 +462,13 @@ def quantize_q8(weight: torch.Tensor) -> GroupQuantized:
 
 
 def pack_linear(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                codes: GroupQuantized | None = None) -> PackedLinear:
+                codes: GroupQuantized | list[GroupQuantized] | None = None) -> PackedLinear:
     """The projection ``weight`` ``[O, I]`` (float) in format ``fmt`` (not ``fp32``: float32 projections stay
     :class:`~speculant.models.linear.DecodeLinear`, an ``nn.Linear`` that training and LoRA can use).
 
     ``codes``: the GGUF's own group-wise codes of the same weight (or a list of them: a fused projection whose
-    tensors differ in type); ``int4`` packs 4-bit codes as they are (no requantization), ``w4a8``/``w8a8`` take the
+    tensors differ in type; torch's formats quantize such a projection from ``weight``, as before); ``int4`` packs
+    4-bit codes as they are (no requantization), ``w4a8``/``w8a8`` take the
     codes of every type :mod:`~speculant.models.gguf_codes` reads as stored, whichever of the two is asked
     (:func:`block_linear`: a Q8_0 projection of a ``w4a8`` model runs in ``w8a8``, a Q4_K LM head in ``w4a8``).
     Shapes a kernel cannot take fall back ``int4 -> int8 -> bf16``.
@@ -478,6 +479,8 @@ def pack_linear(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None = None
     if fmt != "w8a8":
         check_format(fmt)
     o, i = weight.shape
+    if isinstance(codes, list) and fmt not in ("w4a8", "w8a8"):
+        codes = None                 # torch's formats take one layout per projection: quantized from the float weight
     if fmt in ("w4a8", "w8a8"):
         if i % INT4_GROUP == 0:
             qgemm.require()
