@@ -27,7 +27,7 @@ _K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "
 """Byte offsets of each K-quant block's fp16 super-block scales (d, and dmin where the type has one)."""
 
 
-def k_quant_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator, scale: float | None = 1e-3) -> np.ndarray:
+def k_quant_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator, scale: float | None = None) -> np.ndarray:
     """Random K-quant blocks (:data:`K_QUANTS`) ``[rows, cols / 256 * block bytes]`` with finite fp16 super-block
     scales (the ``gguf`` package cannot quantize to K-quants; their blocks are any bytes with finite scales): every
     scale ``scale``, or (``None``) each drawn log-uniformly in [1e-4, 1e-2]."""
@@ -46,12 +46,11 @@ def k_quant_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator, sc
 def write_tiny_gguf(path: Path, kind: str = "Q8_0", arch: str = "llama", *, layers: int = 2, hidden: int = 64,
                     heads: int = 4, kv_heads: int = 2, inter: int = 128, tie: bool = False, seed: int = 0,
                     tokenizer: bool = True, types: dict[str, str] | None = None, name: str = "tiny",
-                    head_dim: int | None = None, k_scale: float | None = 1e-3) -> Path:
+                    head_dim: int | None = None) -> Path:
     """A random Llama-family GGUF with the byte-level BPE tokenizer of :func:`helpers.byte_tokenizer`.
 
     ``kind``: the type of every 2-D weight (``F32``, ``F16``, ``BF16``, ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0`` ...);
-    norms are F32.  ``types``: per-tensor overrides (GGUF tensor name -> type, K-quants as random blocks,
-    :func:`k_quant_blocks`, super-block scales ``k_scale``).
+    norms are F32.  ``types``: per-tensor overrides (GGUF tensor name -> type, ``Q4_K``/``Q6_K`` as random blocks).
     ``arch``: ``llama``, ``qwen2`` (adds q/k/v biases), ``qwen3`` (adds q/k norms, F32, and ``attention.key_length``
     / ``value_length`` = ``head_dim``) or any name (for the refusal tests).  ``head_dim``: default ``hidden / heads``."""
     rng = np.random.default_rng(seed)
@@ -86,7 +85,7 @@ def write_tiny_gguf(path: Path, kind: str = "Q8_0", arch: str = "llama", *, laye
     def add(name: str, shape: tuple[int, ...], scale: float = 0.1, own: str | None = None):
         kind_here = types.get(name, own or kind)
         if kind_here in K_QUANTS:
-            w.add_tensor(name, k_quant_blocks(shape[0], shape[1], kind_here, rng, k_scale), raw_dtype=T[kind_here])
+            w.add_tensor(name, k_quant_blocks(shape[0], shape[1], kind_here, rng), raw_dtype=T[kind_here])
             return
         data = (rng.standard_normal(shape) * scale).astype(np.float32)
         raw, qtype = _stored(data, kind_here)

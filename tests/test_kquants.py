@@ -35,7 +35,7 @@ def _raw(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarra
     """``[rows, cols]`` weights stored as ``kind``: the ``gguf`` package's quantization of normal values (types it
     writes), random blocks with super-block scales spread over two decades (K-quants)."""
     if kind.endswith("_K"):
-        return k_quant_blocks(rows, cols, kind, rng, scale=None)
+        return k_quant_blocks(rows, cols, kind, rng)        # super-block scales log-uniform in [1e-4, 1e-2]
     return quants.quantize((rng.standard_normal((rows, cols)) * 0.1).astype(np.float32), GGMLQuantizationType[kind])
 
 
@@ -116,7 +116,7 @@ PROMPT = [258, 260, 221, 263, 258, 260, 221, 263, 258, 260]
 def mixed(tmp_path_factory):
     d = tmp_path_factory.mktemp("kquants")
     return {tie: write_tiny_gguf(d / f"mixed-{tie}.gguf", "Q8_0", hidden=256, heads=4, kv_heads=2, inter=512,
-                                 tie=tie, seed=21 + tie, k_scale=None, types=MIXED) for tie in (False, True)}
+                                 tie=tie, seed=21 + tie, types=MIXED) for tie in (False, True)}
 
 
 def _hf_reference(path, quantized: bool) -> torch.nn.Module:
