@@ -193,6 +193,23 @@ def test_greedy_methods_equal_ar_on_the_mixed_file_in_w4a8(mixed, in_process):
     assert len(ar) == 24
     for name, spec in SPECS.items():
         assert build_generator(model, **spec).generate(PROMPT, config).token_ids == ar, name
+    # a batched round (several sequences in one call of the fused step, stacks included): each row the bits of its
+    # sequence alone
+    import copy
+
+    from helpers import prefilled_caches
+
+    from speculant.runtime.blocks import Block
+    from speculant.runtime.ragged import ragged_run_layers
+    ex = model.executor
+    with torch.inference_mode():
+        caches = prefilled_caches(ex, [PROMPT[:4], PROMPT[:7]], 32)
+        blocks = [Block(ex.embed(torch.tensor([[11, 12, 13]])), 0, torch.arange(4, 7), None, caches[0], 4),
+                  Block(ex.embed(torch.tensor([[40, 41]])), 0, torch.arange(7, 9), None, caches[1], 7)]
+        alone = [ex.run_layers(b.hidden, 0, ex.num_layers, b.positions, b.mask, c, b.cache_position)
+                 for b, c in zip(blocks, [copy.deepcopy(c) for c in caches])]
+        together = ragged_run_layers(ex, blocks)
+    assert all(torch.equal(x, y) for x, y in zip(together, alone))
 
 
 def _write_raw(path, kind: str):
