@@ -10,8 +10,8 @@ checkout's own build script).  Prints the best time of one step per library and 
     python benchmarks/rows_cost.py --variants avx2,avx512-vnni-ymm,avx512-vnni [--baseline /tmp/base]
         [--model smollm2|llama-3.2-1b] [--rows 1,2,3,4,5,6,8,12,16] [--repeats 20] [--context 300]
 
-Valid while the builds share ``spec_decode_layers``'s argument and struct layout (checkouts from 69cf18e on: its layer
-struct gained the q/k norm weights).
+Valid while the builds share ``spec_decode_layers``'s argument and struct layout (checkouts from the commit that runs
+GGUF K-quants on our kernels on: its projection struct gained ``scale_bytes``, ``group`` and stacked ``parts``).
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Not a test.  Builds the kernels of ``--baseline`` (a checkout of another commit,
 HEAD~1``) with that checkout's own build script, loads both shared libraries, and times the decoder forward over
 T = 1 and 5 new tokens (``--context`` cached tokens) with the fused step calling one library, then the other,
 ``--repeats`` times: the machine's drift hits both alike, which separate runs on a shared VM do not give.  Valid
-while the two builds share ``spec_decode_layers``'s argument and struct layout (checkouts from 69cf18e on: its
-layer struct gained the q/k norm weights).
+while the two builds share ``spec_decode_layers``'s argument and struct layout (checkouts from the commit that runs
+GGUF K-quants on our kernels on: its projection struct gained ``scale_bytes``, ``group`` and stacked ``parts``; before
+that, from 69cf18e on: the layer struct gained the q/k norm weights).
 
     python benchmarks/step_ab.py --baseline /tmp/base [--context 300] [--repeats 60]
     python benchmarks/step_ab.py --variant avx2        # this checkout's kernels in another ISA variant

@@ -22,17 +22,24 @@ def _stored(data: np.ndarray, kind: str) -> tuple[np.ndarray, GGMLQuantizationTy
     return quants.quantize(data.astype(np.float32), qtype), qtype
 
 
-def k_quant_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator) -> np.ndarray:
-    """Random ``Q4_K``/``Q6_K`` blocks ``[rows, cols / 256 * block bytes]`` with small finite scales (the
-    ``gguf`` package cannot quantize to K-quants; their blocks are any bytes with finite fp16 scales)."""
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+_K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+"""Byte offsets of each K-quant block's fp16 super-block scales (d, and dmin where the type has one)."""
+
+
+def k_quant_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator, scale: float | None = None) -> np.ndarray:
+    """Random K-quant blocks (:data:`K_QUANTS`) ``[rows, cols / 256 * block bytes]`` with finite fp16 super-block
+    scales (the ``gguf`` package cannot quantize to K-quants; their blocks are any bytes with finite scales): every
+    scale ``scale``, or (``None``) each drawn log-uniformly in [1e-4, 1e-2]."""
     from gguf import GGML_QUANT_SIZES
     block, size = GGML_QUANT_SIZES[T[kind]]
     raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    scale = np.full((rows, cols // block), 1e-3, dtype=np.float16).view(np.uint8).reshape(rows, cols // block, 2)
-    if kind == "Q4_K":                       # d, dmin first
-        raw[..., 0:2], raw[..., 2:4] = scale, scale
-    elif kind == "Q6_K":                     # d last; int8 sub-block scales before it
-        raw[..., -2:] = scale
+    for at in _K_SCALES[kind]:
+        if scale is None:
+            values = np.exp(rng.uniform(np.log(1e-4), np.log(1e-2), size=(rows, cols // block)))
+        else:
+            values = np.full((rows, cols // block), scale)
+        raw[..., at:at + 2] = values.astype(np.float16).view(np.uint8).reshape(rows, cols // block, 2)
     return raw.reshape(rows, -1)
 
 
@@ -77,7 +84,7 @@ def write_tiny_gguf(path: Path, kind: str = "Q8_0", arch: str = "llama", *, laye
 
     def add(name: str, shape: tuple[int, ...], scale: float = 0.1, own: str | None = None):
         kind_here = types.get(name, own or kind)
-        if kind_here in ("Q4_K", "Q6_K"):
+        if kind_here in K_QUANTS:
             w.add_tensor(name, k_quant_blocks(shape[0], shape[1], kind_here, rng), raw_dtype=T[kind_here])
             return
         data = (rng.standard_normal(shape) * scale).astype(np.float32)

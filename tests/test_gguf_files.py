@@ -138,16 +138,18 @@ def test_w4a8_packs_the_files_own_codes_and_prompt_lookup_equals_ar(case, files)
         assert runs["ar"] == runs["prompt-lookup"] and len(runs["ar"]) > 0, weights
 
 
-def test_k_quants_load_in_fp32_only(in_process, capsys, tmp_path):
-    path = str(write_tiny_gguf(tmp_path / "k.gguf", "Q8_0", inter=256, types={"blk.1.ffn_down.weight": "Q4_K"}))
+def test_q2_k_and_q3_k_load_in_fp32_only(in_process, capsys, tmp_path):
+    """Q2_K/Q3_K: exact in fp32 only (the other K-quants and Q5 run as stored in w4a8: tests/test_kquants.py)."""
+    path = str(write_tiny_gguf(tmp_path / "k.gguf", "Q8_0", inter=256, types={"blk.1.ffn_down.weight": "Q3_K",
+                                                                             "blk.0.ffn_down.weight": "Q4_K"}))
     for weights in ("w4a8", "int4", "int8", "bf16"):
-        with pytest.raises(SpeculantError, match=f"weights='{weights}' would requantize the Q4_K weights .* allowed "
+        with pytest.raises(SpeculantError, match=f"weights='{weights}' would requantize the Q3_K weights .* allowed "
                                                  "for this file: fp32, auto"):
             load_model(path, weights=weights, compile=False)
     assert not loading.converted_dir(path).exists()                  # refused before any conversion
     model = load_model(path, weights="auto", compile=False)
     assert model.weights == "fp32"
-    assert "holds Q4_K weights, taken exactly in fp32 only: weights auto loads fp32" in capsys.readouterr().err
+    assert "holds Q3_K, Q4_K weights, taken exactly in fp32 only: weights auto loads fp32" in capsys.readouterr().err
     assert loading.weights_for(path, "auto") == "fp32"           # now read from the conversion's gguf.json
 
 

@@ -6,7 +6,9 @@
  *   h = rmsnorm(x) * w_in;  [q k v] = h Wqkv^T (+ b);  q, k = rope(q), rope(k);  write k, v to the cache;
  *   a = attention(q, cache, mask);  x = x + a Wo^T;  h = rmsnorm(x) * w_post;  [g u] = h Wgu^T;
  *   x = x + (silu(g) * u) Wd^T
- * The projections are qgemm.c's (activations quantized per row and 32-block to int8), attention is attention.c's.
+ * The projections are qgemm.c's (activations quantized per row and 32-block to int8), each in the layout of the type
+ * its GGUF stores (Q4_0/Q4_1, Q8_0/Q5_0 with fp16 scales; Q4_K, Q5_1, Q5_K, Q6_K with float32 ones; a fused q|k|v or
+ * gate|up whose tensors differ in type as a stack of parts), attention is attention.c's.
  *
  * Why in C: compiled (torch.compile) layers cost ~240 us of call path per layer on a 2-core CPU (guards, wrappers,
  * one dispatcher call per kernel): a SmolLM2 forward 13.4 ms compiled, 6.6 ms here (benchmarks/step_breakdown.py).
@@ -25,12 +27,18 @@
 #include "kernels.h"
 #include "simd.h"
 
-typedef struct {
+typedef struct spec_projection {
     int64_t bits;                  /* 4: Q4_1 codes [N, K/2] uint8 + scales, offsets [N, K/32]; 8: Q8_0 codes [N, K] */
     int64_t in_features, out_features;
     const void *codes;             /* in qgemm.c's layout (outputs interleaved by 8) */
-    const uint16_t *scales, *offsets; /* float16; offsets: 4-bit only */
+    const void *scales, *offsets;  /* float16 (scale_bytes 2; offsets: 4-bit only) or float32 (scale_bytes 4, the
+                                    * K-quant layouts: offsets optional with 8-bit codes) */
     const float *bias;             /* [N] or NULL */
+    int64_t scale_bytes;           /* 2 or 4 */
+    int64_t group;                 /* inputs per scale: 32, or 16 (8-bit codes, float32 scales: Q6_K) */
+    const struct spec_projection *parts;  /* nparts > 0: a stacked projection (q|k|v or gate|up stored in different
+                                           * types): its outputs are the parts' outputs in order, then bias */
+    int64_t nparts;
 } spec_projection;
 
 typedef struct {
@@ -63,18 +71,47 @@ static void rms_norm(const float *x, const float *w, int64_t M, int64_t D, float
     }
 }
 
-/* y [M, N] = x [M, K] W^T (+ bias) on int8 activations; xq, xd, xs: workspaces of M*K, M*K/32, M*K/32 */
-static void project(const spec_projection *p, const float *x, int64_t M, int8_t *xq, float *xd, float *xs, float *y,
-                    int64_t ahead) {
+/* y [M, N] = x W^T of one projection without parts on rows already quantized (xq, xd, xs; qgemm.c's kernels by
+ * layout) */
+static void project_quantized(const spec_projection *p, int64_t M, const int8_t *xq, const float *xd, const float *xs,
+                              float *y, int64_t ahead) {
     const int64_t K = p->in_features, N = p->out_features;
-    spec_quantize_rows(x, M, K, xq, xd, xs);
-    if (p->bits == 4)
+    if (p->scale_bytes == 4 && p->bits == 4)
+        spec_w4a8k(xq, xd, xs, M, K, (const uint8_t *)p->codes, p->scales, p->offsets, N, y, ahead);
+    else if (p->scale_bytes == 4)
+        spec_w8a8k(xq, xd, xs, M, K, (const int8_t *)p->codes, p->scales, p->offsets, p->group, N, y, ahead);
+    else if (p->bits == 4)
         spec_w4a8(xq, xd, xs, M, K, (const uint8_t *)p->codes, p->scales, p->offsets, N, y, ahead);
     else
         spec_w8a8(xq, xd, M, K, (const int8_t *)p->codes, p->scales, N, y, ahead);
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias) on int8 activations; xq, xd, xs: workspaces of M*K, M*K/32, M*K/32.  A stacked
+ * projection runs each part on the same quantized rows into a workspace of its own and places its columns.  Returns
+ * 0, or -1 when that workspace cannot be allocated. */
+static int project(const spec_projection *p, const float *x, int64_t M, int8_t *xq, float *xd, float *xs, float *y,
+                   int64_t ahead) {
+    const int64_t K = p->in_features, N = p->out_features;
+    spec_quantize_rows(x, M, K, xq, xd, xs);
+    if (p->nparts == 0) {
+        project_quantized(p, M, xq, xd, xs, y, ahead);
+    } else {
+        int64_t n0 = 0;
+        for (int64_t i = 0; i < p->nparts; i++) {
+            const spec_projection *q = p->parts + i;
+            float *part = malloc(sizeof(float) * (size_t)(M * q->out_features));
+            if (!part) return -1;
+            project_quantized(q, M, xq, xd, xs, part, ahead);
+            for (int64_t r = 0; r < M; r++)
+                memcpy(y + r * N + n0, part + r * q->out_features, sizeof(float) * (size_t)q->out_features);
+            n0 += q->out_features;
+            free(part);
+        }
+    }
     if (p->bias)
         for (int64_t r = 0; r < M; r++)
             for (int64_t n = 0; n < N; n++) y[r * N + n] += p->bias[n];
+    return 0;
 }
 
 /* x [M, D] += y [M, D] */
@@ -144,7 +181,7 @@ int spec_run_layers(const spec_model *m, int64_t first, int64_t last, int64_t ns
     for (int64_t l = first; l < last && status == 0; l++) {
         const spec_layer *L = m->layers + l;
         rms_norm(x, L->input_norm, R, D, m->eps, h);
-        project(&L->qkv, h, R, xq, xd, xs, wide, m->weight_prefetch);
+        if (project(&L->qkv, h, R, xq, xd, xs, wide, m->weight_prefetch)) { status = -1; break; }
         if (L->q_norm)                   /* each head of q and of k RMS-normed before RoPE (in place, row by row) */
             for (int64_t r = 0; r < R; r++) {
                 rms_norm(wide + r * QKV, L->q_norm, H, Dh, m->eps, wide + r * QKV);
@@ -161,12 +198,12 @@ int spec_run_layers(const spec_model *m, int64_t first, int64_t last, int64_t ns
         status = spec_attention_ragged(nseq, rows, start, smax, kc, vc, lstride, l, mask, q, k, v, H, HKV, Dh,
                                        m->scale, kv_bytes, att);
         if (status) break;
-        project(&L->o, att, R, xq, xd, xs, h, m->weight_prefetch);
+        if (project(&L->o, att, R, xq, xd, xs, h, m->weight_prefetch)) { status = -1; break; }
         add_rows(x, h, R * D);
         rms_norm(x, L->post_norm, R, D, m->eps, h);
-        project(&L->gate_up, h, R, xq, xd, xs, wide, m->weight_prefetch);
+        if (project(&L->gate_up, h, R, xq, xd, xs, wide, m->weight_prefetch)) { status = -1; break; }
         swiglu(wide, R, I, att);
-        project(&L->down, att, R, xq, xd, xs, h, m->weight_prefetch);
+        if (project(&L->down, att, R, xq, xd, xs, h, m->weight_prefetch)) { status = -1; break; }
         add_rows(x, h, R * D);
     }
     free(h); free(wide); free(q); free(kv); free(att); free(xq); free(xd);

@@ -38,8 +38,12 @@ _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
 class _Projection(ctypes.Structure):
-    _fields_ = [("bits", _i64), ("in_features", _i64), ("out_features", _i64), ("codes", _ptr), ("scales", _ptr),
-                ("offsets", _ptr), ("bias", _ptr)]
+    pass
+
+
+_Projection._fields_ = [("bits", _i64), ("in_features", _i64), ("out_features", _i64), ("codes", _ptr),
+                        ("scales", _ptr), ("offsets", _ptr), ("bias", _ptr), ("scale_bytes", _i64), ("group", _i64),
+                        ("parts", ctypes.POINTER(_Projection)), ("nparts", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -55,23 +59,36 @@ class _Model(ctypes.Structure):
 @dataclass(frozen=True)
 class ProjectionBuffers:
     """One block-quantized projection as the C step reads it (W4A8: ``bits`` 4, codes + scales + offsets; W8A8:
-    ``bits`` 8, codes + scales), every tensor contiguous on the CPU; ``bias`` ``[out_features]`` float32 or None."""
+    ``bits`` 8, codes + scales [+ offsets]), every tensor contiguous on the CPU; ``bias`` ``[out_features]`` float32
+    or None.  The scales' dtype says the layout (float16: Q4_0/Q4_1/Q8_0/Q5_0; float32: ``qgemm.c``'s K layouts,
+    ``scale_group`` inputs per scale, 32 or 16).  A stacked projection has ``parts`` (its output columns in order;
+    ``bits`` 0, no codes of its own) and at most a bias."""
 
     bits: int
     in_features: int
     out_features: int
-    codes: torch.Tensor
-    scales: torch.Tensor
+    codes: torch.Tensor | None
+    scales: torch.Tensor | None
     offsets: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    scale_group: int = 32
+    parts: tuple["ProjectionBuffers", ...] = ()
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.codes, self.scales, self.offsets, self.bias) if t is not None]
+        own = [t for t in (self.codes, self.scales, self.offsets, self.bias) if t is not None]
+        return own + [t for p in self.parts for t in p.tensors()]
 
-    def struct(self) -> _Projection:
-        return _Projection(self.bits, self.in_features, self.out_features, self.codes.data_ptr(),
-                           self.scales.data_ptr(), 0 if self.offsets is None else self.offsets.data_ptr(),
-                           0 if self.bias is None else self.bias.data_ptr())
+    def struct(self, keep: list) -> _Projection:
+        """The C struct; ``keep`` receives what must outlive it (a stack's array of parts)."""
+        parts = None
+        if self.parts:
+            parts = (_Projection * len(self.parts))(*(p.struct(keep) for p in self.parts))
+            keep.append(parts)
+        ptr = lambda t: 0 if t is None else t.data_ptr()           # noqa: E731
+        return _Projection(self.bits, self.in_features, self.out_features, ptr(self.codes), ptr(self.scales),
+                           ptr(self.offsets), ptr(self.bias),
+                           4 if self.scales is not None and self.scales.dtype == torch.float32 else 2,
+                           self.scale_group, parts, len(self.parts))
 
 
 @dataclass(frozen=True)
@@ -159,9 +176,10 @@ class FusedLayers:
             raise ValueError(f"fused decoding step: {reason}")
         self.buffers = model
         layers = (_Layer * len(model.layers))()
+        self._keep: list = []           # the stacks' arrays of parts, which the layers point into
         for i, layer in enumerate(model.layers):
             layers[i] = _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
-                               *(p.struct() for p in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+                               *(p.struct(self._keep) for p in (layer.qkv, layer.o, layer.gate_up, layer.down)),
                                *(0 if w is None else w.data_ptr() for w in (layer.q_norm, layer.k_norm)))
         self._layers = layers
         self.model = _Model(model.hidden, model.heads, model.kv_heads, model.head_dim, model.intermediate,
@@ -172,8 +190,7 @@ class FusedLayers:
         self._rope = (model.rope_cos, model.rope_sin)
         self._norm = (model.norm, float(model.norm_eps))
         head = model.head
-        self._head = None if head is None or head.bias is not None else (
-            "spec_w4a8_f32" if head.bits == 4 else "spec_w8a8_f32", head)
+        self._head = None if head is None or head.bias is not None or head.parts else head
 
     def run(self, x: torch.Tensor, start: int, end: int, cos: torch.Tensor, sin: torch.Tensor,
             plan: attention_kernel.RaggedPlan) -> torch.Tensor:
@@ -255,9 +272,12 @@ class FusedLayers:
         """LM-head logits ``[..., V]`` float32 of float32 ``hidden`` ``[..., D]``: the head's own kernel
         (:func:`speculant.kernels.qgemm._product`, the same call its torch operator makes) without the
         dispatcher in between."""
-        from .qgemm import _product
-        entry, head = self._head
-        weights = (head.scales, head.offsets) if entry == "spec_w4a8_f32" else (head.scales,)
-        y = _product(entry, hidden.reshape(-1, self.hidden).float(), head.codes, *weights,
-                     prefetch=self.weight_prefetch)
+        from .qgemm import _w4a8_mm, _w8a8_mm, _w8a8k_mm
+        head, x = self._head, hidden.reshape(-1, self.hidden).float()
+        if head.bits == 4:
+            y = _w4a8_mm(x, head.codes, head.scales, head.offsets, self.weight_prefetch)
+        elif head.scales.dtype == torch.float16:
+            y = _w8a8_mm(x, head.codes, head.scales, self.weight_prefetch)
+        else:
+            y = _w8a8k_mm(x, head.codes, head.scales, head.offsets, head.scale_group, self.weight_prefetch)
         return y.view(*hidden.shape[:-1], head.out_features)

@@ -133,14 +133,19 @@ INLINE __m256i bcast4(const int8_t *p) {
 
 /* 8 fp16 -> 8 float32 (exact) */
 INLINE __m256 load_h8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+/* 8 scales from element i of p on: float32 (f32, the K-quant layouts) or fp16 (converted exactly) */
+INLINE __m256 load_s8(const void *p, int64_t i, int f32) {
+    return f32 ? _mm256_loadu_ps((const float *)p + i) : load_h8((const uint16_t *)p + i);
+}
 
-/* Q4_1, one group of 8 outputs (codes wc, scales wd, mins wm of the group: G x 128 bytes, G x 8, G x 8) by R rows
- * starting at row m0 (R <= MB, a constant after inlining); writes y[m0 + r, n0 .. n0+7].
+/* Q4_1, one group of 8 outputs (codes wc, scales wd, mins wm of the group: G x 128 bytes, G x 8, G x 8; fp16, or
+ * float32 with f32 set, a constant after inlining) by R rows starting at row m0 (R <= MB, a constant after inlining);
+ * writes y[m0 + r, n0 .. n0+7].
  * Int16 partial sums: each vpmaddubsw lane is 2 products of a code (0..15) and an activation (|xq| <= 127), so
  * |.| <= 3810, and 8 of them (a lane's whole block) stay <= 30480 < 2^15. */
-INLINE void q4_group(const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, const int8_t *xq, const float *xd,
+INLINE void q4_group(const uint8_t *wc, const void *wd, const void *wm, const int8_t *xq, const float *xd,
                      const float *xs, int64_t m0, int R, int64_t K, int64_t G, float *y, int64_t N, int64_t n0,
-                     int64_t ahead) {
+                     int64_t ahead, int f32) {
     const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     (void)ones;                       /* unused with VNNI */
     __m256 acc[MB];
@@ -171,7 +176,7 @@ INLINE void q4_group(const uint8_t *wc, const uint16_t *wd, const uint16_t *wm, 
                 PIN(s[r]);
             }
         }
-        const __m256 dw = load_h8(wd + g * LANES), mw = load_h8(wm + g * LANES);
+        const __m256 dw = load_s8(wd, g * LANES, f32), mw = load_s8(wm, g * LANES, f32);
         for (int r = 0; r < R; r++) {
             const int64_t mg = (m0 + r) * G + g;
 #ifdef SPEC_DPBUSD
@@ -342,17 +347,17 @@ void spec_w4a8(const int8_t *xq, const float *xd, const float *xs, int64_t M, in
                const uint8_t *codes, const uint16_t *wd, const uint16_t *wm, int64_t N, float *y, int64_t ahead) {
     const int64_t G = K / QK;
 #define Q4_CALL(R) q4_group(codes + t * LANES * (K / 2), wd + t * LANES * G, wm + t * LANES * G, xq, xd, xs, m0, R, K, G, \
-                            y, N, t * LANES, ahead)
+                            y, N, t * LANES, ahead, 0)
 #ifdef SPEC_ZMM
 #define Q4_PAIR(R) q4_pair(codes + t * LANES * (K / 2), codes + (t + 1) * LANES * (K / 2), wd + t * LANES * G,      \
                            wd + (t + 1) * LANES * G, wm + t * LANES * G, wm + (t + 1) * LANES * G, xq, xd, xs, m0, R, \
-                           K, G, y, N, t * LANES, ahead)
+                           K, G, y, N, t * LANES, ahead, 0)
 #else
 #define Q4_PAIR Q4_CALL  /* never reached: no pairs */
 #endif
 #define Q4_AMX AMX_ROW_TILES(4, codes + t * LANES * (K / 2), codes + (t + 1) * LANES * (K / 2), wd + t * LANES * G,   \
                               wd + (t + 1) * LANES * G, wm + t * LANES * G, wm + (t + 1) * LANES * G, xs, t * LANES, \
-                              Q4_PAIR)
+                              Q4_PAIR, 0)
     FOR_GROUPS(Q4_CALL, Q4_PAIR, tail_outputs(codes, 0, wd, wm, xq, xd, xs, M, K, N, y), Q4_AMX);
 #undef Q4_AMX
 #undef Q4_CALL
@@ -371,11 +376,166 @@ void spec_w8a8(const int8_t *xq, const float *xd, int64_t M, int64_t K,
 #define Q8_PAIR Q8_CALL
 #endif
 #define Q8_AMX AMX_ROW_TILES(8, (const uint8_t *)codes + t * LANES * K, (const uint8_t *)codes + (t + 1) * LANES * K, \
-                              wd + t * LANES * G, wd + (t + 1) * LANES * G, 0, 0, 0, t * LANES, Q8_PAIR)
+                              wd + t * LANES * G, wd + (t + 1) * LANES * G, 0, 0, 0, t * LANES, Q8_PAIR, 0)
     FOR_GROUPS(Q8_CALL, Q8_PAIR, tail_outputs(0, codes, wd, 0, xq, xd, 0, M, K, N, y), Q8_AMX);
 #undef Q8_AMX
 #undef Q8_CALL
 #undef Q8_PAIR
+}
+
+/* ---- K-quant layouts (GGUF Q4_K, Q5_0/Q5_1/Q5_K, Q6_K): the same blocks of 32 codes, float32 scales ----
+ *
+ * A K-quant super-block of 256 weights stores fp16 d (and dmin) and small integer scales per sub-block; its weight is
+ * d * sc_j * q (- dmin * m_j) per sub-block j.  The products d * sc_j and dmin * m_j are exact in float32 (11 + 6 or
+ * 11 + 8 significant bits), so the super-block folds exactly into per-sub-block float32 scales and offsets: the
+ * kernels below read those (no requantization).  Layouts, per group of 8 outputs and block g of 32 inputs:
+ *   4-bit codes (Q4_K): the Q4_1 layout above, with float32 scales wd and offsets wm (8 each) instead of fp16;
+ *   8-bit codes (Q5_0, Q5_1, Q5_K: 0..31 or -16..15; Q6_K: -32..31; int8): the Q8_0 layout (256 bytes), then
+ *       sub = 32: 8 float32 scales (output j's at j) [and 8 float32 offsets];
+ *       sub = 16 (Q6_K): 16 float32 scales: the first 16 inputs' scale of outputs 0..7, then the last 16's.
+ * The last N % 8 outputs row by row: codes [K] (or [K/2]), scales [K/sub], offsets [K/32].
+ * Float sequence of an output (every variant, vector lane or tail; isum, isum_lo/hi: exact integer sums of the
+ * block, of its first and last 16 inputs):
+ *   sub = 32: acc = fma((float)isum, wd[g] * xd[g], acc);  [acc = fma(wm[g], xs[g], acc)]
+ *   sub = 16: acc = fma((float)isum_lo, wd_lo[g] * xd[g], acc);  acc = fma((float)isum_hi, wd_hi[g] * xd[g], acc)
+ * Q4_K runs as Q4_1 does (256-bit groups, 512-bit pairs, AMX tiles: the same float sequence per lane); the 8-bit K
+ * layouts on 256-bit groups and, in the 512-bit variants, pairs (qgemm_pairs.h's q8k_pair), never on AMX tiles.
+ * Every variant computes the same bits. */
+
+/* 8-bit codes with float32 scales per `sub` inputs (a constant after inlining) and optional float32 offsets wm
+ * (NULL: none), one group of 8 outputs by R rows from m0.  Int16 partial sums (AVX2): |code| <= 32 here (any int8
+ * code but -128 keeps each vpmaddubsw lane <= 2 * 127 * 128 < 2^15). */
+INLINE void q8k_group(const int8_t *wc, const float *wd, const float *wm, const int8_t *xq, const float *xd,
+                      const float *xs, int64_t m0, int R, int64_t K, int64_t G, float *y, int64_t N, int64_t n0,
+                      int64_t ahead, int sub) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    (void)ones;
+    __m256 acc[MB];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const int8_t *b = wc + g * 256;
+        prefetch_ahead(b, ahead, 4);
+        __m256i s[MB], s2[MB];        /* the first and the last 16 inputs' sums (int32 lanes) */
+        for (int r = 0; r < R; r++) s[r] = s2[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 32 * c)), aw = _mm256_sign_epi8(w, w);
+            for (int r = 0; r < R; r++) {
+                const __m256i p = _mm256_sign_epi8(bcast4(xq + (m0 + r) * K + g * QK + 4 * c), w);
+#ifdef SPEC_DPBUSD
+                if (c < 4) s[r] = dpbusd(s[r], aw, p);
+                else s2[r] = dpbusd(s2[r], aw, p);
+#else
+                const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, p), ones);
+                if (c < 4) s[r] = _mm256_add_epi32(s[r], d);
+                else s2[r] = _mm256_add_epi32(s2[r], d);
+#endif
+                PIN(s[r]);
+                PIN(s2[r]);
+            }
+        }
+        const float *sc = wd + g * LANES * (QK / sub);
+        const __m256 d0 = _mm256_loadu_ps(sc), d1 = sub == 16 ? _mm256_loadu_ps(sc + LANES) : d0;
+        for (int r = 0; r < R; r++) {
+            const int64_t mg = (m0 + r) * G + g;
+            const __m256 x = _mm256_set1_ps(xd[mg]);
+            if (sub == 16) {
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(d0, x), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s2[r]), _mm256_mul_ps(d1, x), acc[r]);
+            } else {
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s[r], s2[r])), _mm256_mul_ps(d0, x), acc[r]);
+            }
+            if (wm) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + g * LANES), _mm256_set1_ps(xs[mg]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
+}
+
+/* The exact integer dot product of n signed codes with n activations (the tails of the K layouts). */
+static int32_t isum_s(const int8_t *w, const int8_t *x, int n) {
+    int32_t s = 0;
+    for (int i = 0; i < n; i++) s += (int32_t)w[i] * (int32_t)x[i];
+    return s;
+}
+
+/* The last N % 8 outputs of the K layouts (row by row), every row: a vector lane's float sequence.  bits 4: codes
+ * [N, K/2], float32 scales and offsets [N, K/32]; bits 8: codes [N, K], scales [N, K/sub], offsets [N, K/32] or NULL. */
+static void tail_outputs_k(int bits, const void *codes, const float *wd, const float *wm, int sub, const int8_t *xq,
+                           const float *xd, const float *xs, int64_t M, int64_t K, int64_t N, float *y) {
+    const int64_t G = K / QK, S = K / sub;
+    for (int64_t n = N / LANES * LANES; n < N; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float acc = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                const int8_t *x = xq + m * K + g * QK;
+                const float xg = xd[m * G + g];
+                if (bits == 4) {
+                    const int32_t isum = block_isum_u((const uint8_t *)codes + n * (K / 2) + g * (QK / 2), x);
+                    acc = fmaf((float)isum, wd[n * G + g] * xg, acc);
+                } else {
+                    const int8_t *w = (const int8_t *)codes + n * K + g * QK;
+                    const int32_t lo = isum_s(w, x, 16), hi = isum_s(w + 16, x + 16, 16);
+                    if (sub == 16) {
+                        acc = fmaf((float)lo, wd[n * S + 2 * g] * xg, acc);
+                        acc = fmaf((float)hi, wd[n * S + 2 * g + 1] * xg, acc);
+                    } else {
+                        acc = fmaf((float)(lo + hi), wd[n * S + g] * xg, acc);
+                    }
+                }
+                if (wm) acc = fmaf(wm[n * G + g], xs[m * G + g], acc);
+            }
+            y[m * N + n] = acc;
+        }
+}
+
+/* y [M, N] for 4-bit codes with float32 scales and offsets [N, K/32] (Q4_K; the layout above) */
+void spec_w4a8k(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, const uint8_t *codes,
+                const float *wd, const float *wm, int64_t N, float *y, int64_t ahead) {
+    const int64_t G = K / QK;
+#define Q4K_CALL(R) q4_group(codes + t * LANES * (K / 2), wd + t * LANES * G, wm + t * LANES * G, xq, xd, xs, m0, R, K, \
+                             G, y, N, t * LANES, ahead, 1)
+#ifdef SPEC_ZMM
+#define Q4K_PAIR(R) q4_pair(codes + t * LANES * (K / 2), codes + (t + 1) * LANES * (K / 2), wd + t * LANES * G,     \
+                            wd + (t + 1) * LANES * G, wm + t * LANES * G, wm + (t + 1) * LANES * G, xq, xd, xs, m0, R, \
+                            K, G, y, N, t * LANES, ahead, 1)
+#else
+#define Q4K_PAIR Q4K_CALL
+#endif
+#define Q4K_AMX AMX_ROW_TILES(4, codes + t * LANES * (K / 2), codes + (t + 1) * LANES * (K / 2), wd + t * LANES * G,  \
+                              wd + (t + 1) * LANES * G, wm + t * LANES * G, wm + (t + 1) * LANES * G, xs, t * LANES, \
+                              Q4K_PAIR, 1)
+    FOR_GROUPS(Q4K_CALL, Q4K_PAIR, tail_outputs_k(4, codes, wd, wm, 32, xq, xd, xs, M, K, N, y), Q4K_AMX);
+#undef Q4K_AMX
+#undef Q4K_PAIR
+#undef Q4K_CALL
+}
+
+/* y [M, N] for 8-bit codes with float32 scales [N, K/sub] (sub 32 or 16) and float32 offsets [N, K/32] or NULL
+ * (Q5_0, Q5_1, Q5_K, Q6_K; the layout above).  Returns 0, or -1 for a sub other than 16 or 32 (y untouched). */
+int spec_w8a8k(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, const int8_t *codes,
+               const float *wd, const float *wm, int64_t sub, int64_t N, float *y, int64_t ahead) {
+    const int64_t G = K / QK;
+    if (sub != 16 && sub != 32) return -1;
+#define Q8K_CALL(R) q8k_group(codes + t * LANES * K, wd + t * LANES * (K / sub), wm ? wm + t * LANES * G : 0, xq, xd, \
+                              xs, m0, R, K, G, y, N, t * LANES, ahead, S)
+#ifdef SPEC_ZMM
+#define Q8K_PAIR(R) q8k_pair(codes + t * LANES * K, codes + (t + 1) * LANES * K, wd + t * LANES * (K / sub),          \
+                             wd + (t + 1) * LANES * (K / sub), wm ? wm + t * LANES * G : 0,                        \
+                             wm ? wm + (t + 1) * LANES * G : 0, xq, xd, xs, m0, R, K, G, y, N, t * LANES, ahead, S)
+#else
+#define Q8K_PAIR Q8K_CALL
+#endif
+#define Q8K_AMX do { (void)amx; ROW_TILES(Q8K_PAIR); } while (0)   /* no AMX tiles for these layouts: 512-bit pairs */
+    if (sub == 16) {
+        const int S = 16;
+        FOR_GROUPS(Q8K_CALL, Q8K_PAIR, tail_outputs_k(8, codes, wd, wm, S, xq, xd, xs, M, K, N, y), Q8K_AMX);
+    } else {
+        const int S = 32;
+        FOR_GROUPS(Q8K_CALL, Q8K_PAIR, tail_outputs_k(8, codes, wd, wm, S, xq, xd, xs, M, K, N, y), Q8K_AMX);
+    }
+#undef Q8K_AMX
+#undef Q8K_PAIR
+#undef Q8K_CALL
+    return 0;
 }
 
 /* The same products on float32 rows x [M, K]: quantize (workspace of our own), then multiply. Returns 0, or -1 when
@@ -404,6 +564,26 @@ int spec_w8a8_f32(const float *x, int64_t M, int64_t K, const int8_t *codes, con
     int8_t *xq; float *xd, *xs;
     if (quantized_workspace(x, M, K, &xq, &xd, &xs)) return -1;
     spec_w8a8(xq, xd, M, K, codes, wd, N, y, ahead);
+    free(xq); free(xd);
+    return 0;
+}
+
+int spec_w4a8k_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *wd, const float *wm,
+                   int64_t N, float *y, int64_t ahead) {
+    int8_t *xq; float *xd, *xs;
+    if (quantized_workspace(x, M, K, &xq, &xd, &xs)) return -1;
+    spec_w4a8k(xq, xd, xs, M, K, codes, wd, wm, N, y, ahead);
+    free(xq); free(xd);
+    return 0;
+}
+
+/* Returns 0, -1 when the workspace cannot be allocated, -2 for a sub other than 16 or 32 (y untouched). */
+int spec_w8a8k_f32(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *wd, const float *wm,
+                   int64_t sub, int64_t N, float *y, int64_t ahead) {
+    int8_t *xq; float *xd, *xs;
+    if (sub != 16 && sub != 32) return -2;
+    if (quantized_workspace(x, M, K, &xq, &xd, &xs)) return -1;
+    spec_w8a8k(xq, xd, xs, M, K, codes, wd, wm, sub, N, y, ahead);
     free(xq); free(xd);
     return 0;
 }

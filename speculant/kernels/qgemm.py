@@ -76,7 +76,8 @@ def _w4a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets
 
     The weight is ``w[n, k] = scales[n, g] * q[n, k] + offsets[n, g]`` (``g = k // 32``, ``q`` in 0..15), packed
     in ``codes`` ``[N, K/2]`` uint8 as GGUF does (byte j of a block: code j in the low nibble, code j+16 in the
-    high one); ``scales``/``offsets`` ``[N, K/32]`` float16; the rows of all three interleaved by groups of 8
+    high one); ``scales``/``offsets`` ``[N, K/32]`` float16 (GGUF's Q4_0/Q4_1 values), or float32 (Q4_K's
+    super-block scales folded exactly into per-32 values; ``qgemm.c``'s K layouts); the rows of all three interleaved by groups of 8
     outputs (the layout in ``qgemm.c``'s header; :class:`~speculant.runtime.formats.W4A8Linear` makes it).
     ``x`` is quantized per block of 32 to int8 first (:func:`quantize_rows`).  ``prefetch``: bytes ahead that the
     product prefetches its codes (0: none; a multiple of 64; measured per machine by the tuner; never changes the
@@ -86,7 +87,34 @@ def _w4a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets
         SpeculantError: the kernel cannot run here.
         MemoryError: the quantized-activation workspace cannot be allocated.
     """
-    return _product("spec_w4a8_f32", x, codes, scales, offsets, prefetch=prefetch)
+    entry = "spec_w4a8k_f32" if scales.dtype == torch.float32 else "spec_w4a8_f32"
+    return _product(entry, x, codes, scales, offsets, prefetch=prefetch)
+
+
+def _w8a8k_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, group: int,
+              prefetch: int = 0) -> torch.Tensor:
+    """``x`` ``[M, K]`` float32 times the transpose of the 8-bit weight ``w[n, k] = scales[n, k // group] * codes[n, k]
+    (+ offsets[n, k // 32])`` -> ``[M, N]`` float32 (``torch.ops.speculant.w8a8k_mm``): GGUF's Q5_0, Q5_1, Q5_K
+    (``group`` 32) and Q6_K (``group`` 16) with their scales folded exactly into float32 (``codes`` ``[N, K]`` int8,
+    ``scales`` ``[N, K/group]`` and ``offsets`` ``[N, K/32]`` float32 or None; rows interleaved by groups of 8 outputs,
+    ``qgemm.c``'s K layouts; :class:`~speculant.runtime.formats.W8A8Linear` makes them), on int8 activations
+    (:func:`quantize_rows`); ``prefetch`` as for :func:`_w4a8_mm`.
+
+    Raises:
+        SpeculantError: the kernel cannot run here.
+        ValueError: ``group`` is not 16 or 32.
+        MemoryError: the quantized-activation workspace cannot be allocated.
+    """
+    if group not in (16, 32):
+        raise ValueError(f"w8a8k_mm: group {group!r}; allowed: 16, 32")
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], codes.shape[0])
+    status = (build._LIB or require()).spec_w8a8k_f32(
+        x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(), scales.data_ptr(),
+        0 if offsets is None else offsets.data_ptr(), group, codes.shape[0], y.data_ptr(), prefetch)
+    if status != 0:
+        raise MemoryError("speculant qgemm: cannot allocate the quantized-activation workspace")
+    return y
 
 
 def _w8a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, prefetch: int = 0) -> torch.Tensor:
@@ -108,7 +136,9 @@ _OPS = torch.library.Library("speculant", "FRAGMENT")
 _OPS.define("w4a8_mm(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int prefetch=0) -> Tensor")
 _OPS.define("w8a8_mm(Tensor x, Tensor codes, Tensor scales, int prefetch=0) -> Tensor")
 _OPS.impl("w4a8_mm", _w4a8_mm, "CPU")
+_OPS.define("w8a8k_mm(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group, int prefetch=0) -> Tensor")
 _OPS.impl("w8a8_mm", _w8a8_mm, "CPU")
+_OPS.impl("w8a8k_mm", _w8a8k_mm, "CPU")
 
 
 @torch.library.register_fake("speculant::w4a8_mm")
@@ -118,4 +148,9 @@ def _(x, codes, scales, offsets, prefetch=0):
 
 @torch.library.register_fake("speculant::w8a8_mm")
 def _(x, codes, scales, prefetch=0):
+    return x.new_empty(x.shape[0], codes.shape[0])
+
+
+@torch.library.register_fake("speculant::w8a8k_mm")
+def _(x, codes, scales, offsets, group, prefetch=0):
     return x.new_empty(x.shape[0], codes.shape[0])

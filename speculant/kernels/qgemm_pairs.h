@@ -35,6 +35,10 @@ INLINE v16f v16_load_h16(const uint16_t *a, const uint16_t *b) {   /* 8 fp16 at 
     return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
                                                    _mm_loadu_si128((const __m128i *)b), 1));
 }
+INLINE v16f v16_load_f2(const float *a, const float *b) {        /* 8 float32 at a, 8 at b */
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(a))),
+                                               _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
+}
 INLINE v16f v16_set1_f(float v) { return _mm512_set1_ps(v); }
 INLINE v16f v16_zero_f(void) { return _mm512_setzero_ps(); }
 INLINE v16f v16_mul(v16f a, v16f b) { return _mm512_mul_ps(a, b); }
@@ -68,6 +72,7 @@ INLINE v16i v16_sign8(v16i x, v16i w) {
 }
 INLINE v16f v16_cvt(v16i a) { return (v16f){_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
 INLINE v16f v16_load_h16(const uint16_t *a, const uint16_t *b) { return (v16f){load_h8(a), load_h8(b)}; }
+INLINE v16f v16_load_f2(const float *a, const float *b) { return (v16f){_mm256_loadu_ps(a), _mm256_loadu_ps(b)}; }
 INLINE v16f v16_set1_f(float v) { return (v16f){_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
 INLINE v16f v16_zero_f(void) { return (v16f){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 INLINE v16f v16_mul(v16f a, v16f b) { return (v16f){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
@@ -86,6 +91,12 @@ INLINE v16f v16_load_f(const float *p) { return (v16f){_mm256_loadu_ps(p), _mm25
 #define V16_PIN(v) do { PIN((v).lo); PIN((v).hi); } while (0)
 #endif
 
+/* 8 scales from element i of a and 8 from element i of b: float32 (f32: the K layouts) or fp16 (exact) */
+INLINE v16f v16_load_s16(const void *a, const void *b, int64_t i, int f32) {
+    return f32 ? v16_load_f2((const float *)a + i, (const float *)b + i)
+               : v16_load_h16((const uint16_t *)a + i, (const uint16_t *)b + i);
+}
+
 /* 4 activation bytes at p in every 32-bit lane */
 INLINE v16i v16_bcast4(const int8_t *p) {
     int32_t v;
@@ -93,11 +104,11 @@ INLINE v16i v16_bcast4(const int8_t *p) {
     return v16_set1_i32(v);
 }
 
-/* Q4_1, groups t and t + 1 (codes wa, wb; scales da, db; mins ma, mb) by R rows from m0: q4_group's operations,
- * with int32 sums by vpdpbusd; writes y[m0 + r, n0 .. n0 + 15]. */
-INLINE void q4_pair(const uint8_t *wa, const uint8_t *wb, const uint16_t *da, const uint16_t *db, const uint16_t *ma,
-                    const uint16_t *mb, const int8_t *xq, const float *xd, const float *xs, int64_t m0, int R,
-                    int64_t K, int64_t G, float *y, int64_t N, int64_t n0, int64_t ahead) {
+/* Q4_1, groups t and t + 1 (codes wa, wb; scales da, db; mins ma, mb: fp16, or float32 with f32 set, the Q4_K
+ * layout) by R rows from m0: q4_group's operations, with int32 sums by vpdpbusd; writes y[m0 + r, n0 .. n0 + 15]. */
+INLINE void q4_pair(const uint8_t *wa, const uint8_t *wb, const void *da, const void *db, const void *ma,
+                    const void *mb, const int8_t *xq, const float *xd, const float *xs, int64_t m0, int R,
+                    int64_t K, int64_t G, float *y, int64_t N, int64_t n0, int64_t ahead, int f32) {
     const v16i mask = v16_set1_i8(0x0F);
     v16f acc[MB];
     for (int r = 0; r < R; r++) acc[r] = v16_zero_f();
@@ -117,7 +128,7 @@ INLINE void q4_pair(const uint8_t *wa, const uint8_t *wb, const uint16_t *da, co
                 V16_PIN(s2[r]);
             }
         }
-        const v16f dw = v16_load_h16(da + g * LANES, db + g * LANES), mw = v16_load_h16(ma + g * LANES, mb + g * LANES);
+        const v16f dw = v16_load_s16(da, db, g * LANES, f32), mw = v16_load_s16(ma, mb, g * LANES, f32);
         for (int r = 0; r < R; r++) {
             const int64_t mg = (m0 + r) * G + g;
             acc[r] = v16_fma(v16_cvt(v16_add32(s[r], s2[r])), v16_mul(dw, v16_set1_f(xd[mg])), acc[r]);
@@ -151,6 +162,46 @@ INLINE void q8_pair(const int8_t *wa, const int8_t *wb, const uint16_t *da, cons
         const v16f dw = v16_load_h16(da + g * LANES, db + g * LANES);
         for (int r = 0; r < R; r++)
             acc[r] = v16_fma(v16_cvt(v16_add32(s[r], s2[r])), v16_mul(dw, v16_set1_f(xd[(m0 + r) * G + g])), acc[r]);
+    }
+    for (int r = 0; r < R; r++) v16_store(y + (m0 + r) * N + n0, acc[r]);
+}
+
+/* The 8-bit K layouts (qgemm.c: float32 scales per `sub` inputs, optional float32 offsets), groups t and t + 1
+ * (codes wa, wb; scales da, db; offsets ma, mb or NULL) by R rows from m0: q8k_group's operations; writes
+ * y[m0 + r, n0 .. n0 + 15]. */
+INLINE void q8k_pair(const int8_t *wa, const int8_t *wb, const float *da, const float *db, const float *ma,
+                     const float *mb, const int8_t *xq, const float *xd, const float *xs, int64_t m0, int R, int64_t K,
+                     int64_t G, float *y, int64_t N, int64_t n0, int64_t ahead, int sub) {
+    v16f acc[MB];
+    for (int r = 0; r < R; r++) acc[r] = v16_zero_f();
+    for (int64_t g = 0; g < G; g++) {
+        prefetch_ahead(wa + g * 256, ahead, 4);
+        prefetch_ahead(wb + g * 256, ahead, 4);
+        v16i s[MB], s2[MB];           /* the first and the last 16 inputs' sums */
+        for (int r = 0; r < R; r++) s[r] = s2[r] = v16_zero();
+        for (int c = 0; c < 8; c++) {
+            const v16i w = v16_load2(wa + g * 256 + 32 * c, wb + g * 256 + 32 * c), aw = v16_abs8(w);
+            for (int r = 0; r < R; r++) {
+                const v16i p = v16_sign8(v16_bcast4(xq + (m0 + r) * K + g * QK + 4 * c), w);
+                if (c < 4) s[r] = v16_dpbusd(s[r], aw, p);
+                else s2[r] = v16_dpbusd(s2[r], aw, p);
+                V16_PIN(s[r]);
+                V16_PIN(s2[r]);
+            }
+        }
+        const float *sa = da + g * LANES * (QK / sub), *sb = db + g * LANES * (QK / sub);
+        const v16f d0 = v16_load_f2(sa, sb), d1 = sub == 16 ? v16_load_f2(sa + LANES, sb + LANES) : d0;
+        for (int r = 0; r < R; r++) {
+            const int64_t mg = (m0 + r) * G + g;
+            const v16f x = v16_set1_f(xd[mg]);
+            if (sub == 16) {
+                acc[r] = v16_fma(v16_cvt(s[r]), v16_mul(d0, x), acc[r]);
+                acc[r] = v16_fma(v16_cvt(s2[r]), v16_mul(d1, x), acc[r]);
+            } else {
+                acc[r] = v16_fma(v16_cvt(v16_add32(s[r], s2[r])), v16_mul(d0, x), acc[r]);
+            }
+            if (ma) acc[r] = v16_fma(v16_load_f2(ma + g * LANES, mb + g * LANES), v16_set1_f(xs[mg]), acc[r]);
+        }
     }
     for (int r = 0; r < R; r++) v16_store(y + (m0 + r) * N + n0, acc[r]);
 }

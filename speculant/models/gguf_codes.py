@@ -4,7 +4,17 @@ A GGUF model's projections are stored block-wise (llama.cpp's ``ggml-quants``):
 
 * ``Q4_0``: blocks of 32 weights, ``w = d * (q - 8)``, ``q`` in 0..15, ``d`` fp16;
 * ``Q4_1``: blocks of 32 weights, ``w = d * q + m``, ``q`` in 0..15, ``d``, ``m`` fp16;
-* ``Q8_0``: blocks of 32 weights, ``w = d * q``, ``q`` int8, ``d`` fp16.
+* ``Q8_0``: blocks of 32 weights, ``w = d * q``, ``q`` int8, ``d`` fp16;
+* ``Q5_0``: blocks of 32, ``w = d * (q - 16)``, ``q`` in 0..31; ``Q5_1``: ``w = d * q + m``;
+* ``Q4_K`` / ``Q5_K``: super-blocks of 256 (fp16 ``d``, ``dmin``), 8 sub-blocks of 32 with 6-bit ``sc_j``, ``m_j``:
+  ``w = (d * sc_j) * q - (dmin * m_j)``, ``q`` in 0..15 / 0..31;
+* ``Q6_K``: super-blocks of 256 (fp16 ``d``), 16 sub-blocks of 16 with int8 ``sc_j``: ``w = (d * sc_j) * (q - 32)``,
+  ``q`` in 0..63.
+
+A K-quant's products ``d * sc_j`` and ``dmin * m_j`` are exact in float32 (at most 11 + 8 significant bits), so its
+super-block folds exactly into float32 scales (and offsets) per sub-block: :class:`GroupQuantized` with
+``scale_dtype`` float32 (Q6_K: ``group`` 16), whose ``dequantize`` gives ``gguf.quants.dequantize``'s bits (the same
+float32 operations: an exact product, then one rounded add).
 
 :func:`read_group_quantized` returns them as :class:`GroupQuantized` tensors named like our decoder's
 projections (``layers.3.self_attn.qkv_proj`` ...), rows permuted and fused exactly as the float
@@ -29,7 +39,7 @@ from ..errors import SpeculantError
 from .config import ModelConfig
 
 GROUP = 32
-"""Weights per block in Q4_0, Q4_1 and Q8_0."""
+"""Weights per block in Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 (and per sub-block in Q4_K, Q5_K)."""
 
 
 @dataclass
@@ -37,11 +47,14 @@ class GroupQuantized:
     """A weight ``[O, I]`` stored as group-wise codes: ``w[o, i] = scale[o, g] * codes[o, i] + offset[o, g]``, ``g = i // group``.
 
     Attributes:
-        codes: ``[O, I]`` uint8 (4-bit codes 0..15) or int8 (8-bit codes).
-        scale: ``[O, I / group]`` float32 (the file's fp16 values, exact).
+        codes: ``[O, I]`` uint8 (4-bit codes 0..15) or int8 (8-bit codes: Q8_0's, and Q5's and Q6_K's, which fit).
+        scale: ``[O, I / group]`` float32 (the file's values, exact).
         offset: ``[O, I / group]`` float32, or ``None`` (symmetric).
         bits: 4 or 8.
-        group: weights per group (32 for GGUF blocks).
+        group: weights per group (32 for GGUF blocks and K-quant sub-blocks; 16 for Q6_K's).
+        scale_dtype: ``torch.float16`` where every scale and offset is an fp16 value as stored (Q4_0, Q4_1, Q8_0,
+            Q5_0, Q5_1), ``torch.float32`` where they are K-quant products, exact in float32 only.
+        kind: the GGUF block type the codes were read from (``None``: made here).
     """
 
     codes: torch.Tensor
@@ -49,6 +62,8 @@ class GroupQuantized:
     offset: torch.Tensor | None
     bits: int
     group: int = GROUP
+    scale_dtype: torch.dtype = torch.float16
+    kind: str | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -65,45 +80,111 @@ class GroupQuantized:
     def rows(self, index) -> "GroupQuantized":
         """The same weight restricted (or permuted) to output rows ``index``."""
         off = None if self.offset is None else self.offset[index]
-        return GroupQuantized(self.codes[index], self.scale[index], off, self.bits, self.group)
+        return GroupQuantized(self.codes[index], self.scale[index], off, self.bits, self.group, self.scale_dtype,
+                              self.kind)
+
+    def layout(self) -> tuple:
+        """What a kernel layout depends on: codes of the same layout can share one projection."""
+        return self.bits, self.group, self.offset is None, self.scale_dtype
 
     @staticmethod
     def cat(parts: list["GroupQuantized"]) -> "GroupQuantized":
-        """Output rows of ``parts`` stacked (a fused projection: q|k|v, gate|up)."""
+        """Output rows of ``parts`` stacked (a fused projection: q|k|v, gate|up).
+
+        Raises:
+            SpeculantError: the parts differ in :meth:`layout` (a fused projection of such parts is a stack of
+                projections, :class:`~speculant.runtime.formats.StackedLinear`).
+        """
         first = parts[0]
-        if any(p.bits != first.bits or p.group != first.group or (p.offset is None) != (first.offset is None)
-               for p in parts):
-            raise SpeculantError("cannot fuse projections stored in different GGUF block types")
+        if any(p.layout() != first.layout() for p in parts):
+            raise SpeculantError("cannot fuse projections stored in different GGUF block types ("
+                                 + ", ".join(str(p.kind) for p in parts) + ") into one")
         off = None if first.offset is None else torch.cat([p.offset for p in parts])
+        kinds = {p.kind for p in parts}
         return GroupQuantized(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), off,
-                              first.bits, first.group)
+                              first.bits, first.group, first.scale_dtype, kinds.pop() if len(kinds) == 1 else None)
 
 
 def _blocks(raw: np.ndarray, rows: int, block_bytes: int) -> np.ndarray:
     return np.ascontiguousarray(raw).reshape(rows, -1, block_bytes)
 
 
+def _half(b: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 value at byte ``at`` of every block of ``b`` ``[rows, blocks, bytes]``, as float32 ``[rows, blocks]``."""
+    return b[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """GGUF's 32-code halves: bytes ``[..., 16]`` -> codes ``[..., 32]`` (low nibbles first, then high ones)."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+
+
+def _gq(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, bits: int, kind: str,
+        group: int = GROUP, scale_dtype: torch.dtype = torch.float16) -> GroupQuantized:
+    rows = codes.shape[0]
+    t = torch.from_numpy(np.ascontiguousarray(codes.reshape(rows, -1)).astype(np.uint8 if bits == 4 else np.int8))
+    return GroupQuantized(t, torch.from_numpy(np.ascontiguousarray(scale.reshape(rows, -1), dtype=np.float32)),
+                          None if offset is None else torch.from_numpy(np.ascontiguousarray(offset.reshape(rows, -1),
+                                                                                            dtype=np.float32)),
+                          bits, group, scale_dtype, kind)
+
+
+def _decode_q4(kind: str, b: np.ndarray) -> GroupQuantized:
+    head = 2 if kind == "Q4_0" else 4
+    d = _half(b, 0)
+    offset = -8.0 * d if kind == "Q4_0" else _half(b, 2)
+    return _gq(_nibbles(b[..., head:]), d, offset, 4, kind)
+
+
+def _decode_q5(kind: str, b: np.ndarray) -> GroupQuantized:
+    """Q5_0 / Q5_1: fp16 d (, m), 4 bytes of high bits (bit j: code j's), 16 bytes of nibbles."""
+    head = 2 if kind == "Q5_0" else 4
+    high = np.unpackbits(b[..., head:head + 4], axis=-1, bitorder="little")          # [rows, blocks, 32]
+    q = _nibbles(b[..., head + 4:]) | (high << 4)
+    if kind == "Q5_0":
+        return _gq(q.astype(np.int16) - 16, _half(b, 0), None, 8, kind)
+    return _gq(q, _half(b, 0), _half(b, 2), 8, kind)
+
+
+def _decode_k(kind: str, b: np.ndarray) -> GroupQuantized:
+    """Q4_K / Q5_K (fp16 d, dmin, 12 bytes of 6-bit scales and mins, [32 bytes of high bits,] 128 of nibbles) and
+    Q6_K (128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, fp16 d), folded into float32 per
+    sub-block: scale d * sc_j, offset -(dmin * m_j) (both exact)."""
+    from gguf.quants import Q4_K
+    rows, blocks = b.shape[:2]
+    if kind == "Q6_K":
+        ql = b[..., :128].reshape(rows, blocks, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
+        qh = b[..., 128:192].reshape(rows, blocks, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+        q = (ql & 0x0F).reshape(rows, blocks, 8, 32) | ((qh & 0x03).reshape(rows, blocks, 8, 32) << 4)
+        sc = b[..., 192:208].copy().view(np.int8).astype(np.float32)
+        return _gq(q.astype(np.int16) - 32, _half(b, 208)[..., None] * sc, None, 8, kind, 16, torch.float32)
+    sc, m = Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12))
+    scale = _half(b, 0)[..., None] * sc.reshape(rows, blocks, 8).astype(np.float32)
+    offset = -(_half(b, 2)[..., None] * m.reshape(rows, blocks, 8).astype(np.float32))
+    low = b[..., -128:].reshape(rows, blocks, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    q = (low & 0x0F).reshape(rows, blocks, 8, 32)
+    if kind == "Q4_K":
+        return _gq(q, scale, offset, 4, kind, GROUP, torch.float32)
+    high = b[..., 16:48].reshape(rows, blocks, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
+    return _gq(q | ((high & 0x01) << 4), scale, offset, 8, kind, GROUP, torch.float32)
+
+
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+"""Block types read as codes, and the bytes of one block (32 weights; 256 for the K-quants)."""
+
+
 def _decode(tensor) -> GroupQuantized | None:
     kind = tensor.kind
-    rows = int(tensor.data.shape[0])
+    if kind not in _BLOCK_BYTES:
+        return None      # F32/F16/BF16 and the types we do not take as codes: the float weights are used instead
+    b = _blocks(tensor.data, int(tensor.data.shape[0]), _BLOCK_BYTES[kind])
     if kind in ("Q4_0", "Q4_1"):
-        head = 2 if kind == "Q4_0" else 4
-        b = _blocks(tensor.data, rows, head + GROUP // 2)
-        d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        packed = b[..., head:]
-        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)   # low nibbles = first 16
-        if kind == "Q4_0":
-            offset = -8.0 * d
-        else:
-            offset = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        return GroupQuantized(torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(d),
-                              torch.from_numpy(offset), 4)
+        return _decode_q4(kind, b)
     if kind == "Q8_0":
-        b = _blocks(tensor.data, rows, 2 + GROUP)
-        d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        codes = b[..., 2:].copy().view(np.int8).reshape(rows, -1)
-        return GroupQuantized(torch.from_numpy(codes), torch.from_numpy(d), None, 8)
-    return None          # F32/F16/K-quants...: the float weights are used instead
+        return _gq(b[..., 2:].copy().view(np.int8), _half(b, 0), None, 8, kind)
+    if kind in ("Q5_0", "Q5_1"):
+        return _decode_q5(kind, b)
+    return _decode_k(kind, b)
 
 
 def _unpermute(gq: GroupQuantized, n_head: int) -> GroupQuantized:
@@ -114,8 +195,8 @@ def _unpermute(gq: GroupQuantized, n_head: int) -> GroupQuantized:
     return gq.rows(index)
 
 
-_KINDS = {"Q4_0": (4, False), "Q4_1": (4, False), "Q8_0": (8, True)}
-"""Block types read as codes: (bits, symmetric)."""
+CODE_KINDS = tuple(_BLOCK_BYTES)
+"""Block types read as codes."""
 
 
 class GGUFCodes(Mapping):
@@ -123,19 +204,27 @@ class GGUFCodes(Mapping):
 
     A read-only mapping over the memory-mapped file: each ``codes[name]`` decodes (and unpermutes, fuses) that
     projection afresh and keeps nothing, so that packing a model one projection at a time never holds all its
-    unpacked codes (~1 byte per weight) at once.  Keys are known without decoding (from the block types)."""
+    unpacked codes (~1 byte per weight) at once.  Keys are known without decoding (from the block types).  A fused
+    projection (q|k|v, gate|up) whose tensors differ in :meth:`GroupQuantized.layout` (a Q4_K_M file's Q4_K q, k and
+    Q6_K v) is a list of parts' codes in order, consecutive tensors of one layout fused into one part."""
 
     def __init__(self, index: "TensorIndex", specs: dict[str, list[tuple[str, int | None]]]):
         self._tensors = {t.name: t for t in index.tensors}
-        kinds = {n: _KINDS.get(t.kind) for n, t in self._tensors.items()}
         self._specs = {k: parts for k, parts in specs.items()
-                       if all(kinds.get(n) is not None for n, _ in parts) and len({kinds[n] for n, _ in parts}) == 1}
+                       if all(n in self._tensors and self._tensors[n].kind in CODE_KINDS for n, _ in parts)}
 
-    def __getitem__(self, key: str) -> GroupQuantized:
+    def __getitem__(self, key: str) -> GroupQuantized | list[GroupQuantized]:
         parts = self._specs[key]                    # KeyError for what the file does not hold as codes
         decoded = [_decode(self._tensors[n]) for n, _ in parts]
         decoded = [p if h is None else _unpermute(p, h) for p, (_, h) in zip(decoded, parts)]
-        return decoded[0] if len(decoded) == 1 else GroupQuantized.cat(decoded)
+        runs: list[list[GroupQuantized]] = []          # consecutive parts of one layout fuse (Q4_K q|k, then Q6_K v)
+        for p in decoded:
+            if runs and runs[-1][0].layout() == p.layout():
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        fused = [r[0] if len(r) == 1 else GroupQuantized.cat(r) for r in runs]
+        return fused[0] if len(fused) == 1 else fused
 
     def __iter__(self):
         return iter(self._specs)
@@ -196,7 +285,8 @@ def read_group_quantized(gguf_path: Path, cfg: ModelConfig, index: TensorIndex |
 
     Keys: ``layers.{i}.self_attn.qkv_proj``, ``layers.{i}.self_attn.o_proj``, ``layers.{i}.mlp.gate_up_proj``,
     ``layers.{i}.mlp.down_proj`` and ``lm_head_proj`` (the ``output`` tensor, or ``token_embd`` when tied).
-    A projection whose tensors are not all Q4_0/Q4_1/Q8_0 of one kind is left out.  ``index``: the file's
+    A projection with a tensor of another type (float, or a block type not in :data:`CODE_KINDS`) is left out; one
+    whose tensors differ in layout is a list of parts (:class:`GGUFCodes`).  ``index``: the file's
     :func:`index_tensors`, if already read.  q/k rows are put back in HF order for ``llama``/``mistral`` configs
     (llama.cpp's converter permutes them for the ``llama`` architecture only).
 

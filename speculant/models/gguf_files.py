@@ -7,8 +7,11 @@ architecture our decoder does not implement, a file without a tokenizer, a tenso
 
 * taken in every weight format: ``F32``, ``F16``, ``BF16`` (floats), ``Q8_0``, ``Q4_0``, ``Q4_1`` (their codes are
   used as stored by the ``int4``/``w4a8`` formats; :mod:`speculant.models.gguf_codes`);
-* taken in ``fp32`` weights only (:data:`FP32_ONLY_TYPES`): ``gguf.dequantize`` turns them into float32 exactly,
-  but every packed format would requantize them.
+* taken in ``fp32`` and ``w4a8`` (:data:`KERNEL_TYPES`: ``Q5_0``, ``Q5_1``, ``Q4_K``, ``Q5_K``, ``Q6_K``): ``w4a8``
+  runs their codes as stored on our kernels (K-quant super-block scales folded exactly into float32 per sub-block),
+  ``fp32`` dequantizes them exactly; ``int4``/``int8``/``bf16`` would requantize them;
+* taken in ``fp32`` weights only (:data:`FP32_ONLY_TYPES`: ``Q2_K``, ``Q3_K``): ``gguf.dequantize`` turns them into
+  float32 exactly, but every packed format would requantize them.
 
 The conversion of a file lives in ``$SPECULANT_CACHE/gguf/<stem>-<key>/`` where ``key`` hashes the file's resolved
 path, size and modification time (:func:`cache_dir`): a changed file is converted again.
@@ -33,8 +36,14 @@ NOT_YET = {"gemma3": "its four norms per layer, q/k norms and "
 FLOAT_TYPES = ("F32", "F16", "BF16")
 CODE_TYPES = ("Q8_0", "Q4_0", "Q4_1")
 """Block types whose codes the packed formats use as stored."""
-FP32_ONLY_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+KERNEL_TYPES = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+"""Block types whose codes ``w4a8`` runs as stored on our kernels (``fp32``: dequantized exactly); torch's packed
+formats would requantize them."""
+FP32_ONLY_TYPES = ("Q2_K", "Q3_K")
 """Block types dequantized exactly to float32 but requantized by every packed format: ``fp32`` weights only."""
+W4A8_TYPES = FLOAT_TYPES + CODE_TYPES + KERNEL_TYPES
+"""Every type a ``w4a8`` model takes (floats: the token embedding, norms; a float projection is quantized to 4 bits
+as for HF models)."""
 TOKENIZER_MODELS = ("gpt2", "llama")
 """``tokenizer.ggml.model`` values (byte-level BPE, SentencePiece) transformers' GGUF tokenizer reader builds for
 these architectures."""
@@ -86,11 +95,13 @@ class GGUFFile:
 
     @property
     def requantized(self) -> list[tuple[str, str]]:
-        """``(tensor, type)`` of the weights a packed format would requantize (types of :data:`FP32_ONLY_TYPES`),
-        the token embedding left out when the file has a separate LM head (the embedding stays float32: a lookup)."""
+        """``(tensor, type)`` of the weights a torch packed format (``int4``, ``int8``, ``bf16``) would requantize
+        (types of :data:`KERNEL_TYPES` and :data:`FP32_ONLY_TYPES`; ``w4a8`` takes the former as stored,
+        :func:`check_weights`), the token embedding left out when the file has a separate LM head (the embedding
+        stays float32: a lookup)."""
         untied = "output.weight" in self.tensor_types
         return [(n, t) for n, t in self.tensor_types.items()
-                if t in FP32_ONLY_TYPES and not (untied and n == "token_embd.weight")]
+                if t in KERNEL_TYPES + FP32_ONLY_TYPES and not (untied and n == "token_embd.weight")]
 
 
 def _field(reader, key: str):
@@ -150,10 +161,11 @@ def inspect_gguf(path: str | Path) -> GGUFFile:
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     for t in reader.tensors:
         kind = t.tensor_type.name
-        if kind not in FLOAT_TYPES + CODE_TYPES + FP32_ONLY_TYPES:
+        if kind not in FLOAT_TYPES + CODE_TYPES + KERNEL_TYPES + FP32_ONLY_TYPES:
             raise SpeculantError(
                 f"tensor {t.name} of {name!r} has type {kind}, which speculant cannot take; allowed types: "
-                f"{', '.join(FLOAT_TYPES + CODE_TYPES)}, and with --weights fp32 {', '.join(FP32_ONLY_TYPES)}")
+                f"{', '.join(FLOAT_TYPES + CODE_TYPES + KERNEL_TYPES)}, and with --weights fp32 "
+                f"{', '.join(FP32_ONLY_TYPES)}")
         block = GGML_QUANT_SIZES[t.tensor_type][0]
         if not int(t.n_elements) or int(t.shape[0]) % block or int(t.data.size) * t.data.itemsize != int(t.n_bytes):
             raise SpeculantError(f"tensor {t.name} of {name!r} ({kind}, shape {[int(n) for n in t.shape]}) is "
@@ -169,17 +181,24 @@ def _split_message(name: str) -> str:
             "`llama-gguf-split --merge FIRST-00001-of-0000N.gguf MERGED.gguf` and pass that file")
 
 
-def check_weights(requantized: list[tuple[str, str]], weights: str, name: str) -> str:
+def check_weights(requantized: list[tuple[str, str]], weights: str, name: str, kernels: bool = True) -> str:
     """The weight format to load a GGUF file in, given its :attr:`GGUFFile.requantized` tensors: ``weights`` itself
-    when nothing would be requantized or it is ``fp32``; ``fp32`` for ``auto`` otherwise.
+    when nothing would be requantized, it is ``fp32``, or it is ``w4a8`` and every such tensor is of a
+    :data:`KERNEL_TYPES` type; for ``auto``: ``w4a8`` when that holds and our kernels run here (``kernels``),
+    ``fp32`` otherwise.
 
     Raises:
-        SpeculantError: a packed format asked for a file holding tensors it would requantize (the first one named).
+        SpeculantError: a format asked for a file holding tensors it would requantize (the first one named, with
+            the formats allowed for this file).
     """
     if not requantized or weights == "fp32":
         return weights
+    fp32_only = [(n, t) for n, t in requantized if t in FP32_ONLY_TYPES]
     if weights == "auto":
-        return "fp32"
-    tensor, kind = requantized[0]
+        return "w4a8" if kernels and not fp32_only else "fp32"
+    if weights == "w4a8" and not fp32_only:
+        return weights
+    tensor, kind = (fp32_only or requantized)[0]
+    allowed = "fp32, auto" if fp32_only else "fp32, w4a8, auto"
     raise SpeculantError(f"weights={weights!r} would requantize the {kind} weights of {name!r} (e.g. {tensor}); "
-                         "allowed for this file: fp32, auto")
+                         f"allowed for this file: {allowed}")

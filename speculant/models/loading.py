@@ -619,10 +619,11 @@ def converted_dir(name: str) -> Path:
     return cache_root() / name
 
 
-def weights_for(name_or_path: str, weights: str, log=None) -> str:
-    """The weight format a model is loaded in for ``weights`` (a format or ``auto``): ``fp32`` for ``auto`` when the
-    model is a GGUF file holding types only ``fp32`` takes exactly (:data:`gguf_files.FP32_ONLY_TYPES`), else
-    ``weights`` itself (``log``, if given, is told of that choice in one line).  Read from the conversion's
+def weights_for(name_or_path: str, weights: str, log=None, kernels: bool = True) -> str:
+    """The weight format a model is loaded in for ``weights`` (a format or ``auto``): for ``auto``, when the model is
+    a GGUF file holding types the torch packed formats would requantize, ``w4a8`` where every such type runs as stored
+    on our kernels and they run here (``kernels``), else ``fp32`` (:func:`gguf_files.check_weights`; ``log``, if
+    given, is told of that choice in one line); ``weights`` itself otherwise.  Read from the conversion's
     ``gguf.json`` when cached, else from the file's header.
 
     Raises:
@@ -634,10 +635,12 @@ def weights_for(name_or_path: str, weights: str, log=None) -> str:
         requantized = json.loads((converted_dir(name_or_path) / "gguf.json").read_text())["requantized"]
     except (OSError, ValueError, KeyError, TypeError):
         requantized = gguf_files.inspect_gguf(gguf_file_of(name_or_path)).requantized
-    chosen = gguf_files.check_weights(requantized, weights, name_or_path)
+    chosen = gguf_files.check_weights(requantized, weights, name_or_path, kernels)
     if chosen != weights and log is not None:
         kinds = ", ".join(sorted({kind for _, kind in requantized}))
-        print(f"{name_or_path} holds {kinds} weights, taken exactly in fp32 only: weights auto loads fp32", file=log)
+        how = ("taken as stored by w4a8 (our kernels) and exactly by fp32" if chosen == "w4a8"
+               else "taken exactly in fp32 only" + ("" if kernels else " where our kernels do not run"))
+        print(f"{name_or_path} holds {kinds} weights, {how}: weights auto loads {chosen}", file=log)
     return chosen
 
 

@@ -37,16 +37,23 @@ def default_kv_dtype(head_dim: int) -> torch.dtype:
 
 
 def _projection_buffers(module) -> decode_step.ProjectionBuffers | None:
-    """A W4A8/W8A8 projection's buffers for the fused step, or ``None`` for any other module."""
-    from .formats import W4A8Linear, W8A8Linear
+    """A W4A8/W8A8 projection's buffers for the fused step (a stack of them: its parts'), or ``None`` for any other
+    module."""
+    from .formats import StackedLinear, W4A8Linear, W8A8Linear
+    if type(module) is StackedLinear:
+        parts = tuple(_projection_buffers(p) for p in module.parts)
+        if any(p is None for p in parts):
+            return None
+        return decode_step.ProjectionBuffers(0, module.in_features, module.out_features, None, None, None,
+                                             module.bias, parts=parts)
     if type(module) is W4A8Linear:
         bits, offsets = 4, module.offsets
     elif type(module) is W8A8Linear:
-        bits, offsets = 8, None
+        bits, offsets = 8, getattr(module, "offsets", None)
     else:
         return None
     return decode_step.ProjectionBuffers(bits, module.in_features, module.out_features, module.codes, module.scales,
-                                         offsets, module.bias)
+                                         offsets, module.bias, module.scale_group)
 
 
 def model_buffers(decoder: LlamaDecoder) -> decode_step.ModelBuffers | str:

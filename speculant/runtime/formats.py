@@ -20,7 +20,10 @@ Weight-only quantization: activations stay float32 between projections; the bf16
 read them rounded to bfloat16 and return bfloat16, which is converted back to float32.  The LM head of
 ``int4`` is ``int8`` (GGUF stores it as Q8_0, for which torch has no group-wise kernel).  ``w4a8`` is not
 weight-only: each projection quantizes its input rows to int8 per block of 32 and returns float32, as
-llama.cpp's CPU backend does; its LM head is ``w8a8`` (the GGUF's own Q8_0 codes, same activations).  A projection
+llama.cpp's CPU backend does; its LM head is ``w8a8`` (the GGUF's own Q8_0 codes, same activations).  A GGUF's
+projections of other types run as stored (:func:`block_linear`): Q4_K in ``w4a8`` with float32 scales, Q8_0, Q5_0,
+Q5_1, Q5_K and Q6_K in ``w8a8`` (float32 scales per 32 or 16 where the type needs them), a fused projection whose
+tensors differ in type as a :class:`StackedLinear`.  A projection
 whose shape a kernel cannot take (int4 needs ``O % 16 == 0`` and ``I % 32 == 0``; w4a8 needs ``I % 32 == 0``) falls
 back to the next format in ``w4a8 -> int8``, ``int4 -> int8 -> bf16``.
 With every projection in ``w4a8``/``w8a8``, a forward over the KV cache runs all its decoder layers as one call into
@@ -232,18 +235,26 @@ class _BlockLinear(PackedLinear):
     _WORDS = 0           # 32-bit words of codes per block and output
     prefetch = 0
 
-    def _store(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> None:
-        o, g = scale.shape
+    def _store(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+               dtype: torch.dtype = torch.float16) -> None:
+        """Codes ``[O, G, 32-input block]``, ``scale`` ``[O, G * per_block]`` (``per_block`` scales per block of 32:
+        1, or 2 for groups of 16), ``offset`` ``[O, G]`` or None, scales and offsets stored in ``dtype``."""
+        o, g = codes.shape[:2]
         self.register_buffer("codes", _interleave(codes.contiguous().view(o, g, self._WORDS, 4), g))
         for name, v in (("scales", scale), ("offsets", offset)):
             if v is not None:
-                self.register_buffer(name, _interleave(v.to(torch.float16).view(o, g, 1, 1), g))
+                self.register_buffer(name, _interleave(v.to(dtype).view(o, g, -1, 1), g))
 
     def _rows(self, name: str, words: int) -> torch.Tensor:
         """Buffer ``name`` row by row ``[O, G, words * B]``."""
         v = getattr(self, name)
         o, g = self.out_features, self.in_features // INT4_GROUP
         return _interleave(v.view(o, g, words, -1), g, inverse=True).view(o, g, -1)
+
+    @property
+    def scale_group(self) -> int:
+        """Inputs per scale: 32, or 16 (Q6_K)."""
+        return self.in_features // self.scales.shape[1]
 
     def group_quantized(self) -> GroupQuantized:
         """The stored weight as group-wise codes ``[O, I]`` (scales and offsets as stored, in float32)."""
@@ -261,8 +272,9 @@ class _BlockLinear(PackedLinear):
 
 class W4A8Linear(_BlockLinear):
     """4-bit codes in blocks of 32 on int8 activations: ``W[o, i] = scales[o, g] * q[o, i] + offsets[o, g]``,
-    ``q`` in 0..15 packed two per byte as in GGUF, ``scales``/``offsets`` float16 (a GGUF's Q4_1 values exactly;
-    others are rounded to float16), the rows of ``codes`` ``[O, I/2]``, ``scales``, ``offsets`` ``[O, I/32]``
+    ``q`` in 0..15 packed two per byte as in GGUF, ``scales``/``offsets`` float16 (a GGUF's Q4_0/Q4_1 values exactly;
+    others are rounded to float16) or float32 (codes whose ``scale_dtype`` is float32: Q4_K's super-block scales
+    folded exactly per sub-block of 32), the rows of ``codes`` ``[O, I/2]``, ``scales``, ``offsets`` ``[O, I/32]``
     interleaved by groups of 8 outputs (:mod:`speculant.kernels.qgemm`'s layout; :meth:`group_quantized` undoes it).
     The input is quantized per row and block of 32 to int8 (llama.cpp's Q8_1) inside the kernel."""
 
@@ -276,7 +288,8 @@ class W4A8Linear(_BlockLinear):
             raise SpeculantError(f"w4a8 takes 4-bit codes in groups of {INT4_GROUP}, got {gq.bits}-bit groups of {gq.group}")
         c = gq.codes.to(torch.uint8).view(o, i // INT4_GROUP, INT4_GROUP)
         offset = gq.offset if gq.offset is not None else torch.zeros_like(gq.scale)
-        self._store(c[..., :16] | (c[..., 16:] << 4), gq.scale, offset)
+        self._store(c[..., :16] | (c[..., 16:] << 4), gq.scale, offset,
+                    torch.float32 if gq.scale_dtype == torch.float32 else torch.float16)
 
     def matmul(self, x):
         return torch.ops.speculant.w4a8_mm(x.float(), self.codes, self.scales, self.offsets, self.prefetch)
@@ -286,13 +299,18 @@ class W4A8Linear(_BlockLinear):
         b = self._rows("codes", self._WORDS)
         q = torch.cat([b & 0x0F, b >> 4], -1).reshape(o, i)
         return GroupQuantized(q, self._rows("scales", 1).view(o, -1).float(), self._rows("offsets", 1).view(o, -1).float(),
-                              4, INT4_GROUP)
+                              4, INT4_GROUP, self.scales.dtype)
 
 
 class W8A8Linear(_BlockLinear):
-    """8-bit codes in blocks of 32 on int8 activations: ``W[o, i] = scales[o, i // 32] * codes[o, i]`` (GGUF's Q8_0;
-    ``scales`` float16, a GGUF's values exactly), rows interleaved by groups of 8 outputs as in :class:`W4A8Linear`;
-    the LM head of ``w4a8``."""
+    """8-bit codes in blocks of 32 on int8 activations: ``W[o, i] = scales[o, i // group] * codes[o, i]
+    (+ offsets[o, i // 32])``, rows interleaved by groups of 8 outputs as in :class:`W4A8Linear`:
+
+    * GGUF's Q8_0 and Q5_0 (codes ``q - 16``): ``scales`` float16 per 32, a GGUF's values exactly, no offsets
+      (the LM head of ``w4a8``, and its Q8_0/Q5_0 projections);
+    * Q5_1 (codes 0..31, fp16 scale and offset), Q5_K (codes 0..31; float32 scales and offsets per 32, the
+      super-block folded exactly) and Q6_K (codes ``q - 32``; float32 scales per 16, no offsets): ``scales`` (and
+      ``offsets``) float32, :mod:`speculant.kernels.qgemm`'s K layouts (``torch.ops.speculant.w8a8k_mm``)."""
 
     format = "w8a8"
     _WORDS = 8           # 32 codes
@@ -300,20 +318,68 @@ class W8A8Linear(_BlockLinear):
     def __init__(self, gq: GroupQuantized, bias: torch.Tensor | None = None):
         o, i = gq.shape
         super().__init__(i, o, bias)
-        if gq.bits != 8 or gq.group != INT4_GROUP or gq.offset is not None:
-            raise SpeculantError(f"w8a8 takes symmetric 8-bit codes in groups of {INT4_GROUP}")
-        self._store(gq.codes.to(torch.int8).view(o, i // INT4_GROUP, INT4_GROUP), gq.scale, None)
+        if gq.bits != 8 or gq.group not in (16, INT4_GROUP) or (gq.offset is not None and gq.group != INT4_GROUP):
+            raise SpeculantError(f"w8a8 takes 8-bit codes with scales per 16 or {INT4_GROUP} inputs (offsets per "
+                                 f"{INT4_GROUP}), got {gq.bits}-bit groups of {gq.group}")
+        fp16 = gq.group == INT4_GROUP and gq.offset is None and gq.scale_dtype == torch.float16
+        self._store(gq.codes.to(torch.int8).view(o, i // INT4_GROUP, INT4_GROUP), gq.scale, gq.offset,
+                    torch.float16 if fp16 else torch.float32)
 
     def matmul(self, x):
-        return torch.ops.speculant.w8a8_mm(x.float(), self.codes, self.scales, self.prefetch)
+        if self.scales.dtype == torch.float16:
+            return torch.ops.speculant.w8a8_mm(x.float(), self.codes, self.scales, self.prefetch)
+        return torch.ops.speculant.w8a8k_mm(x.float(), self.codes, self.scales, getattr(self, "offsets", None),
+                                            self.scale_group, self.prefetch)
 
     def group_quantized(self):
         o, i = self.out_features, self.in_features
-        return GroupQuantized(self._rows("codes", self._WORDS).reshape(o, i), self._rows("scales", 1).view(o, -1).float(),
-                              None, 8, INT4_GROUP)
+        offsets = getattr(self, "offsets", None)
+        return GroupQuantized(self._rows("codes", self._WORDS).reshape(o, i),
+                              self._rows("scales", INT4_GROUP // self.scale_group).reshape(o, -1).float(),
+                              None if offsets is None else self._rows("offsets", 1).reshape(o, -1).float(),
+                              8, self.scale_group, self.scales.dtype)
 
 
-PACKED_CLASSES = {cls.__name__: cls for cls in (Bf16Linear, Int8Linear, Int4Linear, W4A8Linear, W8A8Linear)}
+def block_linear(gq: GroupQuantized, bias: torch.Tensor | None = None) -> "_BlockLinear":
+    """The projection of GGUF codes ``gq`` as stored on our kernels: 4-bit codes :class:`W4A8Linear`, 8-bit ones
+    :class:`W8A8Linear` (each in the layout of its scales; no requantization).
+
+    Raises:
+        SpeculantError: codes no layout takes (groups other than 16 or 32).
+    """
+    return (W4A8Linear if gq.bits == 4 else W8A8Linear)(gq, bias)
+
+
+class StackedLinear(PackedLinear):
+    """A fused projection (q|k|v, gate|up) whose GGUF tensors are stored in different block types (a Q4_K_M file's
+    Q4_K q, k and Q6_K v): its output columns are its parts' (:class:`W4A8Linear` / :class:`W8A8Linear`, each in
+    its own type's layout) in order, then ``bias``.  The fused step runs the parts on the same int8 activations
+    (``decode_step.c``'s stacked projections)."""
+
+    format = "w4a8"
+
+    def __init__(self, parts: list[PackedLinear], bias: torch.Tensor | None = None):
+        super().__init__(parts[0].in_features, sum(p.out_features for p in parts), bias)
+        if any(p.in_features != self.in_features or p.bias is not None for p in parts):
+            raise SpeculantError("a stacked projection's parts take the same inputs and have no bias")
+        self.parts = nn.ModuleList(parts)
+
+    @classmethod
+    def empty(cls, in_features, out_features, buffers):
+        mod = cls.__new__(cls)
+        PackedLinear.__init__(mod, in_features, out_features, buffers.get("bias"))
+        mod.parts = nn.ModuleList()              # filled by the loader, part by part
+        return mod
+
+    def matmul(self, x):
+        return torch.cat([p.matmul(x) for p in self.parts], -1)
+
+    def dequantized_weight(self):
+        return torch.cat([p.dequantized_weight() for p in self.parts])
+
+
+PACKED_CLASSES = {cls.__name__: cls for cls in (Bf16Linear, Int8Linear, Int4Linear, W4A8Linear, W8A8Linear,
+                                                StackedLinear)}
 
 
 def _int4_scales_and_zeros(codes: GroupQuantized) -> tuple[torch.Tensor, torch.Tensor]:
@@ -396,12 +462,16 @@ def quantize_q8(weight: torch.Tensor) -> GroupQuantized:
 
 
 def pack_linear(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                codes: GroupQuantized | None = None) -> PackedLinear:
+                codes: GroupQuantized | list[GroupQuantized] | None = None) -> PackedLinear:
     """The projection ``weight`` ``[O, I]`` (float) in format ``fmt`` (not ``fp32``: float32 projections stay
     :class:`~speculant.models.linear.DecodeLinear`, an ``nn.Linear`` that training and LoRA can use).
 
-    ``codes``: the GGUF's own group-wise codes of the same weight; ``int4`` packs 4-bit codes as they
-    are (no requantization).  Shapes a kernel cannot take fall back ``int4 -> int8 -> bf16``.
+    ``codes``: the GGUF's own group-wise codes of the same weight (or a list of them: a fused projection whose
+    tensors differ in type; torch's formats quantize such a projection from ``weight``, as before); ``int4`` packs
+    4-bit codes as they are (no requantization), ``w4a8``/``w8a8`` take the
+    codes of every type :mod:`~speculant.models.gguf_codes` reads as stored, whichever of the two is asked
+    (:func:`block_linear`: a Q8_0 projection of a ``w4a8`` model runs in ``w8a8``, a Q4_K LM head in ``w4a8``).
+    Shapes a kernel cannot take fall back ``int4 -> int8 -> bf16``.
 
     Raises:
         SpeculantError: unknown format.
@@ -409,9 +479,15 @@ def pack_linear(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None = None
     if fmt != "w8a8":
         check_format(fmt)
     o, i = weight.shape
+    if isinstance(codes, list) and fmt not in ("w4a8", "w8a8"):
+        codes = None                 # torch's formats take one layout per projection: quantized from the float weight
     if fmt in ("w4a8", "w8a8"):
         if i % INT4_GROUP == 0:
             qgemm.require()
+            if isinstance(codes, list):                  # parts stored in different types: each as stored
+                return StackedLinear([block_linear(c) for c in codes], bias)
+            if codes is not None and codes.kind is not None:
+                return block_linear(codes, bias)         # a GGUF's codes of any type, as stored
             if fmt == "w8a8":
                 ok = codes is not None and codes.bits == 8 and codes.group == INT4_GROUP and codes.offset is None
                 return W8A8Linear(codes if ok else quantize_q8(weight), bias)
@@ -473,6 +549,7 @@ def pack_projections(layer, fmt: str, codes: dict[str, GroupQuantized | None] | 
 
 def weight_bytes(module: nn.Module) -> int:
     """Weight bytes of ``module`` [bytes]: its parameters plus the packed buffers of its
-    :class:`PackedLinear` projections (whose weights are buffers, not parameters)."""
+    :class:`PackedLinear` projections (whose weights are buffers, not parameters; a stack's counted in its parts)."""
     params = sum(p.numel() * p.element_size() for p in module.parameters())
-    return params + sum(m.nbytes for m in module.modules() if isinstance(m, PackedLinear))
+    return params + sum(m.nbytes for m in module.modules()
+                        if isinstance(m, PackedLinear) and not isinstance(m, StackedLinear))

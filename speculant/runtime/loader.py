@@ -21,7 +21,7 @@ from . import tune
 from .compiled import enable_compile
 from .executor import Executor
 from .occupancy import ThreadGovernor
-from .formats import FORMATS, apply_weight_format, check_format
+from .formats import FORMATS, apply_weight_format, check_format, format_available
 from .store import load_packed, packed_path, save_packed
 
 WEIGHT_CHOICES = ("auto",) + FORMATS
@@ -70,8 +70,10 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
     Args:
         weights: a weight format (``fp32``, ``bf16``, ``int8``, ``int4``, ``w4a8``; see
             :mod:`speculant.runtime.formats`) or ``auto``: the fastest batch-invariant format measured
-            on this machine (:mod:`speculant.runtime.tune`, cached after the first load; ``fp32`` for a GGUF file
-            holding types only fp32 takes exactly, :func:`~speculant.models.loading.weights_for`).
+            on this machine (:mod:`speculant.runtime.tune`, cached after the first load); for a GGUF file holding
+            types torch's packed formats would requantize, ``w4a8`` where they all run as stored on our kernels
+            (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and the kernels run here, else ``fp32``
+            (:func:`~speculant.models.loading.weights_for`).
         compile: compile the decoding steps with ``torch.compile`` (eager without a C++ compiler); ``w4a8``
             weights need no compilation: their layers run as one call into our kernels
             (:mod:`speculant.kernels.decode_step`; ``LoadedModel.fused``); ``LoadedModel.executor`` runs the model.
@@ -107,7 +109,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
             raise SpeculantError(f"dtype={str(dtype).replace('torch.', '')} applies to weights='fp32' only; "
                                  f"for {weights} weights keep dtype=float32")
         weights = "fp32"
-    weights = loading.weights_for(name_or_path, weights, log)
+    weights = loading.weights_for(name_or_path, weights, log,
+                                  kernels=format_available("w4a8") if weights == "auto" else True)
     fixed_threads = threads or user_threads()
     threads = fixed_threads or torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -20,7 +20,8 @@ from ..models.llama import LlamaDecoder
 from ..models.rope import rope_tables
 from .formats import PACKED_CLASSES, PackedLinear
 
-SCHEMA = "speculant-packed-2"      # 2: w4a8/w8a8 rows interleaved by 8, float16 scales
+SCHEMA = "speculant-packed-3"      # 2: w4a8/w8a8 rows interleaved by 8, float16 scales; 3: GGUF codes of every type
+#                                    as stored (K layouts with float32 scales, stacked projections)
 
 
 def packed_path(model_dir: Path, fmt: str) -> Path:

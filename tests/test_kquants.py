@@ -1,0 +1,290 @@
+"""GGUF tensor types on our kernels as stored (issue 26, item 2): Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K.
+
+Checked: the codes we read decode to ``gguf.quants.dequantize``'s bits for every type (K-quant super-blocks folded
+into float32 per-sub-block scales, no requantization); each type's product on every kernel variant (AVX2, the VNNI
+code with ``vpdpbusd``, 512-bit vectors and AMX tiles emulated, and the variant in use) gives the AVX2 bits, which are
+the float64 product of the dequantized weight and the int8-quantized activations within float32 accumulation; a tiny
+Llama GGUF mixing the types (fused q|k|v and gate|up of different types included) runs ``w4a8`` through the fused
+step, its logits close to transformers' forward of the same file with the activations quantized as our kernels do,
+and greedy decoding of every method equals ``ar``; types we do not take are refused in one line.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize, quants
+from gguf_helpers import k_quant_blocks, write_tiny_gguf
+from helpers import one_line_error
+
+from speculant import GenerationConfig, build_generator
+from speculant.errors import SpeculantError
+from speculant.kernels import build, qgemm
+from speculant.models import loading
+from speculant.models.gguf_codes import IndexedTensor, _decode
+from speculant.runtime.formats import StackedLinear, W4A8Linear, W8A8Linear, block_linear, format_available
+
+needs_kernel = pytest.mark.skipif(not qgemm.available(), reason=f"our kernels: {qgemm.unavailable_reason()}")
+TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+KERNEL_CLASS = {"Q4_0": W4A8Linear, "Q4_1": W4A8Linear, "Q4_K": W4A8Linear, "Q8_0": W8A8Linear, "Q5_0": W8A8Linear,
+                "Q5_1": W8A8Linear, "Q5_K": W8A8Linear, "Q6_K": W8A8Linear}
+
+
+def _raw(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """``[rows, cols]`` weights stored as ``kind``: the ``gguf`` package's quantization of normal values (types it
+    writes), random blocks with super-block scales spread over two decades (K-quants)."""
+    if kind.endswith("_K"):
+        return k_quant_blocks(rows, cols, kind, rng)        # super-block scales log-uniform in [1e-4, 1e-2]
+    return quants.quantize((rng.standard_normal((rows, cols)) * 0.1).astype(np.float32), GGMLQuantizationType[kind])
+
+
+def _codes(kind: str, raw: np.ndarray, tmp_path):
+    """Our decoding of the raw blocks (through a file, as a GGUF's tensors are read)."""
+    path = tmp_path / f"{kind}.bin"
+    raw.tofile(path)
+    return _decode(IndexedTensor("w", kind, 0, raw.shape, str(path)))
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_decoded_codes_are_gguf_dequantize_bit_for_bit(kind, tmp_path):
+    rng = np.random.default_rng(TYPES.index(kind))
+    raw = _raw(kind, 24, 512, rng)
+    gq = _codes(kind, raw, tmp_path)
+    want = torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType[kind]), dtype=np.float32))
+    assert torch.equal(gq.dequantize(), want)
+    assert gq.kind == kind and gq.group == (16 if kind == "Q6_K" else 32)
+    assert gq.scale_dtype == (torch.float32 if kind.endswith("_K") else torch.float16)
+    if gq.scale_dtype == torch.float16:                  # the fp16 kernels' scales: the file's values exactly
+        assert torch.equal(gq.scale.half().float(), gq.scale)
+    lo, hi = {4: (0, 15), 8: (-128, 127)}[gq.bits]
+    assert lo <= int(gq.codes.min()) and int(gq.codes.max()) <= hi
+
+
+def _q8_1(x: torch.Tensor) -> torch.Tensor:
+    """Activations as our kernels take them (llama.cpp's Q8_1): per block of 32, ``d = max|x| / 127``,
+    ``q = round-half-even(x / d)``, in float32; returned dequantized ``q * d`` in float64."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127.0
+    q = torch.round(blocks * torch.where(d > 0, 1.0 / d, torch.zeros_like(d)))
+    return (q.double() * d.double()).reshape(x.shape)
+
+
+VARIANTS = ("avx2", "vnni-emulated", "zmm-emulated", "amx-emulated")
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", TYPES)
+def test_every_variant_computes_the_dequantized_product_bit_for_bit_alike(kind, tmp_path, monkeypatch):
+    """Each type's projection (29 outputs: 3 groups of 8 and 5 row by row) for 1..17 rows: every kernel variant gives
+    the AVX2 bits, every row the bits it gets alone, and those are the float64 product of the dequantized weight and
+    the int8-quantized rows within float32 accumulation (~1e-6 of the output scale)."""
+    rng = np.random.default_rng(10 + TYPES.index(kind))
+    gq = _codes(kind, _raw(kind, 29, 512, rng), tmp_path)
+    lin = block_linear(gq)
+    assert type(lin) is KERNEL_CLASS[kind] and torch.equal(lin.dequantized_weight(), gq.dequantize())
+    x = torch.from_numpy(rng.standard_normal((17, 512)).astype(np.float32)) * 4.0
+    x[2, 64:96] = 0.0                                            # an all-zero activation block
+    libs = {"in use": build.load(), **{isa: build.load_variant(isa) for isa in VARIANTS}}
+    monkeypatch.setattr(build, "_LIB", libs["avx2"])
+    want = lin(x)
+    ref = _q8_1(x) @ gq.dequantize().double().t()
+    assert float((want.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), kind
+    for rows in (1, 2, 5, 9, 16, 17):                            # row tiles of 1..8; AMX tiles from 8 rows
+        for name, lib in libs.items():
+            monkeypatch.setattr(build, "_LIB", lib)
+            assert torch.equal(lin(x[:rows]), want[:rows]), (kind, name, rows)
+    monkeypatch.setattr(build, "_LIB", libs["in use"])
+    assert torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(17)]), want)
+    rows = lin.select_rows(torch.tensor([28, 3, 17, 0, 9]))      # a reduced LM head: the same bits per output
+    assert torch.equal(rows(x), want[:, [28, 3, 17, 0, 9]])
+
+
+MIXED = {"token_embd.weight": "Q4_K", "output.weight": "Q6_K",
+         "blk.0.attn_q.weight": "Q4_K", "blk.0.attn_k.weight": "Q4_K", "blk.0.attn_v.weight": "Q6_K",
+         "blk.0.attn_output.weight": "Q5_0", "blk.0.ffn_gate.weight": "Q4_K", "blk.0.ffn_up.weight": "Q5_K",
+         "blk.0.ffn_down.weight": "Q6_K",
+         "blk.1.attn_q.weight": "Q5_1", "blk.1.attn_k.weight": "Q5_1", "blk.1.attn_v.weight": "Q5_1",
+         "blk.1.attn_output.weight": "Q8_0", "blk.1.ffn_gate.weight": "Q4_0", "blk.1.ffn_up.weight": "Q4_1",
+         "blk.1.ffn_down.weight": "Q5_K"}
+"""A Q4_K_M-like mix (Q4_K q, k with a Q6_K v; Q6_K head) and every other type, fused projections of one layout
+(Q5_1 q|k|v, Q4_0|Q4_1 gate|up) and of several (stacks)."""
+PROMPT = [258, 260, 221, 263, 258, 260, 221, 263, 258, 260]
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    d = tmp_path_factory.mktemp("kquants")
+    return {tie: write_tiny_gguf(d / f"mixed-{tie}.gguf", "Q8_0", hidden=256, heads=4, kv_heads=2, inter=512,
+                                 tie=tie, seed=21 + tie, types=MIXED) for tie in (False, True)}
+
+
+def _hf_reference(path, quantized: bool) -> torch.nn.Module:
+    """transformers' model of the GGUF file (its own dequantization), in float64; ``quantized``: every projection's
+    input rounded as our kernels quantize it (:func:`_q8_1`), so that its logits are what our ``w4a8`` computes up
+    to float32 rounding."""
+    from transformers import AutoModelForCausalLM
+    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).double()
+    if quantized:
+        for m in ref.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.register_forward_pre_hook(lambda _, args: (_q8_1(args[0]),))
+    return ref.eval()
+
+
+@needs_kernel
+@pytest.mark.parametrize("tie", (False, True))
+def test_a_mixed_k_quant_llama_runs_w4a8_on_its_stored_types_close_to_transformers(tie, mixed, in_process):
+    from speculant.runtime.loader import load_model
+    path = mixed[tie]
+    # a float32 KV cache: the reference attends in float64, and a float16 cache rounds keys and values (its own,
+    # documented change of the logits, ~1e-2 here)
+    model = load_model(str(path), weights="auto", compile=False, kv_cache="float32")
+    assert model.weights == "w4a8" and model.fused                 # auto: as stored, on our kernels
+    l0, l1 = model.decoder.layers
+    qkv0 = l0.self_attn.qkv_proj
+    assert type(qkv0) is StackedLinear and [type(p) for p in qkv0.parts] == [W4A8Linear, W8A8Linear]
+    assert qkv0.parts[0].scales.dtype == torch.float32 and qkv0.parts[1].scale_group == 16
+    assert type(l0.mlp.gate_up_proj) is StackedLinear and type(l0.mlp.down_proj) is W8A8Linear
+    assert type(l1.self_attn.qkv_proj) is W8A8Linear and l1.self_attn.qkv_proj.offsets.dtype == torch.float32
+    assert type(l1.mlp.gate_up_proj) is W4A8Linear and l1.mlp.gate_up_proj.scales.dtype == torch.float16
+    head = model.decoder.lm_head_proj
+    assert type(head) is (W4A8Linear if tie else W8A8Linear) and head.scales.dtype == torch.float32
+    fp32 = load_model(str(path), weights="fp32", compile=False)
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        ex = model.executor
+        ex.fused_prompt_tokens = 64                                  # the prompt through the fused step
+        ours = ex(ids, None, None, ex.new_cache(32), 0)[0].double()
+        ex.use_fused = False                                         # the torch layer step on the same projections
+        torch_step = ex(ids, None, None, ex.new_cache(32), 0)[0].double()
+        ex.use_fused = True
+        want = _hf_reference(path, quantized=True)(ids).logits[0]
+        plain = _hf_reference(path, quantized=False)(ids).logits[0]
+        ours_fp32 = fp32.decoder(ids)[0].double()
+    scale = float(want.abs().max())
+    assert float((ours_fp32 - plain).abs().max()) < 1e-4 * scale     # fp32: the file's weights, dequantized
+    # w4a8 (the fused step, and the torch layer step on the same projections) vs the same forward in float64 with
+    # the activations quantized as our kernels do: what remains is float32 rounding (~1e-6 of the scale per
+    # operation), the 1e-4 of fp32 weights.  An activation whose float32 and float64 values round to different int8
+    # codes would add one code (~1/127 of its block's range) times one weight, ~1e-4 here: none does on these seeds,
+    # and a kernel that quantized or scaled any block otherwise would exceed the bound by far
+    err = float((ours - want).abs().max()) / scale
+    assert float((torch_step - want).abs().max()) / scale < 1e-4
+    assert err < 1e-4, err
+    # and the quantized activations themselves move the logits by far more than that: the check above is not vacuous
+    assert float((plain - want).abs().max()) / scale > 10 * err
+
+
+SPECS = {"early-exit": dict(method="early-exit", exit_layer=1, num_speculations=3),
+         "prompt-lookup": dict(method="prompt-lookup", num_speculations=4),
+         "rsd-s": dict(method="rsd-s", exit_layer=1, beam_width=3, draft_length=3),
+         "specinfer": dict(method="specinfer", exit_layer=1, branching=(2, 2)),
+         "draft-model": dict(method="draft-model", draft_model="truncated:1", num_speculations=3)}
+
+
+@needs_kernel
+def test_greedy_methods_equal_ar_on_the_mixed_file_in_w4a8(mixed, in_process):
+    from speculant.runtime.loader import load_model
+    model = load_model(str(mixed[False]), weights="w4a8", compile=False)
+    assert model.fused
+    config = GenerationConfig(max_new_tokens=24)
+    ar = build_generator(model, method="ar").generate(PROMPT, config).token_ids
+    assert len(ar) == 24
+    for name, spec in SPECS.items():
+        assert build_generator(model, **spec).generate(PROMPT, config).token_ids == ar, name
+    # a batched round (several sequences in one call of the fused step, stacks included): each row the bits of its
+    # sequence alone
+    import copy
+
+    from helpers import prefilled_caches
+
+    from speculant.runtime.blocks import Block
+    from speculant.runtime.ragged import ragged_run_layers
+    ex = model.executor
+    with torch.inference_mode():
+        caches = prefilled_caches(ex, [PROMPT[:4], PROMPT[:7]], 32)
+        blocks = [Block(ex.embed(torch.tensor([[11, 12, 13]])), 0, torch.arange(4, 7), None, caches[0], 4),
+                  Block(ex.embed(torch.tensor([[40, 41]])), 0, torch.arange(7, 9), None, caches[1], 7)]
+        alone = [ex.run_layers(b.hidden, 0, ex.num_layers, b.positions, b.mask, c, b.cache_position)
+                 for b, c in zip(blocks, [copy.deepcopy(c) for c in caches])]
+        together = ragged_run_layers(ex, blocks)
+    assert all(torch.equal(x, y) for x, y in zip(together, alone))
+
+
+def _write_raw(path, kind: str):
+    """A tiny Llama GGUF whose one projection is of a type we do not take as codes (random blocks)."""
+    if kind in ("Q2_K", "Q3_K"):
+        return write_tiny_gguf(path, "Q8_0", layers=1, hidden=256, inter=256, types={"blk.0.ffn_up.weight": kind})
+    from gguf import GGUFWriter
+    src = write_tiny_gguf(path.with_suffix(".src.gguf"), "Q8_0", layers=1, hidden=256, inter=256)
+    from gguf import GGUFReader
+    reader = GGUFReader(str(src))
+    w = GGUFWriter(str(path), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        w.add_key_value(field.name, field.contents(), field.types[0],
+                        field.types[-1] if field.types[0].name == "ARRAY" else None)
+    qtype = GGMLQuantizationType[kind]
+    block, size = GGML_QUANT_SIZES[qtype]
+    for t in reader.tensors:
+        if t.name == "blk.0.ffn_up.weight":
+            rows, cols = int(t.shape[1]), int(t.shape[0])
+            raw = np.zeros((rows, cols // block * size), dtype=np.uint8)
+            w.add_tensor(t.name, raw, raw_dtype=qtype)
+        else:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("kind", ("Q3_K", "Q2_K", "IQ4_NL", "TQ2_0"))
+def test_types_we_do_not_take_are_one_line_exit_2_with_nothing_in_the_cache(kind, tmp_path, monkeypatch, capsys):
+    """Q2_K/Q3_K: exact in fp32 only (w4a8 would requantize them); IQ*/TQ*: no weight format at all."""
+    from speculant.cli import main
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SPECULANT_CACHE", str(cache))
+    path = _write_raw(tmp_path / f"{kind}.gguf", kind)
+    code = main(["generate", "hi", "--model", str(path), "--raw", "--max-new-tokens", "2", "--no-compile",
+                 "--weights", "w4a8"])
+    err = capsys.readouterr().err
+    assert code == 2 and one_line_error(err) and kind in err, err
+    if kind.endswith("_K"):
+        assert "would requantize the" in err and "allowed for this file: fp32, auto" in err, err
+    else:
+        assert "which speculant cannot take; allowed types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, " \
+               "Q5_K, Q6_K" in err, err
+    assert not (cache / "gguf").exists() or list((cache / "gguf").iterdir()) == []
+
+
+def test_torch_packed_formats_refuse_k_quants_and_auto_takes_w4a8(tmp_path):
+    path = str(write_tiny_gguf(tmp_path / "k.gguf", "Q8_0", layers=1, hidden=256, inter=256,
+                               types={"blk.0.ffn_down.weight": "Q6_K"}))
+    for weights in ("int4", "int8", "bf16"):
+        with pytest.raises(SpeculantError, match=f"weights='{weights}' would requantize the Q6_K weights .* allowed "
+                                                 "for this file: fp32, w4a8, auto"):
+            loading.weights_for(path, weights)
+    assert loading.weights_for(path, "w4a8") == "w4a8" and loading.weights_for(path, "fp32") == "fp32"
+    assert loading.weights_for(path, "auto") == "w4a8"
+    assert loading.weights_for(path, "auto", kernels=False) == "fp32"       # where our kernels do not run
+    assert format_available("w4a8") == qgemm.available()
+
+
+@needs_kernel
+def test_a_stack_of_parts_is_its_parts_side_by_side_and_torch_formats_requantize_it(tmp_path):
+    """A fused projection of Q4_K and Q6_K tensors: ``w4a8`` stacks them as stored (columns in order, bias after),
+    ``int4`` quantizes the float weight as it did for mixed types before (one layout per projection)."""
+    from speculant.runtime.formats import pack_linear
+    rng = np.random.default_rng(7)
+    parts = [_codes(k, _raw(k, n, 256, rng), tmp_path) for k, n in (("Q4_K", 16), ("Q6_K", 16))]
+    weight = torch.cat([p.dequantize() for p in parts])
+    bias = torch.from_numpy(rng.standard_normal(32).astype(np.float32))
+    stack = pack_linear("w4a8", weight, bias, codes=parts)
+    assert type(stack) is StackedLinear and torch.equal(stack.dequantized_weight(), weight)
+    x = torch.from_numpy(rng.standard_normal((3, 256)).astype(np.float32))
+    assert torch.equal(stack(x), torch.cat([block_linear(p)(x) for p in parts], -1) + bias)
+    assert type(pack_linear("int4", weight, bias, codes=parts)).__name__ == "Int4Linear"
