@@ -25,10 +25,9 @@ from pathlib import Path
 from ..errors import SpeculantError
 from ..paths import cache_root
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 """``general.architecture`` values our decoder runs (Mistral files use ``llama``)."""
-NOT_YET = {"gemma3": "its four norms per layer, q/k norms and "
-           "GeGLU are not implemented yet", "gemma2": "its soft-capping and GeGLU are not implemented yet"}
+NOT_YET = {"gemma2": "its soft-capping is not implemented yet"}
 """Architectures asked for that are not implemented, with why (said in the refusal)."""
 FLOAT_TYPES = ("F32", "F16", "BF16")
 CODE_TYPES = ("Q8_0", "Q4_0", "Q4_1")

@@ -27,7 +27,6 @@ from ..paths import cache_root
 from . import gguf_files
 from .config import ModelConfig
 from .llama import LlamaDecoder
-from .rope import rope_tables
 
 
 @dataclass(frozen=True)
@@ -272,10 +271,9 @@ def convert_gguf(source: GGUFSource | Path, out_dir: Path) -> Path:
     # the file's metadata parsed once (~7 s for SmolLM2's on a 2-core CPU): the config below is what
     # AutoConfig.from_pretrained(gguf_file=...) builds from the same dict, after two more parses
     parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
-    key_length = gguf_files._field(reader, f"{info.architecture}.attention.key_length")
-    if info.architecture == "qwen3" and isinstance(key_length, int):
-        # transformers' loader reads no head size of qwen3 files (its Qwen3Config then says 128); the file's is this
-        parsed["config"]["head_dim"] = key_length
+    _complete_gguf_config(reader, info.architecture, parsed["config"])
+    if info.architecture == "gemma3":
+        _gemma3_chat(tokenizer, parsed["config"])
     hf_config = CONFIG_MAPPING[parsed["config"]["model_type"]].from_dict(dict(parsed["config"]))
     hf_config.name_or_path = str(gguf.parent)
     cfg = config_from_gguf_load(hf_config.to_dict())
@@ -314,6 +312,58 @@ def convert_gguf(source: GGUFSource | Path, out_dir: Path) -> Path:
     return out_dir
 
 
+GEMMA_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+"""Gemma's norms around the MLP (same names in transformers and in our decoder)."""
+
+
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% set role = 'model' if message['role'] == 'assistant' "
+    "else message['role'] %}{% if role == 'system' %}{{ '<start_of_turn>user\\n' + message['content'] + '\\n\\n' }}"
+    "{% if loop.last %}{{ '<end_of_turn>\\n' }}{% endif %}{% else %}{% if loop.index0 == 0 or messages[loop.index0 - 1]"
+    "['role'] != 'system' %}{{ '<start_of_turn>' + role + '\\n' }}{% endif %}{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}"
+    "{% endif %}")
+"""Gemma 3's chat format (the turns of Google's ``chat_template``: ``<start_of_turn>user``/``model``, a system
+message prefixed to the first user turn), for GGUF files written without ``tokenizer.chat_template``."""
+
+
+def _complete_gguf_config(reader, architecture: str, conf: dict) -> None:
+    """Add to ``conf`` (transformers' config dict of a GGUF file) what its GGUF loader does not read: qwen3's head
+    size (``attention.key_length``; it assumes 128); gemma3's attention scale (llama.cpp: ``1/sqrt(key_length)``,
+    ``1/sqrt(hidden/heads)`` for the 62-layer 27B), layer pattern (``attention.sliding_window_pattern`` where
+    written, else llama.cpp's fixed 6: every 6th layer global) and the global layers' RoPE scaling
+    (``rope.scaling.type``/``factor``)."""
+    key_length = gguf_files._field(reader, f"{architecture}.attention.key_length")
+    if architecture == "qwen3" and isinstance(key_length, int):
+        conf["head_dim"] = key_length
+    if architecture != "gemma3":
+        return
+    if conf.get("num_hidden_layers") == 62:
+        conf["query_pre_attn_scalar"] = conf["hidden_size"] // conf["num_attention_heads"]
+    elif isinstance(key_length, int):
+        conf["query_pre_attn_scalar"] = key_length
+    pattern = gguf_files._field(reader, "gemma3.attention.sliding_window_pattern")
+    if isinstance(pattern, list) and len(pattern) == conf.get("num_hidden_layers"):
+        conf["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif isinstance(pattern, int) and pattern > 0:
+        conf["sliding_window_pattern"] = pattern
+    kind = gguf_files._field(reader, "gemma3.rope.scaling.type")
+    factor = gguf_files._field(reader, "gemma3.rope.scaling.factor")
+    if kind not in (None, "none") and factor not in (None, 1, 1.0):
+        conf["rope_scaling"] = {"rope_type": kind, "factor": factor}
+
+
+def _gemma3_chat(tokenizer, conf: dict) -> None:
+    """A Gemma GGUF's chat turns: the chat template (:data:`GEMMA_CHAT_TEMPLATE`) where the file has none, and
+    ``<end_of_turn>`` among the end-of-sequence ids (as Google's ``generation_config.json``)."""
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    end = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    eos = conf.get("eos_token_id")
+    if isinstance(end, int) and end != tokenizer.unk_token_id and isinstance(eos, int) and eos != end:
+        conf["eos_token_id"] = [eos, end]
+
+
 def _hf_layer_keys(cfg: ModelConfig, i: int) -> list[str]:
     """HF parameter names of decoder layer ``i`` (biases and q/k norms where ``cfg`` has them)."""
     p = f"model.layers.{i}."
@@ -327,6 +377,8 @@ def _hf_layer_keys(cfg: ModelConfig, i: int) -> list[str]:
         keys += [p + f"mlp.{n}_proj.bias" for n in ("gate", "up", "down")]
     if cfg.qk_norm:
         keys += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    if cfg.is_gemma:
+        keys += [p + f"{n}.weight" for n in GEMMA_NORMS]
     return keys
 
 
@@ -378,8 +430,8 @@ def check_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
 
 
 def hf_state_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig, consume: bool = False) -> dict[str, torch.Tensor]:
-    """Map Hugging Face Llama/Mistral/Qwen2/Qwen3 parameter names to ours (fusing q/k/v and gate/up, biases alike;
-    Qwen3's q/k norms keep their names).
+    """Map Hugging Face Llama/Mistral/Qwen2/Qwen3/Gemma3 parameter names to ours (fusing q/k/v and gate/up, biases
+    alike; q/k norms and Gemma's feed-forward norms keep their names, norm weights their values: Gemma's ``scale - 1``).
 
     ``consume``: remove each entry from ``state`` once mapped, so that the unfused parts of a fused weight are freed
     as it is made (no second copy of the model when ``state`` held the only references)."""
@@ -405,6 +457,8 @@ def hf_state_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig, consume: 
         if cfg.qk_norm:
             for n in ("q_norm", "k_norm"):
                 out[q + f"self_attn.{n}.weight"] = take(p + f"self_attn.{n}.weight")
+        for n in GEMMA_NORMS if cfg.is_gemma else ():
+            out[q + f"{n}.weight"] = take(p + f"{n}.weight")
     return out
 
 
@@ -432,6 +486,8 @@ def ours_to_hf_state(decoder: LlamaDecoder) -> dict[str, torch.Tensor]:
         if cfg.qk_norm:
             for n in ("q_norm", "k_norm"):
                 out[p + f"self_attn.{n}.weight"] = sd[q + f"self_attn.{n}.weight"]
+        for n in GEMMA_NORMS if cfg.is_gemma else ():
+            out[p + f"{n}.weight"] = sd[q + f"{n}.weight"]
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -483,7 +539,7 @@ def decoder_from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dtyp
         raise RuntimeError(f"weight mapping incomplete: missing {result.missing_keys}, unexpected {result.unexpected_keys}")
     if cfg.tie_word_embeddings:
         dec.lm_head_proj.weight = dec.embed_tokens.weight
-    dec.rope_cos, dec.rope_sin = rope_tables(cfg)  # buffers were on the meta device
+    dec.set_rope_tables()  # buffers were on the meta device
     dec.layer_token_counts = [0] * cfg.num_hidden_layers
     return dec.to(dtype).eval().requires_grad_(False)
 
