@@ -194,7 +194,7 @@ def _bad_files(d: Path) -> dict[str, tuple[Path, str]]:
         "split": (split, "split GGUF set.*llama-gguf-split --merge"),
         "architecture": (write_tiny_gguf(d / "phi.gguf", "Q8_0", arch="phi3", layers=1),
                          "architecture 'phi3' .* not supported; allowed: llama, qwen2"),
-        "gemma3": (write_tiny_gguf(d / "g3.gguf", "Q8_0", arch="gemma3", layers=1), "'gemma3' .*q/k norms"),
+        "gemma2": (write_tiny_gguf(d / "g2.gguf", "Q8_0", arch="gemma2", layers=1), "'gemma2' .*soft-capping"),
         "tokenizer": (write_tiny_gguf(d / "notok.gguf", "Q8_0", tokenizer=False, layers=1), "has no tokenizer"),
         "type": (f64, "tensor token_embd.weight .* has type F64, which speculant cannot take; allowed types: F32"),
         "blocks": (write_tiny_gguf(d / "rows.gguf", "Q8_0", layers=1, types={"blk.0.ffn_up.weight": "Q4_K"}),

