@@ -39,7 +39,7 @@ def k_quant_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator) ->
 def write_tiny_gguf(path: Path, kind: str = "Q8_0", arch: str = "llama", *, layers: int = 2, hidden: int = 64,
                     heads: int = 4, kv_heads: int = 2, inter: int = 128, tie: bool = False, seed: int = 0,
                     tokenizer: bool = True, types: dict[str, str] | None = None, name: str = "tiny",
-                    head_dim: int | None = None, window: int = 6) -> Path:
+                    head_dim: int | None = None, window: int = 6, split_max_tensors: int = 0) -> Path:
     """A random Llama-family GGUF with the byte-level BPE tokenizer of :func:`helpers.byte_tokenizer`.
 
     ``kind``: the type of every 2-D weight (``F32``, ``F16``, ``BF16``, ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0`` ...);
@@ -47,11 +47,13 @@ def write_tiny_gguf(path: Path, kind: str = "Q8_0", arch: str = "llama", *, laye
     ``arch``: ``llama``, ``qwen2`` (adds q/k/v biases), ``qwen3`` (adds q/k norms, F32, and ``attention.key_length``
     / ``value_length`` = ``head_dim``), ``gemma3`` (q/k norms, the norms after attention and around the MLP, stored
     as llama.cpp writes them: ``1 + weight``; ``attention.sliding_window`` = ``window``, RoPE base 1e6 for the global
-    layers; tied: no ``output.weight``) or any name (for the refusal tests).  ``head_dim``: default ``hidden / heads``."""
+    layers; tied: no ``output.weight``) or any name (for the refusal tests).  ``head_dim``: default ``hidden / heads``.
+    ``split_max_tensors``: write a split set of shards of at most that many tensors (gguf-py's own splitting, named
+    ``<stem>-00001-of-0000N.gguf`` ...) and return the first shard."""
     rng = np.random.default_rng(seed)
     tok = byte_tokenizer()
     vocab = len(tok)
-    w = GGUFWriter(str(path), arch)
+    w = GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_name(name)
     w.add_block_count(layers)
     w.add_context_length(2048)
@@ -117,4 +119,6 @@ def write_tiny_gguf(path: Path, kind: str = "Q8_0", arch: str = "llama", *, laye
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if split_max_tensors:
+        return Path(path).with_name(f"{Path(path).stem}-00001-of-{len(w.tensors):05d}.gguf")
     return Path(path)

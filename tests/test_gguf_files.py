@@ -191,7 +191,7 @@ def _bad_files(d: Path) -> dict[str, tuple[Path, str]]:
         "missing": (d / "absent.gguf", "does not exist"),
         "truncated": (d / "truncated.gguf", "truncated or corrupt"),
         "corrupt": (d / "not-gguf.gguf", "truncated or corrupt"),
-        "split": (split, "split GGUF set.*llama-gguf-split --merge"),
+        "split": (split, "shard .*model-00002-of-00002.gguf.* of the split GGUF set .* is missing"),
         "architecture": (write_tiny_gguf(d / "phi.gguf", "Q8_0", arch="phi3", layers=1),
                          "architecture 'phi3' .* not supported; allowed: llama, qwen2"),
         "gemma2": (write_tiny_gguf(d / "g2.gguf", "Q8_0", arch="gemma2", layers=1), "'gemma2' .*soft-capping"),

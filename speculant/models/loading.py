@@ -226,26 +226,27 @@ def config_from_gguf_load(conf: dict) -> ModelConfig:
     return ModelConfig.from_hf_dict(conf)
 
 
-def _gguf_float_tensors(gguf: Path, meta_model, parsed: dict | None = None, reader=None):
+def _gguf_float_tensors(gguf: Path, meta_model, parsed: dict | None = None, readers: list | None = None):
     """``(HF name, float32 tensor)`` of every weight of ``gguf``, one at a time, exactly as transformers' GGUF loader
     makes them (``load_gguf_checkpoint(return_tensors=True)``: ``gguf.dequantize``, the architecture's tensor
     processor, e.g. the q/k row order, and its name map) without holding them all: its loop, tensor by tensor.
     ``meta_model``: the transformers model of the file's config (on the meta device), for the name map;
-    ``parsed``: ``load_gguf_checkpoint(gguf, return_tensors=False)``, if already read; ``reader``: the file's
-    ``GGUFReader``, if already open."""
+    ``parsed``: ``load_gguf_checkpoint(gguf, return_tensors=False)``, if already read; ``readers``: the
+    ``GGUFReader`` of each of its files (one, or a split set's shards: :func:`gguf_files.shard_paths`), if already
+    open."""
     import numpy as np
     from gguf import GGUFReader, dequantize
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map,
                                                           load_gguf_checkpoint, read_field)
 
     parsed = parsed if parsed is not None else load_gguf_checkpoint(str(gguf), return_tensors=False)
-    reader = reader if reader is not None else GGUFReader(str(gguf))
-    architecture = read_field(reader, "general.architecture")[0]
+    readers = readers if readers is not None else [GGUFReader(str(p)) for p in gguf_files.shard_paths(gguf)]
+    architecture = read_field(readers[0], "general.architecture")[0]
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed.get("config", {}))
     # the file's own architecture names its tensors (a llama file named "mistral" loads as transformers' Mistral,
     # whose model_type gguf-py has no tensor names for)
     names = get_gguf_hf_weights_map(meta_model, processor, model_type=architecture)
-    for tensor in reader.tensors:
+    for tensor in (t for reader in readers for t in reader.tensors):
         result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
                                    tensor_key_mapping=names, parsed_parameters=parsed)
         if result.name in names:
@@ -301,9 +302,10 @@ def convert_gguf(source: GGUFSource | Path, out_dir: Path) -> Path:
     gguf = find_gguf(source) if isinstance(source, GGUFSource) else Path(source)
     if not isinstance(source, GGUFSource):
         gguf_files.inspect_gguf(gguf)
-    reader = GGUFReader(str(gguf))
+    readers = [GGUFReader(str(p)) for p in gguf_files.shard_paths(gguf)]   # one file, or a split set's shards
+    reader = readers[0]
     info = gguf_files.GGUFFile(gguf.resolve(), str(reader.fields["general.architecture"].contents()),
-                               {t.name: t.tensor_type.name for t in reader.tensors})
+                               {t.name: t.tensor_type.name for r in readers for t in r.tensors})
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # the file's metadata parsed once (~7 s for SmolLM2's on a 2-core CPU): the config below is what
     # AutoConfig.from_pretrained(gguf_file=...) builds from the same dict, after two more parses
@@ -317,7 +319,7 @@ def convert_gguf(source: GGUFSource | Path, out_dir: Path) -> Path:
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     written = []
-    tensors = (written.append(k) or (k, v) for k, v in _gguf_float_tensors(gguf, meta_model, parsed, reader)
+    tensors = (written.append(k) or (k, v) for k, v in _gguf_float_tensors(gguf, meta_model, parsed, readers)
                if not (cfg.tie_word_embeddings and k == "lm_head.weight"))
     count = len(meta_model.state_dict()) + 8
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -344,7 +346,7 @@ def convert_gguf(source: GGUFSource | Path, out_dir: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        del tensors, meta_model, reader
+        del tensors, meta_model, reader, readers
         release_memory()                       # before the converted weights are read back
     return out_dir
 
