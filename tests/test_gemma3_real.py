@@ -32,7 +32,7 @@ SAMPLES = {"blk.0.attn_q.weight": "model.layers.0.self_attn.q_proj.weight",
            "blk.3.attn_k_norm.weight": "model.layers.3.self_attn.k_norm.weight"}
 
 
-def test_gemma3_270m_weights_greedy_tokens_and_an_answer(in_process):
+def test_gemma3_270m_weights_greedy_tokens_and_an_answer():
     from gguf import GGUFReader, dequantize
     from transformers import Gemma3ForCausalLM
 

@@ -104,7 +104,8 @@ def find_gguf(source: GGUFSource) -> Path:
 
 def _assembled_gguf(source: GGUFSource) -> Path:
     """The GGUF file a chunk package writes (its ``assemble(output_path)``, which checks the file's SHA-256), kept in
-    ``$SPECULANT_CACHE/packages/<filename>``; a complete file is reused (its size checked, not its hash again).
+    ``$SPECULANT_CACHE/packages/<filename>`` (assembled under a temporary name and renamed into place, so a file
+    there is complete; it is reused without hashing it again).
 
     Raises:
         SpeculantError: a chunk package is missing, or the assembled file does not check out.
@@ -112,15 +113,18 @@ def _assembled_gguf(source: GGUFSource) -> Path:
     import importlib
 
     target = cache_root() / "packages" / source.filename
-    if target.is_file() and (target.parent / (source.filename + ".ok")).is_file():
+    if target.is_file():
         return target
-    try:
-        importlib.import_module(source.package).assemble(output_path=target, overwrite=True)
-    except (ImportError, FileNotFoundError, ValueError, FileExistsError) as e:
-        target.unlink(missing_ok=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.part")    # renamed into place once checked: no reader
+    try:                                                          # ever sees a half-written file
+        importlib.import_module(source.package).assemble(output_path=tmp, overwrite=True)
+        os.replace(tmp, target)
+    except (ImportError, OSError, ValueError) as e:
         raise SpeculantError(f"cannot assemble {source.filename} from package {source.package!r} "
                              f"({str(e).splitlines()[0]}); reinstall with: {source.install}") from None
-    (target.parent / (source.filename + ".ok")).write_text(str(target.stat().st_size))
+    finally:
+        tmp.unlink(missing_ok=True)
     return target
 
 
