@@ -46,17 +46,21 @@ def k_quant_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator, sc
 def write_tiny_gguf(path: Path, kind: str = "Q8_0", arch: str = "llama", *, layers: int = 2, hidden: int = 64,
                     heads: int = 4, kv_heads: int = 2, inter: int = 128, tie: bool = False, seed: int = 0,
                     tokenizer: bool = True, types: dict[str, str] | None = None, name: str = "tiny",
-                    head_dim: int | None = None) -> Path:
+                    head_dim: int | None = None, window: int = 6, split_max_tensors: int = 0) -> Path:
     """A random Llama-family GGUF with the byte-level BPE tokenizer of :func:`helpers.byte_tokenizer`.
 
     ``kind``: the type of every 2-D weight (``F32``, ``F16``, ``BF16``, ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0`` ...);
     norms are F32.  ``types``: per-tensor overrides (GGUF tensor name -> type, ``Q4_K``/``Q6_K`` as random blocks).
     ``arch``: ``llama``, ``qwen2`` (adds q/k/v biases), ``qwen3`` (adds q/k norms, F32, and ``attention.key_length``
-    / ``value_length`` = ``head_dim``) or any name (for the refusal tests).  ``head_dim``: default ``hidden / heads``."""
+    / ``value_length`` = ``head_dim``), ``gemma3`` (q/k norms, the norms after attention and around the MLP, stored
+    as llama.cpp writes them: ``1 + weight``; ``attention.sliding_window`` = ``window``, RoPE base 1e6 for the global
+    layers; tied: no ``output.weight``) or any name (for the refusal tests).  ``head_dim``: default ``hidden / heads``.
+    ``split_max_tensors``: write a split set of shards of at most that many tensors (gguf-py's own splitting, named
+    ``<stem>-00001-of-0000N.gguf`` ...) and return the first shard."""
     rng = np.random.default_rng(seed)
     tok = byte_tokenizer()
     vocab = len(tok)
-    w = GGUFWriter(str(path), arch)
+    w = GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_name(name)
     w.add_block_count(layers)
     w.add_context_length(2048)
@@ -65,7 +69,7 @@ def write_tiny_gguf(path: Path, kind: str = "Q8_0", arch: str = "llama", *, laye
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(1e6 if arch == "gemma3" else 10000.0)
     w.add_vocab_size(vocab)
     if tokenizer:
         ids = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
@@ -78,9 +82,12 @@ def write_tiny_gguf(path: Path, kind: str = "Q8_0", arch: str = "llama", *, laye
         w.add_bos_token_id(0)
     types = dict(types or {})
     head_dim = head_dim or hidden // heads
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if arch == "gemma3":
+        w.add_sliding_window(window)
+        tie = True
 
     def add(name: str, shape: tuple[int, ...], scale: float = 0.1, own: str | None = None):
         kind_here = types.get(name, own or kind)
@@ -109,11 +116,16 @@ def write_tiny_gguf(path: Path, kind: str = "Q8_0", arch: str = "llama", *, laye
         if arch == "qwen2":
             for n, rows in (("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim)):
                 add(b + f"attn_{n}.bias", (rows,), own="F32")
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             for n in ("q", "k"):
                 w.add_tensor(b + f"attn_{n}_norm.weight", rng.uniform(0.5, 1.5, head_dim).astype(np.float32))
+        if arch == "gemma3":
+            for n in ("post_attention_norm", "post_ffw_norm"):
+                w.add_tensor(b + f"{n}.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if split_max_tensors:
+        return Path(path).with_name(f"{Path(path).stem}-00001-of-{len(w.tensors):05d}.gguf")
     return Path(path)

@@ -218,7 +218,7 @@ def new_head(model, vocab_ids: torch.Tensor | None = None, feature: str = "post-
     dec = model.decoder
     conf = head_config(dec.config, model.name, vocab_ids, feature)
     head = DraftHead(conf, dec.embed_tokens.weight.detach().float(), _lm_head_rows(dec, vocab_ids),
-                     vocab_ids, dec.norm.weight.detach().float()).float()
+                     vocab_ids, _final_norm_scale(dec)).float()
     d = conf["hidden_size"]
     with torch.no_grad():
         if init == "last-layer":
@@ -273,7 +273,7 @@ def load_head(name_or_path: str | Path, model, weights: str | None = None) -> Dr
                                    "num_key_value_heads": c.num_key_value_heads}, path, "draft head")
     sd = load_file(str(path / WEIGHTS_FILE))
     vocab_ids = sd.pop("vocab_ids", None)
-    head = DraftHead(conf, dec.embed_tokens.weight, _lm_head_rows(dec, vocab_ids), vocab_ids, dec.norm.weight)
+    head = DraftHead(conf, dec.embed_tokens.weight, _lm_head_rows(dec, vocab_ids), vocab_ids, _final_norm_scale(dec))
     missing, unexpected = head.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not k.startswith("out_norm.")]     # the target's final norm, not stored
     if missing or unexpected:
@@ -294,3 +294,9 @@ def head_weight_format(model, head: DraftHead) -> str:
 def default_head_for(model_name: str) -> str | None:
     """``'default'`` when a draft head named default ships for ``model_name``, else ``None``."""
     return "default" if "default" in available_heads(model_name) else None
+
+
+def _final_norm_scale(dec) -> torch.Tensor:
+    """The target's final-norm scale ``[D]`` (float32) as a plain RMSNorm weight: its weight plus its offset (Gemma's
+    norms scale by ``1 + weight``, :class:`~speculant.models.llama.RMSNorm`)."""
+    return (dec.norm.weight.detach().float() + dec.norm.offset).contiguous()

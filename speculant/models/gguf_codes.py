@@ -260,22 +260,25 @@ class TensorIndex:
 
 def index_tensors(gguf_path: Path) -> TensorIndex:
     """Read the tensor table of ``gguf_path`` (through the ``gguf`` package's reader, which parses the whole
-    header: ~5-10 s for SmolLM2's on a 2-core CPU, most of it the tokenizer's metadata) and keep only that.
+    header: ~5-10 s for SmolLM2's on a 2-core CPU, most of it the tokenizer's metadata) and keep only that; a split
+    set's first shard gives the tensors of every shard (:func:`speculant.models.gguf_files.shard_paths`).
 
     Raises:
         SpeculantError: the file cannot be read as GGUF.
     """
     from gguf import GGUFReader
 
-    try:
-        reader = GGUFReader(str(gguf_path))
-    except Exception as e:  # noqa: BLE001 - the reader raises many kinds
-        raise SpeculantError(f"cannot read GGUF file {str(gguf_path)!r}: {e}") from None
+    from .gguf_files import shard_paths
+
     tensors = []
-    for t in reader.tensors:
-        raw = t.data if t.data.dtype == np.uint8 else t.data.view(np.uint8).reshape(*t.data.shape[:-1], -1)
-        tensors.append(IndexedTensor(t.name, t.tensor_type.name, int(t.data_offset), tuple(raw.shape),
-                                     str(gguf_path)))
+    for path in shard_paths(gguf_path):          # one file, or every shard of a split set
+        try:
+            reader = GGUFReader(str(path))
+        except Exception as e:  # noqa: BLE001 - the reader raises many kinds
+            raise SpeculantError(f"cannot read GGUF file {str(path)!r}: {e}") from None
+        for t in reader.tensors:
+            raw = t.data if t.data.dtype == np.uint8 else t.data.view(np.uint8).reshape(*t.data.shape[:-1], -1)
+            tensors.append(IndexedTensor(t.name, t.tensor_type.name, int(t.data_offset), tuple(raw.shape), str(path)))
     return TensorIndex(tensors)
 
 

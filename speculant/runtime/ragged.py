@@ -61,8 +61,10 @@ def ragged_run_layers(executor, blocks: list[Block], end: int | None = None,
         if tuple(mask.shape) != (t, b.cache_position + t):
             raise SpeculantError(f"mask shape {tuple(mask.shape)} does not match the block; "
                                  f"allowed: ({t}, {b.cache_position + t})")
-        masks.append(mask)
-        tables.append((decoder.rope_cos[b.positions], decoder.rope_sin[b.positions]))
+        local = decoder.local_rows(b.positions, b.hidden, mask, torch.arange(b.cache_position + t), range(end))
+        masks.append((mask, local[2] if local else None))   # (global, sliding-window layers') masks: Gemma 3
+        tables.append((decoder.rope_cos[b.positions], decoder.rope_sin[b.positions])
+                      + ((local[0].squeeze(-2), local[1].squeeze(-2)) if local else ()))
     # float32 or float16 caches, all one dtype (our attention kernel, see speculant.models.llama.attend): one call per layer for all sequences
     one_call = (len({b.cache.dtype for b in blocks}) == 1
                 and all(b.cache.dtype in attention_kernel.CACHE_DTYPES and b.cache.keys.shape[1] == 1 for b in blocks))
@@ -80,11 +82,16 @@ def ragged_run_layers(executor, blocks: list[Block], end: int | None = None,
             members = now
             sizes = [hidden[j].shape[1] for j in members]
             x = torch.cat([hidden[j] for j in members], dim=1) if len(members) > 1 else hidden[members[0]]
-            if one_call:
-                plan = attention_kernel.RaggedPlan(sizes, [blocks[j].cache_position for j in members],
-                                                   [blocks[j].cache for j in members], [masks[j] for j in members])
-            cos = torch.cat([tables[j][0] for j in members]).to(x.dtype).unsqueeze(-2)    # [R, 1, Dh]
-            sin = torch.cat([tables[j][1] for j in members]).to(x.dtype).unsqueeze(-2)
+            plans, rows = [], []        # per kind (0 global, 1 sliding window): attention plan, RoPE rows
+            for kind in range(2 if decoder.local_layers and any(decoder.local_layers) else 1):
+                if one_call:
+                    plans.append(attention_kernel.RaggedPlan(sizes, [blocks[j].cache_position for j in members],
+                                                             [blocks[j].cache for j in members],
+                                                             [masks[j][kind] for j in members]))
+                rows.append([torch.cat([tables[j][2 * kind + n] for j in members]).to(x.dtype).unsqueeze(-2)
+                             for n in (0, 1)])                                             # [R, 1, Dh]
+            plan = plans[0] if one_call else None
+            cos, sin = rows[0]
         if fused is not None:         # layers i .. (the next block's start layer) in one C call
             stop = min([b.start_layer for b in blocks if b.start_layer > i] + [end])
             x = fused.run(x.reshape(-1, x.shape[-1]), i, stop, cos.reshape(x.shape[1], -1),
@@ -94,6 +101,8 @@ def ragged_run_layers(executor, blocks: list[Block], end: int | None = None,
             i = stop
             continue
         layer = decoder.layers[i]
+        kind = int(decoder.local_layers[i])
+        cos, sin = rows[kind]
         if x.shape[1] > 1:            # one compiled graph for every row count 2..R
             mark_dynamic(x, 1)
             mark_dynamic(cos, 0)
@@ -101,13 +110,13 @@ def ragged_run_layers(executor, blocks: list[Block], end: int | None = None,
         q, k, v = first_half(layer, x, cos, sin)
         dtype, adtype = x.dtype, blocks[members[0]].cache.dtype
         if one_call:               # every sequence's attention (and KV write) in one kernel call
-            attended = attention_kernel.ragged_attention(q, k, v, plan, i, q.shape[-1] ** -0.5)
+            attended = attention_kernel.ragged_attention(q, k, v, plans[kind], i, q.shape[-1] ** -0.5)
         else:
             q, k, v = q.to(adtype), k.to(adtype), v.to(adtype)    # once per layer, not per sequence (same values)
             attended = []
             for j, qj, kj, vj in zip(members, q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2)):
                 b = blocks[j]
-                attended.append(attend(qj, kj, vj, masks[j], False, b.cache, i, b.cache_position))
+                attended.append(attend(qj, kj, vj, masks[j][kind], False, b.cache, i, b.cache_position))
             attended = torch.cat(attended, dim=1) if len(attended) > 1 else attended[0]
         attended = attended.to(dtype)
         if x.shape[1] > 1:

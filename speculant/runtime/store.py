@@ -17,7 +17,6 @@ import torch
 
 from ..models.config import ModelConfig
 from ..models.llama import LlamaDecoder
-from ..models.rope import rope_tables
 from .formats import PACKED_CLASSES, PackedLinear
 
 SCHEMA = "speculant-packed-3"      # 2: w4a8/w8a8 rows interleaved by 8, float16 scales; 3: GGUF codes of every type
@@ -71,7 +70,7 @@ def load_packed(path: Path, cfg: ModelConfig) -> LlamaDecoder | None:
         buffers = {k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")}
         setattr(parent, attr, PACKED_CLASSES[cls_name].empty(in_f, out_f, buffers))
     dec.load_state_dict(state, strict=True, assign=True)
-    dec.rope_cos, dec.rope_sin = rope_tables(cfg)
+    dec.set_rope_tables()
     dec.layer_token_counts = [0] * cfg.num_hidden_layers
     dec.weight_format = meta["format"]
     return dec.eval().requires_grad_(False)

@@ -35,10 +35,11 @@ def new_adapter(model, exit_layer: int, num_blocks: int = 1, vocab_ids: torch.Te
     with torch.no_grad():
         for j, b in enumerate(ad.blocks):
             layer = dec.layers[exit_layer + j]
-            b.norm.weight.copy_(layer.post_attention_layernorm.weight)
+            norm = layer.post_attention_layernorm           # its scale: weight + offset (Gemma: 1 + weight)
+            b.norm.weight.copy_(norm.weight + norm.offset)
             b.gate_up_proj.weight.copy_(layer.mlp.gate_up_proj.weight)
             b.down_proj.weight.copy_(layer.mlp.down_proj.weight)
-        ad.norm.weight.copy_(dec.norm.weight)
+        ad.norm.weight.copy_(dec.norm.weight + dec.norm.offset)
     return ad.float()
 
 

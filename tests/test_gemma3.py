@@ -1,0 +1,212 @@
+"""Gemma 3 (``model_type: gemma3_text``, GGUF architecture ``gemma3``): four norms per layer scaled by ``1 + weight``,
+q/k norms, GeGLU, embeddings times ``sqrt(hidden)``, ``query_pre_attn_scalar``, interleaved sliding-window (local)
+and global layers with their own RoPE bases.
+
+Checked on a tiny random ``Gemma3ForCausalLM`` whose window (8) is shorter than the prompts, with both kinds of
+layer and ``query_pre_attn_scalar != head_dim``: our fp32 logits equal transformers' within 1e-4 relative, in one
+forward and token by token through the runtime's steps; the HF directory round trip; greedy ``early-exit``,
+``prompt-lookup``, ``rsd-s`` and ``draft-model`` (truncated) token-identical to ``ar`` (fp32, and ``w4a8``
+projections on the torch step, since the fused C step refuses Gemma); a batched (ragged) pass equal to the
+sequences run alone; tiny GGUF files (norms stored as ``1 + weight``) equal to transformers' reading of them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import word_tokenizer
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+from speculant import GenerationConfig, build_generator
+from speculant.errors import SpeculantError
+from speculant.models.config import ModelConfig
+from speculant.models.loading import load_hf_dir, ours_to_hf_state, save_hf_dir
+from speculant.runtime.blocks import Block
+from speculant.runtime.executor import executor_of, why_not_fused
+from speculant.runtime.formats import apply_weight_format, format_available
+
+VOCAB = 100
+WINDOW = 8
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+             sliding_window=WINDOW, sliding_window_pattern=2, query_pre_attn_scalar=24)
+PROMPTS = ([3, 17, 42, 8, 25, 60, 1, 9, 33, 70, 12, 5], [7, 8, 9, 10] * 4, [11, 12, 13, 14, 15, 16, 11, 12, 13])
+SPECS = {"early-exit": dict(method="early-exit", exit_layer=1, num_speculations=3),
+         "prompt-lookup": dict(method="prompt-lookup", num_speculations=4),
+         "rsd-s": dict(method="rsd-s", exit_layer=1, beam_width=3, draft_length=3),
+         "draft-model": dict(method="draft-model", draft_model="truncated:1", num_speculations=3)}
+IDS = torch.tensor([[5, 9, 2, 7, 33, 81, 14, 60, 2, 99, 0, 41, 17, 3, 3, 8, 71, 22, 40, 5]])   # 20 > WINDOW
+
+
+def _hf_model(seed: int = 0, **changes) -> Gemma3ForCausalLM:
+    """A random tiny Gemma 3 with peaky distributions and norm weights away from 0 (so that ``1 + w`` matters)."""
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**{**SHAPE, **changes})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5)
+            else:
+                p.normal_(0, 0.1 if "embed" in name else 0.25)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gemma3")
+    _hf_model().save_pretrained(d)
+    word_tokenizer(VOCAB).save_pretrained(d)
+    return d
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def test_fp32_logits_match_transformers_and_the_hf_directory_round_trips(hf_dir, tmp_path):
+    ref = Gemma3ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ours = load_hf_dir(hf_dir)
+    cfg = ours.config
+    assert cfg.model_type == "gemma3_text" and cfg.qk_norm and cfg.tie_word_embeddings
+    assert cfg.layer_types == ("sliding_attention", "full_attention") * 2 and cfg.context_length == 256
+    with torch.inference_mode():
+        want = ref(IDS).logits[0]
+        got = ours.decoder(IDS)[0]
+    assert _rel(got, want) < 1e-4
+    # the window and the local RoPE base matter on this prompt: without them the logits differ
+    for change in (dict(sliding_window=64), dict(rope_local_theta=cfg.rope_theta)):
+        other = copy.deepcopy(ours.decoder)
+        other.config = ModelConfig(**{**cfg.__dict__, **change})
+        other.set_rope_tables()
+        with torch.inference_mode():
+            assert _rel(other(IDS)[0], want) > 1e-3, change
+    # our directory is read by transformers as the same model, and by us again bit for bit
+    save_hf_dir(ours, tmp_path / "ours")
+    back = Gemma3ForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    with torch.inference_mode():
+        assert torch.equal(back(IDS).logits[0], want)
+    again = load_hf_dir(tmp_path / "ours")
+    assert again.config == cfg
+    mine, theirs = ours_to_hf_state(ours.decoder), ours_to_hf_state(again.decoder)
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert "model.layers.3.post_feedforward_layernorm.weight" in mine
+
+
+def test_the_runtime_steps_token_by_token_equal_transformers(hf_dir):
+    """Prompt, a verification block and single tokens through the executor (the torch step: the fused C step refuses
+    Gemma), past the window, against transformers' one forward."""
+    model = load_hf_dir(hf_dir)
+    ex = executor_of(model)
+    assert "Gemma 3" in why_not_fused(model.decoder, ex.kv_dtype)
+    ref = Gemma3ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    cache = ex.new_cache(32)
+    with torch.inference_mode():
+        want = ref(IDS).logits[0]
+        parts = [ex(IDS[:, :10], None, None, cache, 0), ex(IDS[:, 10:14], None, None, cache, 10)]
+        parts += [ex(IDS[:, j:j + 1], None, None, cache, j) for j in range(14, IDS.shape[1])]
+    assert _rel(torch.cat(parts, 1)[0], want) < 1e-4
+
+
+def test_a_batched_pass_equals_the_sequences_alone(hf_dir):
+    model = load_hf_dir(hf_dir)
+    ex = executor_of(model)
+    dec = model.decoder
+    caches = [ex.new_cache(32), ex.new_cache(32)]
+    lengths = (12, 15)
+    with torch.inference_mode():
+        for c, n in zip(caches, lengths):           # prompts past the window
+            ex(IDS[:, :n], None, None, c, 0)
+        alone = [ex(IDS[:, n:n + 3], None, None, copy.deepcopy(c), n) for c, n in zip(caches, lengths)]
+        blocks = [Block(dec.embed(IDS[:, n:n + 3]), 0, torch.arange(n, n + 3), None, c, n)
+                  for c, n in zip(caches, lengths)]
+        together = [ex.lm_head(ex.final_norm(h)) for h in ex.run(blocks)]
+    for a, b in zip(alone, together):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def _greedy(model, spec: dict, prompt: list[int]) -> list[int]:
+    return build_generator(model, **spec).generate(prompt, GenerationConfig(max_new_tokens=20)).token_ids
+
+
+@pytest.mark.parametrize("weights", ("fp32", "w4a8"))
+def test_greedy_methods_equal_ar(weights, hf_dir):
+    if not format_available(weights):
+        pytest.skip(f"our {weights} kernels do not build on this machine")
+    model = load_hf_dir(hf_dir)
+    if weights != "fp32":
+        apply_weight_format(model.decoder, weights)
+        model.weights = weights
+        assert executor_of(model).fused_layers() is None        # Gemma runs the torch step
+    for prompt in PROMPTS:
+        ar = _greedy(model, dict(method="ar"), prompt)
+        assert len(ar) == 20
+        for name, spec in SPECS.items():
+            assert _greedy(model, spec, prompt) == ar, (weights, name, prompt)
+
+
+def test_config_defaults_are_transformers_and_bad_fields_are_refused():
+    d = {k: SHAPE[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads")}
+    ours = ModelConfig.from_hf_dict({"model_type": "gemma3_text", **d})
+    ref = Gemma3TextConfig(**d)
+    assert ours.head_dim == ref.head_dim and ours.query_pre_attn_scalar == ref.query_pre_attn_scalar
+    assert ours.sliding_window == ref.sliding_window and list(ours.layer_types) == ref.layer_types
+    assert ours.rope_theta == ref.rope_parameters["full_attention"]["rope_theta"]
+    assert ours.rope_local_theta == ref.rope_parameters["sliding_attention"]["rope_theta"]
+    assert ours.max_position_embeddings == ref.max_position_embeddings and ours.rms_norm_eps == ref.rms_norm_eps
+    assert ours.tie_word_embeddings == ref.tie_word_embeddings
+    assert ModelConfig.from_hf_dict(ours.to_hf_dict()) == ours
+    old = ModelConfig.from_hf_dict({"model_type": "gemma3_text", **d, "rope_theta": 5e5, "rope_local_base_freq": 2e4,
+                                    "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window_pattern": 2})
+    assert (old.rope_theta, old.rope_local_theta, old.rope_scaling) == (5e5, 2e4, {"rope_type": "linear", "factor": 8.0})
+    assert old.layer_types == ("sliding_attention", "full_attention") * 2
+    for bad, match in (({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+                       ({"hidden_activation": "silu"}, "hidden_activation='silu'"),
+                       ({"layer_types": ["full_attention"]}, "layer_types=")):
+        with pytest.raises(SpeculantError, match=match) as e:
+            ModelConfig.from_hf_dict({"model_type": "gemma3_text", **d, **bad})
+        assert "\n" not in str(e.value)
+    with pytest.raises(SpeculantError, match="model_type='gemma3'.*allowed: its text model"):
+        ModelConfig.from_hf_dict({"model_type": "gemma3", "text_config": d})
+
+
+GGUF_PROMPT = [258, 260, 221, 263, 258, 260, 221, 263, 258, 260, 221, 263, 258]
+
+
+@pytest.mark.parametrize("head_dim", (256, 32))
+def test_a_gemma3_gguf_file_loads_as_its_dequantized_weights(head_dim, tmp_path, in_process):
+    """llama.cpp stores Gemma's norms as ``1 + weight`` (transformers' reader subtracts 1 again); every 6th layer is
+    global (llama.cpp's fixed pattern); the attention scale is ``key_length ** -0.5``, which transformers' GGUF
+    loader does not read (it assumes 256: its own forward of the file is the reference at 256 only; at 32 it is its
+    forward of our conversion)."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+    from gguf_helpers import write_tiny_gguf
+    from transformers import AutoModelForCausalLM
+
+    from speculant.models.loading import read_checkpoint
+    path = write_tiny_gguf(tmp_path / "g3.gguf", "Q8_0", arch="gemma3", layers=6, head_dim=head_dim, seed=7, window=6)
+    model = read_checkpoint(str(path))
+    cfg = model.config
+    assert cfg.model_type == "gemma3_text" and cfg.head_dim == head_dim and cfg.query_pre_attn_scalar == head_dim
+    assert cfg.layer_types == ("sliding_attention",) * 5 + ("full_attention",) and cfg.sliding_window == 6
+    ours = ours_to_hf_state(model.decoder)
+    file = {t.name: np.array(dequantize(t.data, t.tensor_type), dtype=np.float32) for t in GGUFReader(str(path)).tensors}
+    for gguf_name, hf_name, offset in (("blk.1.attn_q.weight", "model.layers.1.self_attn.q_proj.weight", 0),
+                                       ("blk.1.attn_q_norm.weight", "model.layers.1.self_attn.q_norm.weight", 1),
+                                       ("blk.0.ffn_norm.weight", "model.layers.0.pre_feedforward_layernorm.weight", 1),
+                                       ("blk.2.post_ffw_norm.weight", "model.layers.2.post_feedforward_layernorm.weight",
+                                        1), ("output_norm.weight", "model.norm.weight", 1)):
+        assert torch.equal(ours[hf_name], torch.from_numpy(file[gguf_name] - offset)), hf_name
+    if head_dim == 256:
+        ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    else:
+        ref = AutoModelForCausalLM.from_pretrained(str(model.path), dtype=torch.float32)
+        assert ref.config.query_pre_attn_scalar == 32
+    ids = torch.tensor([GGUF_PROMPT])
+    with torch.inference_mode():
+        got, want = model.decoder(ids)[0], ref.eval()(ids).logits[0]
+    assert _rel(got, want) < 1e-4
+    assert _greedy(model, SPECS["prompt-lookup"], GGUF_PROMPT) == _greedy(model, dict(method="ar"), GGUF_PROMPT)
