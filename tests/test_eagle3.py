@@ -16,6 +16,7 @@ from speculant.drafters.eagle3_head import (AUX_IDS_KEY, default_aux_layer_ids, 
                                             new_eagle3, save_eagle3)
 from speculant.engine.stats import GenerationStats
 from speculant.errors import SpeculantError
+from speculant.runtime.formats import apply_weight_format, format_available
 
 PROMPTS = {"varied": [3, 17, 42, 8, 25, 60, 1, 33, 12], "repetitive": [7, 8, 9, 10] * 6}
 
@@ -86,6 +87,37 @@ def test_batched_rounds_match_ar(tmp_path):
     bg = BatchedGenerator(m, gen.drafter, gen.builder)
     assert decode_staggered(bg, [GenerationConfig(max_new_tokens=n) for n in LENGTHS]) == want
     assert bg.batched_verification
+
+
+@pytest.mark.skipif(not format_available("w4a8"), reason="our w4a8 kernel does not build on this machine")
+def test_fused_step_gives_the_auxiliary_states_and_matches_ar(tmp_path):
+    """A w4a8 target runs its layers as calls of our fused C step; stopping at the auxiliary boundaries gives the
+    bits of the one call, and the prompt's states (fused prompt route) equal the torch step's within 1e-4."""
+    from speculant.drafters.base import run_with_features
+    from speculant.runtime.executor import executor_of, why_not_fused
+    m = tiny_model(seed=11, scale=2.5, vocab=64, layers=5)
+    save_eagle3(random_eagle3(m, torch.arange(0, 64, 2), aux=[1, 3, 5]), tmp_path / "h")
+    apply_weight_format(m.decoder, "w4a8")
+    m.weights = "w4a8"
+    ex = executor_of(m)
+    assert ex.fused_layers() is not None, why_not_fused(m.decoder, ex.kv_dtype)
+    ids, pos = torch.tensor([PROMPTS["varied"]]), torch.arange(9)
+    with torch.inference_mode():
+        ex.fused_prompt_tokens = 64
+        one = ex.run_layers(ex.embed(ids), 0, 5, pos, None, ex.new_cache(16), 0)
+        cache = ex.new_cache(16)
+        last, aux = run_with_features(lambda h, a, b: ex.run_layers(h, a, b, pos, None, cache, 0), ex.embed(ids),
+                                      0, 5, [1, 3, 5])
+        assert torch.equal(one, last) and torch.equal(aux[-1], last)
+        ex.use_fused = False
+        ref = ex.run_layers(ex.embed(ids), 0, 3, pos, None, ex.new_cache(16), 0)
+        ex.use_fused, ex.fused_prompt_tokens = True, 0
+    torch.testing.assert_close(aux[1], ref, rtol=1e-4, atol=1e-4)
+    for prompt in PROMPTS.values():
+        ar, _, _ = run(m, prompt, 24, method="ar")
+        for spec in (dict(method="eagle", num_speculations=3), dict(method="rsd-c", branching="2,2")):
+            out, stats, gen = run(m, prompt, 24, draft_head=str(tmp_path / "h"), speculation="always", **spec)
+            assert out == ar and stats.drafted_tokens > 0, spec
 
 
 def test_drafts_equal_the_head_run_over_the_whole_sequence(model):
