@@ -62,6 +62,33 @@ def test_eagle3_methods_match_ar_under_greedy(model, head_dir, spec, prompt):
     assert stats.drafted_tokens > 0 and stats.new_tokens == 40
 
 
+def test_a_qwen3_target_drafts_with_an_eagle3_head(tmp_path):
+    """The head reads hidden states only, so any family our runtime runs is a target (Qwen3: q/k norms in the
+    target's layers, none in the head's, as SGLang's and vLLM's Llama EAGLE-3 heads for Qwen3 targets)."""
+    from speculant.models.config import ModelConfig
+    from speculant.models.llama import LlamaDecoder
+    from speculant.models.loading import LoadedModel
+    torch.manual_seed(2)
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                      model_type="qwen3", tie_word_embeddings=True)
+    dec = LlamaDecoder(cfg)
+    with torch.no_grad():
+        for name, p in dec.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.25 if "embed" in name else 0.125)
+    m = LoadedModel("tiny-qwen3", dec.eval().requires_grad_(False), tiny_model().tokenizer, None)
+    assert dec.layers[0].self_attn.q_norm is not None
+    save_eagle3(random_eagle3(m), tmp_path / "h")
+    head = load_eagle3(tmp_path / "h", m)
+    assert head.layer.self_attn.head_dim == 32 and head.layer.self_attn.q_norm is None
+    for prompt in PROMPTS.values():
+        ar, _, _ = run(m, prompt, 24, method="ar")
+        out, stats, _ = run(m, prompt, 24, draft_head=str(tmp_path / "h"), method="specinfer", branching="2,2",
+                            speculation="always")
+        assert out == ar and stats.drafted_tokens > 0
+
+
 def test_batched_rounds_match_ar(tmp_path):
     """The batched engine verifies several sequences in one ragged forward that stops at the auxiliary layers (a
     format whose kernels are batch-invariant here, as tests/test_batched.py: it fails, never skips, without one)."""
