@@ -202,7 +202,7 @@ def test_sampled_tokens_follow_the_target_law(spec, tmp_path):
     gen = build_generator(m, draft_head=str(tmp_path / "h"), speculation="always", **spec)
     assert isinstance(gen.drafter, Eagle3Drafter)
     outs, drafted = [], 0
-    for seed in range(3000):
+    for seed in range(2000):
         stats = GenerationStats()
         c = GenerationConfig(max_new_tokens=3, sampling=SamplingConfig(seed=seed, **sampling))
         outs.append(tuple(t for b in gen.generate_blocks(prompt, c, stats) for t in b))
