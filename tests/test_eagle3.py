@@ -365,3 +365,21 @@ def test_training_lowers_loss_and_drafts_better(model, tmp_path):
                    "--aux-layers", "1,2", "--no-progress"]
     assert main(parser_args) == 2                                   # two ids: one line, before any model loads
     assert "eagle3" in train_module.RECIPES
+
+
+def test_export_of_the_shipped_default_head(tmp_path):
+    """``speculant export --draft-head default`` (SmolLM2's shipped EAGLE-1-style head) writes vLLM's EAGLE-1 layout
+    with SmolLM2's shapes; the draft vocabulary goes to its side file."""
+    from safetensors.torch import load_file
+
+    from speculant.cli import main
+    from speculant.drafters.export import VOCAB_FILE
+    assert main(["export", "--draft-head", "default", "--out", str(tmp_path / "v1")]) == 0
+    conf = json.loads((tmp_path / "v1" / "config.json").read_text())
+    assert conf["architectures"] == ["EagleLlamaForCausalLM"] and conf["hidden_size"] == 576
+    assert conf["speculant"]["base_model"] == "smollm2-135m" and conf["bias"] is True
+    sd = load_file(str(tmp_path / "v1" / "model.safetensors"))
+    assert sd["layers.0.self_attn.q_proj.weight"].shape == (576, 576)
+    assert sd["layers.0.self_attn.k_proj.weight"].shape == (192, 576)
+    assert sd["layers.0.mlp.gate_proj.weight"].shape == (1536, 576) and sd["fc.bias"].shape == (576,)
+    assert len(json.loads((tmp_path / "v1" / VOCAB_FILE).read_text())) == 16384
