@@ -1,4 +1,4 @@
-"""Command line: ``speculant generate | models | tune | serve`` (and ``bench | sweep | train | make-data``).
+"""Command line: ``speculant generate | models | tune | export | serve`` (and ``bench | sweep | train | make-data``).
 
 Bad input prints one line ``speculant: error: ...`` and exits with code 2.
 """
@@ -93,6 +93,17 @@ def cmd_tune(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from .drafters.artifacts import resolve_dir
+    from .drafters.export import export_head
+    src = resolve_dir("draft_heads", "draft head", args.draft_head, args.model)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and out.resolve() != src.resolve():
+        raise SpeculantError(f"--out {str(out)!r} is not empty; allowed: a new or empty directory")
+    print(json.dumps(export_head(src, out)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speculant", description="Exact speculative decoding for Llama-family models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -131,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, default=None, help="torch threads to tune for (default: torch's)")
     t.add_argument("--json", action="store_true", help="print the measurement as JSON")
     t.set_defaults(func=cmd_tune)
+
+    x = sub.add_parser("export", help="write a draft head in the layout vLLM and SGLang load (EAGLE-3: "
+                                      "LlamaForCausalLMEagle3; our EAGLE-1-style head: EagleLlamaForCausalLM)")
+    x.add_argument("--draft-head", required=True, help="a shipped head name (for --model) or a head directory")
+    x.add_argument("--model", default="smollm2-135m", help="the model whose shipped heads NAME is looked up in")
+    x.add_argument("--out", required=True, help="output directory (new or empty)")
+    x.set_defaults(func=cmd_export)
 
     for register in _extensions():
         register(sub, _add_model_args, _add_method_args)

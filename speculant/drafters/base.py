@@ -26,6 +26,7 @@ from typing import Callable, ClassVar, Generic, TypeVar
 
 import torch
 
+from ..errors import SpeculantError
 from ..models.kv_cache import KVCache
 from ..models.llama import LlamaDecoder
 from ..sampling.processors import SamplingConfig, logits_to_probs
@@ -155,6 +156,10 @@ class Drafter(Generic[S]):
 
     name = "none"
     capabilities: ClassVar[DrafterCapabilities] = DrafterCapabilities()
+    feature_layers: tuple[int, ...] = ()
+    """Hidden-state boundaries (``k``: the residual stream entering target layer ``k``; ``L``: leaving the last)
+    whose rows of the verified block :meth:`verification_hidden` also receives (``aux``), for a drafter declaring
+    ``needs_features`` (an EAGLE-3 head reads three target layers); ``()``: the last layer's only."""
 
     def begin(self, state: DecodingState[S]) -> S:
         """The per-generation state of a new generation (``state.cache`` made, the prompt not yet run)."""
@@ -180,24 +185,52 @@ class Drafter(Generic[S]):
         return VerificationInput(state.target.embed(ids), 0, tree.block_positions(n),
                                  None if tree.is_chain else tree.attention_mask(n), n)
 
-    def verification_hidden(self, state: DecodingState[S], tree: DraftTree, hidden: torch.Tensor) -> None:
+    def verification_hidden(self, state: DecodingState[S], tree: DraftTree, hidden: torch.Tensor,
+                            aux: list[torch.Tensor] | None = None) -> None:
         """Receives the verified block's hidden states ``[T, D]`` leaving the target's last layer (before the
         final norm), called only where the class declares ``needs_features`` (a draft head reads the target's
-        features).  Default: nothing."""
+        features); where :attr:`feature_layers` is not empty, ``aux`` holds the block's ``[T, D]`` rows at each of
+        those boundaries, in order (else ``None``).  Default: nothing."""
 
     def verify_logits(self, state: DecodingState[S], tree: DraftTree) -> torch.Tensor:
         """Target logits ``[N + 1, V]`` (fp32) after each block entry; writes the block's KV at slots ``n ..``.
         The one-sequence composition of :meth:`verification_input`, the forward and :meth:`verification_hidden`;
         a drafter declaring ``batchable_verification=False`` overrides it."""
         target, block = state.target, self.verification_input(state, tree)
-        h = state.run_layers(block.hidden, block.start_layer, target.num_layers, block.positions, block.mask,
-                             block.cache_position)
+
+        def run(hidden, start, end):
+            return state.run_layers(hidden, start, end, block.positions, block.mask, block.cache_position)
+
+        h, aux = run_with_features(run, block.hidden, block.start_layer, target.num_layers, self.feature_layers)
         if self.capabilities.needs_features:
-            self.verification_hidden(state, tree, h[0])
+            self.verification_hidden(state, tree, h[0], *([[a[0] for a in aux]] if self.feature_layers else []))
         return target.lm_head(target.final_norm(h))[0]
 
     def commit(self, state: DecodingState[S], path: list[int]) -> None:
         """Called after acceptance with the accepted node indices (before ``state.tokens`` grows)."""
+
+
+def run_with_features(run: Callable, hidden, start: int, end: int, boundaries) -> tuple[object, list]:
+    """Target layers ``start .. end-1`` as ``run(hidden, start, stop)`` calls that stop at each hidden-state boundary
+    of ``boundaries`` (``k``: entering layer ``k``), so the boundaries' hidden states are kept; each row gets the bits
+    of the one call (every layer reads the previous one's output, whatever call it ran in).
+
+    Returns:
+        ``(hidden leaving layer end-1, [hidden at each boundary, in the order given])``; ``hidden`` is whatever
+        ``run`` takes (a tensor, or a list of one per block).
+    Raises:
+        SpeculantError: a boundary outside ``start .. end``.
+    """
+    taken = {}
+    for b in sorted(set(boundaries)):
+        if not start <= b <= end:
+            raise SpeculantError(f"hidden-state boundary {b} is outside the layers run; allowed: {start}..{end}")
+        if b > start:
+            hidden, start = run(hidden, start, b), b
+        taken[b] = hidden
+    if start < end:
+        hidden = run(hidden, start, end)
+    return hidden, [taken[b] for b in boundaries]
 
 
 def target_prefill(state: DecodingState) -> torch.Tensor:

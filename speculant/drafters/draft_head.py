@@ -256,7 +256,8 @@ def available_heads(model_name: str) -> list[str]:
 
 
 def load_head(name_or_path: str | Path, model, weights: str | None = None) -> DraftHead:
-    """Load a draft head (a shipped name such as ``default``, or a directory) for ``model``, in the model's dtype,
+    """Load a draft head (a shipped name such as ``default``, or a directory: ours, or ours exported in vLLM's
+    EAGLE-1 layout by :func:`speculant.drafters.export.export_eagle1`) for ``model``, in the model's dtype,
     its projections in ``weights`` (``fp32``/``int8``/``w8a8``/``bf16``), by default :func:`head_weight_format`
     (:meth:`DraftHead.pack`; 8 bits read ~1/4 of the float32 bytes).
 
@@ -264,14 +265,18 @@ def load_head(name_or_path: str | Path, model, weights: str | None = None) -> Dr
         SpeculantError: unknown name, another format, or a head trained for a differently shaped model.
     """
     from safetensors.torch import load_file
+    from .export import is_eagle1_dir, read_eagle1
     path = resolve_dir(KIND, "draft head", str(name_or_path), model.name)
-    conf = read_config(path, FORMAT, "draft head")
+    if is_eagle1_dir(path):                          # our head exported in vLLM's EAGLE-1 layout
+        conf, sd = read_eagle1(path)
+    else:
+        conf = read_config(path, FORMAT, "draft head")
+        sd = load_file(str(path / WEIGHTS_FILE))
     dec = model.decoder
     c = dec.config
     check_compatible(conf, model, {"hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
                                    "num_attention_heads": c.num_attention_heads,
                                    "num_key_value_heads": c.num_key_value_heads}, path, "draft head")
-    sd = load_file(str(path / WEIGHTS_FILE))
     vocab_ids = sd.pop("vocab_ids", None)
     head = DraftHead(conf, dec.embed_tokens.weight, _lm_head_rows(dec, vocab_ids), vocab_ids, _final_norm_scale(dec))
     missing, unexpected = head.load_state_dict(sd, strict=False)

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..drafters.base import DecodingState, Drafter
+from ..drafters.base import DecodingState, Drafter, run_with_features
 from ..errors import SpeculantError
 from ..kernels import attention as attention_kernel
 from ..models.loading import LoadedModel
@@ -428,10 +428,18 @@ class BatchedGenerator:
         for s, tree in zip(seqs, trees):
             v = s.drafter.verification_input(s.state, tree)
             blocks.append(Block(v.hidden, v.start_layer, v.positions, v.mask, s.state.cache, v.cache_position))
-        hidden = target.run(blocks)
+        layers = self.drafter.feature_layers
+
+        def run(hiddens, start, end):
+            return target.run([replace(b, hidden=h, start_layer=start) for b, h in zip(blocks, hiddens)], end)
+
+        if layers:      # blocks of a feature drafter all start at layer 0 (token embeddings)
+            hidden, aux = run_with_features(run, [b.hidden for b in blocks], 0, target.num_layers, layers)
+        else:
+            hidden, aux = target.run(blocks), None
         if self.drafter.capabilities.needs_features:
-            for s, tree, h in zip(seqs, trees, hidden):
-                s.drafter.verification_hidden(s.state, tree, h[0])
+            for i, (s, tree, h) in enumerate(zip(seqs, trees, hidden)):
+                s.drafter.verification_hidden(s.state, tree, h[0], *([[a[i][0] for a in aux]] if layers else []))
         sizes = [h.shape[1] for h in hidden]
         logits = target.lm_head(target.final_norm(torch.cat(hidden, dim=1)))[0]    # one LM-head pass: [R, V]
         return logits, list(logits.split(sizes))

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..drafters.base import Drafter
-from ..drafters.draft_head import default_head_for, load_head
+from ..drafters.draft_head import default_head_for
 from ..drafters.draft_model import DraftModelDrafter, check_vocab_compatible, truncated_copy
-from ..drafters.eagle import DraftHeadDrafter
+from ..drafters.eagle3 import head_drafter
 from ..drafters.early_exit import EarlyExitDrafter
 from ..drafters.exit_adapter import default_adapter_exit_layer, default_adapter_for, load_exit_adapter
 from ..drafters.prompt_lookup import PromptLookupDrafter
@@ -163,9 +163,7 @@ def _drafter(spec: MethodSpec, model: LoadedModel) -> Drafter | None:
         if name is None:
             raise SpeculantError(f"no draft head ships for model {model.name!r}; allowed: --draft-head DIR "
                                  "(train one with `speculant train --recipe draft-head`)")
-        head = load_head(name, model)                   # in the format tuned for it here (float before that)
-        tune_drafter(model, "draft-head", head)         # the tune step, once per machine and head shape
-        return DraftHeadDrafter(head)
+        return head_drafter(name, model)          # EAGLE-3 or our EAGLE-1/2-style head, in its tuned format
     if not drafts_with_exit_layers(spec.method, spec.draft_model):
         name = spec.draft_model
         if not name:

@@ -52,9 +52,10 @@ def default_cache_dir() -> Path:
 
 
 def load_split(model, corpora: list[str], split: str, topk: int, cache_dir, max_tokens: int | None,
-               progress: bool) -> dict:
+               progress: bool, layers: list[int] | None = None) -> dict:
     """Cached target features of one split over several corpora, merged (``seq`` made unique per corpus);
     ``max_tokens`` is a budget over all of them, spent in the order given.  ``by_corpus``: tokens used per file.
+    ``layers``: the hidden states kept (``hidden/<E>``, entering layer E; default the last layer's output).
 
     Raises:
         SpeculantError: no corpus has records of ``split``.
@@ -67,7 +68,7 @@ def load_split(model, corpora: list[str], split: str, topk: int, cache_dir, max_
         if not read_corpus(c, split) or (max_tokens is not None and used >= max_tokens):
             continue
         left = None if max_tokens is None else max_tokens - used
-        f = cached_features(model, c, split, [model.decoder.num_layers], topk, cache_dir, left, progress)
+        f = cached_features(model, c, split, layers or [model.decoder.num_layers], topk, cache_dir, left, progress)
         f = dict(f, seq=f["seq"] + offset)
         offset = int(f["seq"].max()) + 1
         parts.append(f)

@@ -18,6 +18,8 @@ All recipes: seeds, tqdm with training tokens/s, a checkpoint in ``--out`` every
 
 from __future__ import annotations
 
+import os
+
 import json
 import math
 from dataclasses import dataclass
@@ -36,7 +38,7 @@ from .schedules import TIME_CURRICULA, layer_dropout_rates, sample_keep_mask
 __all__ = ["RECIPES", "ExitAdapterConfig", "LayerSkipConfig", "add_train_args", "lr_at", "train_exit_adapter",
            "train_layerskip", "train_from_args"]
 
-RECIPES = ("layerskip", "exit-adapter", "draft-head")
+RECIPES = ("layerskip", "exit-adapter", "draft-head", "eagle3")
 LORA_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 
 
@@ -81,6 +83,11 @@ def add_train_args(p) -> None:
                    help="uniform input-feature noise, width in units of the features' RMS (EAGLE's augmentation)")
     h.add_argument("--unroll", type=int, default=1,
                    help="2 = also train on the head's own predicted features (two-step training-time test)")
+    e3 = p.add_argument_group("eagle3 (also reads --head-batch, --head-seq-len, --draft-vocab, --topk, --hard-weight)")
+    e3.add_argument("--aux-layers", default="", help="the 3 target hidden-state boundaries the head reads, e.g. "
+                    "2,15,27 (k: entering layer k, as vLLM counts; default: 2, L//2, L-3)")
+    e3.add_argument("--ttt-steps", type=int, default=3, help="training-time-test steps (1: no self-fed steps)")
+    e3.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight decay^s of TTT step s")
     ls = p.add_argument_group("layerskip")
     ls.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (0 = full fine-tune)")
     ls.add_argument("--lora-alpha", type=float, default=16.0)
@@ -695,6 +702,12 @@ def train_from_args(args) -> dict:
     from .head import DraftHeadConfig, corpus_list, train_draft_head
     if args.recipe not in RECIPES:
         raise SpeculantError(f"recipe={args.recipe!r} is unknown; allowed: {', '.join(RECIPES)}")
+    if args.recipe == "eagle3":
+        from .eagle3 import eagle3_from_args
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise SpeculantError(f"recipe='eagle3' runs in one process for now (WORLD_SIZE={os.environ['WORLD_SIZE']}); "
+                                 "run it without torchrun, or use --recipe draft-head")
+        return eagle3_from_args(args)
     if args.recipe == "draft-head":
         config, recipe = DraftHeadConfig.from_args(args), train_draft_head
         corpus = corpus_list(args.corpus)

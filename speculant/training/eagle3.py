@@ -1,0 +1,328 @@
+"""``speculant train --recipe eagle3``: train an EAGLE-3 draft head on the target's own cached features.
+
+Li et al. 2025 (EAGLE-3), Sec. 3: the target is frozen; over a make-data corpus it computes, once, its hidden states
+at the head's three auxiliary boundaries and its next-token distribution (teacher forcing, batched, cached in shards
+under ``$SPECULANT_CACHE/features``: :mod:`speculant.training.features`).  The head then trains on windows of
+consecutive positions of one sequence with the *training-time test* (TTT): step 0 reads the target's fused states
+``g_i``; step ``s >= 1`` reads, at entry ``i``, the head's own step ``s-1`` output of entry ``i-1`` (what it feeds
+itself at draft depth ``s + 1``), attending, as when drafting, to the step-0 entries of positions ``<= i - s`` and to
+its own chain ``(t, i - s + t)`` for ``t = 1 .. s``.  Every step predicts the same target distribution (that of
+position ``i + 1``); EAGLE-3 drops EAGLE's feature regression, so the loss is only
+
+    loss = sum_s decay^s * (KL(p || q_s) [+ hard CE on the target's argmax]) / sum_s decay^s
+
+over the target's top-k, renormalised, on the head's draft vocabulary: the ``draft_vocab`` tokens with the most
+teacher mass in the training split (FR-Spec / EAGLE-3's ``d2t``).  ``lm_head`` and ``norm`` start as the target's.
+Held-out evaluation: teacher-forced top-1 agreement with the target's argmax at each TTT step (step 0: greedy
+acceptance of the first drafted token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..drafters.eagle3_head import Eagle3Head, check_aux_layer_ids, default_aux_layer_ids, load_eagle3, new_eagle3, \
+    save_eagle3
+from ..errors import SpeculantError, check_range
+from ..models.llama import layer_output
+from .head import corpus_list, default_cache_dir, load_split, sequences
+from .losses import topk_distill_loss
+from .run import RunConfig, check_positions, optimize, read_checkpoint, seeded
+
+
+@dataclass(frozen=True)
+class Eagle3Config(RunConfig):
+    """Settings of ``--recipe eagle3`` (flags ``--head-batch``, ``--head-seq-len``, ``--draft-vocab``, ``--topk``,
+    ``--hard-weight``, ``--positions``, ``--cache-dir``, ``--max-train-tokens``, ``--aux-layers``, ``--ttt-steps``,
+    ``--ttt-decay``; :class:`RunConfig` has the common ones).
+
+    Attributes:
+        aux_layers: the 3 hidden-state boundaries (``k``: entering target layer ``k``) the head reads; ``None``:
+            :func:`~speculant.drafters.eagle3_head.default_aux_layer_ids`.  Written into the head's config.
+        ttt_steps: training-time-test steps (1: the target's states only).
+        ttt_decay: weight ``decay^s`` of step ``s``'s loss (the EAGLE-3 reference's 0.8).
+        batch_seqs, seq_len, draft_vocab, topk, hard_weight, positions, cache_dir, max_train_tokens, command: as
+            :class:`speculant.training.head.DraftHeadConfig`'s.
+
+    Raises:
+        SpeculantError: a value out of range (one line naming it and what is allowed).
+    """
+
+    checkpoint_every: int = 100
+    eval_every: int = 100
+    aux_layers: tuple[int, ...] | None = None
+    ttt_steps: int = 3
+    ttt_decay: float = 0.8
+    batch_seqs: int = 8
+    seq_len: int = 256
+    draft_vocab: int = 16384
+    topk: int = 32
+    hard_weight: float = 0.5
+    positions: str = "all"
+    cache_dir: str | None = None
+    max_train_tokens: int | None = None
+    command: str = ""
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("batch_seqs", "seq_len", "topk"):
+            check_range(name, getattr(self, name), 1)
+        check_range("draft_vocab", self.draft_vocab, 0)
+        check_range("ttt_steps", self.ttt_steps, 1, 8)
+        check_range("ttt_decay", self.ttt_decay, 0.0, 1.0)
+        check_positions(self.positions)
+        if self.aux_layers is not None:              # the range is checked against the target when it loads
+            check_aux_layer_ids(list(self.aux_layers), max(max(self.aux_layers, default=1), 1))
+
+    @classmethod
+    def from_args(cls, args) -> "Eagle3Config":
+        """From ``speculant train``'s parsed flags (:func:`speculant.training.train.add_train_args`)."""
+        from .train import _int_list, command_line
+        aux = _int_list("--aux-layers", args.aux_layers) if args.aux_layers else None
+        return cls(**RunConfig.args_of(args, lr=1e-3), aux_layers=aux, ttt_steps=args.ttt_steps,
+                   ttt_decay=args.ttt_decay, batch_seqs=args.head_batch, seq_len=args.head_seq_len,
+                   draft_vocab=args.draft_vocab, topk=args.topk, hard_weight=args.hard_weight,
+                   positions=args.positions, cache_dir=args.cache_dir, max_train_tokens=args.max_train_tokens,
+                   command=command_line())
+
+    def settings(self, aux: list[int]) -> dict:
+        """What a checkpoint must match to be resumed."""
+        return {"aux_layers": list(aux), "draft_vocab": self.draft_vocab}
+
+
+def aux_features(feats: dict, aux: list[int]) -> torch.Tensor:
+    """bf16 ``[N, 3D]``: the cached hidden states at the three boundaries, concatenated (low, mid, high)."""
+    return torch.cat([feats[f"hidden/{k}"] for k in aux], dim=-1)
+
+
+def ttt_mask(t: int, step: int) -> torch.Tensor:
+    """bool ``[T, (step + 1) T]``: what entry ``i`` of TTT step ``step`` attends (module docstring): step-0 keys
+    ``j <= i - step`` and, for ``u = 1 .. step``, step-``u`` key ``i - step + u`` (itself at ``u = step``)."""
+    i = torch.arange(t)[:, None]
+    j = torch.arange(t)[None, :]
+    blocks = [j <= i - step] + [j == i - step + u for u in range(1, step + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+def ttt_forward(head: Eagle3Head, x: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                steps: int) -> list[torch.Tensor]:
+    """The head's pre-norm outputs ``[B, T, D]`` at each TTT step (module docstring), step 0 from the target's
+    states ``x`` ``[B, T, 3D]``; the keys and values of earlier steps are kept, as the head's KV cache holds them
+    while drafting."""
+    outs, keys, values = [], [], []
+    hidden = x
+    for s in range(steps):
+        fused, q, k, v = head.attention_inputs(hidden, tokens, positions)
+        keys.append(k)
+        values.append(v)
+        mask = ttt_mask(x.shape[1], s).to(x.device)
+        att = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
+                                             enable_gqa=True)
+        b, h, t, dh = att.shape
+        out = layer_output(head.layer, fused, att.transpose(1, 2).reshape(b, t, h * dh))
+        outs.append(out)
+        hidden = torch.cat([out[:, :1], out[:, :-1]], dim=1)    # entry i of the next step reads entry i-1's output
+    return outs
+
+
+def window_batch(f: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, spans):
+    """As :func:`speculant.training.head.window_batch` (entries ``a .. a+T-1`` read ``(g_a, x_{a+1})``)."""
+    from .head import window_batch as windows
+    return windows(f, ids, weight, spans)
+
+
+def eagle3_loss(head: Eagle3Head, f: torch.Tensor, ids: torch.Tensor, t_map: torch.Tensor, t_logp: torch.Tensor,
+                weight: torch.Tensor, spans, steps: int, decay: float, hard_weight: float) -> tuple[torch.Tensor, dict]:
+    """The TTT loss of a batch of windows (module docstring); returns ``(loss, {"p0": step-0 loss, ...})``."""
+    x, tok, pos, nxt, mask = window_batch(f, ids, weight, spans)
+    outs = ttt_forward(head, x.float(), tok, pos, steps)
+    total, norm, parts = 0.0, 0.0, {}
+    for s, out in enumerate(outs):
+        m = mask.clone()
+        m[:, :s] = False                         # entries without a step-s parent
+        if not m.any():
+            continue
+        target = nxt[m]
+        loss = topk_distill_loss(head.logits(out[m]), t_map[target], t_logp[target], hard_weight)
+        total, norm = total + decay ** s * loss, norm + decay ** s
+        parts[f"p{s}"] = loss.item()
+    return total / max(norm, 1e-12), parts
+
+
+@torch.no_grad()
+def evaluate_eagle3(head: Eagle3Head, f: torch.Tensor, ids: torch.Tensor, t_idx: torch.Tensor, weight: torch.Tensor,
+                    seqs: torch.Tensor, max_positions: int, steps: int, window: int = 256) -> dict:
+    """Teacher-forced held-out top-1 agreement with the target's argmax at each TTT step: ``{"top1": step 0,
+    "top1_by_step": [...], "positions": n}``."""
+    was = head.training
+    head.eval()
+    agree, counts = [0] * steps, [0] * steps
+    for s, length in seqs.tolist():
+        for a in range(s, s + length - 1, window):
+            t = min(window, s + length - 1 - a)
+            x, tok, pos, nxt, mask = window_batch(f, ids, weight, [(s, a, t)])
+            for k, out in enumerate(ttt_forward(head, x.float(), tok, pos, steps)):
+                m = mask.clone()
+                m[:, :k] = False
+                top = head.vocab_ids[head.logits(out[m]).argmax(-1)]
+                agree[k] += int((top == t_idx[nxt[m], 0].long()).sum())
+                counts[k] += int(m.sum())
+        if counts[0] >= max_positions:
+            break
+    head.train(was)
+    by_step = [a / max(c, 1) for a, c in zip(agree, counts)]
+    return {"top1": by_step[0], "top1_by_step": by_step, "positions": counts[0]}
+
+
+@dataclass
+class _Data:
+    """The recipe's tensors: features (``train``/``heldout``, :func:`~speculant.training.head.load_split`), head
+    inputs ``f_train``/``f_heldout`` ``[N, 3D]``, which positions count (``weight [N]``), sequences ``[S, 2]``
+    (training: of 2 or more positions), the draft vocabulary and the teacher's ids in it ``t_map [N, k]``."""
+
+    train: dict
+    heldout: dict
+    f_train: torch.Tensor
+    f_heldout: torch.Tensor
+    weight: torch.Tensor
+    seqs: torch.Tensor
+    heldout_seqs: torch.Tensor
+    vocab_ids: torch.Tensor | None
+    t_map: torch.Tensor
+
+
+def _data(model, corpora: list[str], cfg: Eagle3Config, aux: list[int]) -> _Data:
+    from .train import remap, select_vocab
+    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+    V = model.config.vocab_size
+    tr = load_split(model, corpora, "train", cfg.topk, cache_dir, cfg.max_train_tokens, cfg.progress, aux)
+    ho = load_split(model, corpora, "heldout", cfg.topk, cache_dir, None, cfg.progress, aux)
+    weight = tr["response"] if cfg.positions == "response" else torch.ones_like(tr["response"])
+    seqs = sequences(tr["seq"])
+    vocab_ids = None
+    if cfg.draft_vocab and cfg.draft_vocab < V:
+        vocab_ids = select_vocab(tr["t_idx"], tr["t_logp"], cfg.draft_vocab, V, model.eos_token_ids)
+    return _Data(tr, ho, aux_features(tr, aux), aux_features(ho, aux), weight, seqs[seqs[:, 1] >= 2],
+                 sequences(ho["seq"]), vocab_ids, remap(tr["t_idx"], vocab_ids, V))
+
+
+def _windows(seqs: torch.Tensor, lengths: torch.Tensor, cfg: Eagle3Config, gen) -> list[tuple[int, int, int]]:
+    from .head import _windows as windows
+    return windows(seqs, lengths, cfg, gen)
+
+
+def train_eagle3(model, corpora: list[str], out: str, config: Eagle3Config = Eagle3Config()) -> dict:
+    """Train an EAGLE-3 head (recipe ``eagle3``); writes ``out/`` (the head in the engine layout, ``README.md``,
+    ``metrics.json``, ``checkpoint.pt``).
+
+    Args:
+        corpora: make-data JSONL paths (train and held-out splits).
+    Returns:
+        metrics (held-out top-1 per TTT step before and after, the losses, throughput).
+    Raises:
+        SpeculantError: bad auxiliary ids, no records of a split, or ``resume`` without a compatible checkpoint.
+    """
+    cfg, out = config, Path(out)
+    L = model.decoder.num_layers
+    aux = check_aux_layer_ids(list(cfg.aux_layers), L) if cfg.aux_layers else default_aux_layer_ids(L)
+    out.mkdir(parents=True, exist_ok=True)
+    gen = seeded(cfg.seed)
+    data = _data(model, corpora, cfg, aux)
+    head = new_eagle3(model, aux, data.vocab_ids).train()
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    ckpt, history, last = out / "checkpoint.pt", [], {"loss": float("nan"), "parts": {}, "seen": 0}
+    start = 0
+    if cfg.resume:
+        st = read_checkpoint(ckpt)
+        if st.get("recipe") != "eagle3" or st["settings"] != cfg.settings(aux):
+            raise SpeculantError(f"checkpoint {str(ckpt)!r} is for {st.get('recipe')} {st.get('settings')}; "
+                                 f"allowed: recipe eagle3 with {cfg.settings(aux)}")
+        head.load_state_dict(st["head"])
+        opt.load_state_dict(st["opt"])
+        gen.set_state(st["gen"])
+        start, history, last["seen"] = st["step"], st["history"], st["seen"]
+    ho = data.heldout
+
+    def evaluate(h):
+        return evaluate_eagle3(h, data.f_heldout, ho["ids"], ho["t_idx"], ho["response"], data.heldout_seqs,
+                               cfg.eval_tokens, cfg.ttt_steps)
+
+    if start == 0:
+        history.append({"step": 0, "train_positions": 0, "eval": evaluate(head)})
+    lengths = (data.seqs[:, 1] - 1).double()
+
+    def checkpoint(step):
+        torch.save({"recipe": "eagle3", "settings": cfg.settings(aux), "head": head.state_dict(),
+                    "opt": opt.state_dict(), "gen": gen.get_state(), "step": step, "history": history,
+                    "seen": last["seen"]}, ckpt)
+
+    def batch_loss(step):
+        spans = _windows(data.seqs, lengths, cfg, gen)
+        loss, parts = eagle3_loss(head, data.f_train, data.train["ids"], data.t_map, data.train["t_logp"],
+                                  data.weight, spans, cfg.ttt_steps, cfg.ttt_decay, cfg.hard_weight)
+        positions = sum(t for _, _, t in spans)
+        last.update(loss=loss.item(), parts=parts, seen=last["seen"] + positions)
+        return loss, positions
+
+    def after_step(done, loss):
+        if done == 1:
+            history[0]["first_loss"] = loss.item()
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            history.append({"step": done, "train_positions": last["seen"], "loss": last["loss"],
+                            **last["parts"], "eval": evaluate(head)})
+
+    done, _, secs = optimize(cfg, opt, params, start, "train eagle3", batch_loss, after_step, checkpoint,
+                             unit="pos_s")
+    checkpoint(done)
+    head.eval()
+    metrics = {"recipe": "eagle3", **cfg.settings(aux), "ttt_steps": cfg.ttt_steps, "ttt_decay": cfg.ttt_decay,
+               "corpora": [str(c) for c in corpora], "topk": cfg.topk, "lr": cfg.lr, "seed": cfg.seed,
+               "steps_done": done, "train_positions": int(data.train["tokens"]), "positions_seen": last["seen"],
+               "parameters": sum(p.numel() for p in params), "train_seconds": secs,
+               "first_loss": history[0].get("first_loss"), "last_loss": last["loss"], "history": history}
+    return _save(model, head, out, metrics, evaluate, cfg.command)
+
+
+def _save(model, head: Eagle3Head, out: Path, metrics: dict, evaluate, command: str) -> dict:
+    """Write the head (bfloat16), evaluate what was written, then the card and the metrics."""
+    save_eagle3(head, out)
+    metrics["final"] = evaluate(load_eagle3(out, model, "fp32").float())
+    save_eagle3(head, out, card=model_card(head, metrics, command), metrics=metrics)
+    return {k: v for k, v in metrics.items() if k != "history"}
+
+
+def model_card(head: Eagle3Head, m: dict, command: str) -> str:
+    """README.md of a trained EAGLE-3 head."""
+    c, final = head.config, m["final"]
+    steps = ", ".join(f"{x:.3f}" for x in final["top1_by_step"])
+    return f"""# EAGLE-3 draft head: {c['speculant']['base_model']}
+
+EAGLE-3 head (Li et al. 2025) for speculant (`--draft-head DIR` with `--method eagle|rsd-c|rsd-s|specinfer`), stored
+in the layout vLLM and SGLang load (`LlamaForCausalLMEagle3`).  The target is frozen, so decoding stays exact.
+
+- auxiliary hidden states: boundaries {c['eagle_aux_hidden_state_layer_ids']} of {c['speculant']['target_num_hidden_layers']}
+  ({c['speculant']['aux_ids_meaning']})
+- draft vocabulary: {c['draft_vocab_size']} of {c['vocab_size']} tokens (`d2t`/`t2d`)
+- recipe: training-time test with {m['ttt_steps']} steps (loss weights {m['ttt_decay']}^s), KL to the target's
+  top-{m['topk']} + hard CE; AdamW lr {m['lr']}, {m['steps_done']} steps, {m['positions_seen']:,} positions seen of
+  {m['train_positions']:,} cached; seed {m['seed']}; {m['train_seconds'] / 60:.1f} min
+- held-out, teacher-forced top-1 agreement with the target by TTT step (step 0 = the first drafted token): {steps}
+  over {final['positions']:,} positions
+
+```
+{command}
+```
+"""
+
+
+def eagle3_from_args(args) -> dict:
+    """``speculant train --recipe eagle3``: the config from the flags (checked before the model loads), then the
+    recipe."""
+    from ..models.loading import read_checkpoint as read_model
+    cfg = Eagle3Config.from_args(args)
+    return train_eagle3(read_model(args.model, args.dtype), corpus_list(args.corpus), args.out, cfg)
