@@ -139,7 +139,8 @@ def test_smollm2_speculative_methods_match_ar(torch_threads):
     """On the real model, every method's greedy output equals AR's (40 tokens) with 1 thread; with 2 threads (the
     kernels of one-row steps and multi-row blocks differ, see ``models/linear.py``) a chain's blocks (early exit)
     and a tree's (RSD-S), the two shapes a verification takes.  The model is loaded with the session's thread count
-    (its tune is measured once a session, not once per count)."""
+    (its tune is measured once a session, not once per count).  Every round drafts (``speculation="always"``): the
+    stronger identity, and no draft-cost calibration (cost-aware rounds are held to ``ar`` in test_cost_policy.py)."""
     from speculant import GenerationConfig, build_generator, load_model
     model = load_model("smollm2-135m", weights="fp32", compile=False, threads=1)
     torch.set_num_threads(torch_threads)
@@ -151,7 +152,7 @@ def test_smollm2_speculative_methods_match_ar(torch_threads):
              dict(method="prompt-lookup", num_speculations=4),
              dict(method="rsd-s", exit_layer=8, beam_width=3, draft_length=3)]
     for spec in specs if torch_threads == 1 else specs[::3]:
-        assert build_generator(model, **spec).generate(ids, cfg).token_ids == ar, spec
+        assert build_generator(model, speculation="always", **spec).generate(ids, cfg).token_ids == ar, spec
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (1, 1, 576), (2, 576), (1, 5, 576), (3, 4, 576), (17, 576), (0, 576)])
