@@ -5,9 +5,10 @@ and global layers with their own RoPE bases.
 Checked on a tiny random ``Gemma3ForCausalLM`` whose window (8) is shorter than the prompts, with both kinds of
 layer and ``query_pre_attn_scalar != head_dim``: our fp32 logits equal transformers' within 1e-4 relative, in one
 forward and token by token through the runtime's steps; the HF directory round trip; greedy ``early-exit``,
-``prompt-lookup``, ``rsd-s`` and ``draft-model`` (truncated) token-identical to ``ar`` (fp32, and ``w4a8``
-projections on the torch step, since the fused C step refuses Gemma); a batched (ragged) pass equal to the
-sequences run alone; tiny GGUF files (norms stored as ``1 + weight``) equal to transformers' reading of them.
+``prompt-lookup``, ``rsd-s`` and ``draft-model`` (truncated) token-identical to ``ar`` (fp32 on the torch step, and
+``w4a8`` on the fused C step, which agrees with the torch step on the same weights past the window); a batched
+(ragged) pass equal to the sequences run alone (bit for bit on the fused step); tiny GGUF files (norms stored as
+``1 + weight``) equal to transformers' reading of them.
 """
 
 from __future__ import annotations
@@ -95,11 +96,11 @@ def test_fp32_logits_match_transformers_and_the_hf_directory_round_trips(hf_dir,
 
 
 def test_the_runtime_steps_token_by_token_equal_transformers(hf_dir):
-    """Prompt, a verification block and single tokens through the executor (the torch step: the fused C step refuses
-    Gemma), past the window, against transformers' one forward."""
+    """Prompt, a verification block and single tokens through the executor (the torch step: fp32 weights), past the
+    window, against transformers' one forward."""
     model = load_hf_dir(hf_dir)
     ex = executor_of(model)
-    assert "Gemma 3" in why_not_fused(model.decoder, ex.kv_dtype)
+    assert "not w4a8" in why_not_fused(model.decoder, ex.kv_dtype)
     ref = Gemma3ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     cache = ex.new_cache(32)
     with torch.inference_mode():
@@ -109,10 +110,18 @@ def test_the_runtime_steps_token_by_token_equal_transformers(hf_dir):
     assert _rel(torch.cat(parts, 1)[0], want) < 1e-4
 
 
-def test_a_batched_pass_equals_the_sequences_alone(hf_dir):
+@pytest.mark.parametrize("weights", ("fp32", "w4a8"))
+def test_a_batched_pass_equals_the_sequences_alone(weights, hf_dir):
+    """Two sequences past the window in one ragged pass against each alone: close on the torch step (fp32), bit for
+    bit on the fused C step (w4a8), whose sliding-window layers take their own RoPE rows and windowed masks."""
+    if not format_available(weights):
+        pytest.skip(f"our {weights} kernels do not build on this machine")
     model = load_hf_dir(hf_dir)
-    ex = executor_of(model)
     dec = model.decoder
+    if weights != "fp32":
+        apply_weight_format(dec, weights)
+    ex = executor_of(model)
+    assert (ex.fused_layers() is not None) == (weights == "w4a8")
     caches = [ex.new_cache(32), ex.new_cache(32)]
     lengths = (12, 15)
     with torch.inference_mode():
@@ -123,7 +132,10 @@ def test_a_batched_pass_equals_the_sequences_alone(hf_dir):
                   for c, n in zip(caches, lengths)]
         together = [ex.lm_head(ex.final_norm(h)) for h in ex.run(blocks)]
     for a, b in zip(alone, together):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        if weights == "fp32":
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(b, a)
 
 
 def _greedy(model, spec: dict, prompt: list[int]) -> list[int]:
@@ -138,12 +150,39 @@ def test_greedy_methods_equal_ar(weights, hf_dir):
     if weights != "fp32":
         apply_weight_format(model.decoder, weights)
         model.weights = weights
-        assert executor_of(model).fused_layers() is None        # Gemma runs the torch step
+        _fused_step_equals_the_torch_step(executor_of(model))
+        executor_of(model).fused_prompt_tokens = 64            # the prompts' layers through the fused step too
     for prompt in PROMPTS:
         ar = _greedy(model, dict(method="ar"), prompt)
         assert len(ar) == 20
         for name, spec in SPECS.items():
             assert _greedy(model, spec, prompt) == ar, (weights, name, prompt)
+
+
+def _fused_step_equals_the_torch_step(ex) -> None:
+    """The fused C step runs Gemma 3's layers (sandwich norms, GeGLU, q/k norms, ``query_pre_attn_scalar``, local
+    layers' RoPE base and window) and agrees with the torch step on the same w4a8 weights within the tolerance the
+    Llama layers are held to (``tests/test_decode_step.py``): a prompt, a block and single tokens, past the window."""
+    fused = ex.fused_layers()
+    assert fused is not None, why_not_fused(ex.decoder, ex.kv_dtype)
+    assert fused.local_layers == (True, False, True, False)
+    out = {}
+    with torch.inference_mode():
+        for use_fused in (True, False):
+            ex.use_fused, ex.fused_prompt_tokens = use_fused, 64
+            cache = ex.new_cache(32)
+            parts = [ex(IDS[:, :10], None, None, cache, 0), ex(IDS[:, 10:14], None, None, cache, 10)]
+            parts += [ex(IDS[:, j:j + 1], None, None, cache, j) for j in range(14, IDS.shape[1])]
+            out[use_fused] = torch.cat(parts, 1)[0]
+    ex.use_fused, ex.fused_prompt_tokens = True, 0
+    got, want = out[True], out[False]
+    assert float((got - want).abs().max()) <= 2e-5 * float(want.abs().max())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    with pytest.raises(ValueError, match="sliding-window layers"):       # the ragged entry needs the local rows
+        from speculant.kernels.attention import RaggedPlan
+        plan = RaggedPlan([1], [0], [ex.new_cache(4)], [torch.ones(1, 1, dtype=torch.bool)])
+        d, dh = ex.config.hidden_size, ex.config.head_dim
+        fused.run(torch.zeros(1, d), 0, 2, torch.zeros(1, dh), torch.zeros(1, dh), plan)
 
 
 def test_config_defaults_are_transformers_and_bad_fields_are_refused():

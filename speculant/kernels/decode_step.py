@@ -6,7 +6,8 @@ the same layers and kernels here (6.57 ms for the forward): ~240 us per layer we
 path (guards, wrappers, one dispatcher call per kernel).
 :class:`FusedLayers` runs the same layers (RMSNorm, fused q/k/v projection, RoPE, KV-cache write, attention,
 output projection, residual, RMSNorm, SwiGLU MLP, residual; Touvron et al. 2023; Qwen3's per-head q/k RMSNorm
-before RoPE where the model has it) as one call into our kernels
+before RoPE where the model has it; Gemma 3's sandwich norms, GeGLU, ``query_pre_attn_scalar`` and sliding-window
+layers with their own RoPE base, Gemma Team 2025) as one call into our kernels
 (:mod:`speculant.kernels.qgemm`'s products, :mod:`speculant.kernels.attention`'s rows), with no torch.compile
 to trace or load.
 
@@ -48,12 +49,18 @@ _Projection._fields_ = [("bits", _i64), ("in_features", _i64), ("out_features", 
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", _Projection), ("o", _Projection),
-                ("gate_up", _Projection), ("down", _Projection), ("q_norm", _ptr), ("k_norm", _ptr)]
+                ("gate_up", _Projection), ("down", _Projection), ("q_norm", _ptr), ("k_norm", _ptr),
+                ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr), ("local", _i64)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
-                ("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer)), ("weight_prefetch", _i64)]
+                ("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer)), ("weight_prefetch", _i64),
+                ("gelu", _i64), ("window", _i64), ("q_scale", _f32)]
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+"""The MLP gate activations the fused step runs: SwiGLU's ``silu`` and GeGLU's ``gelu_tanh`` (gelu with the tanh
+approximation, transformers' ``gelu_pytorch_tanh``)."""
 
 
 @dataclass(frozen=True)
@@ -93,9 +100,12 @@ class ProjectionBuffers:
 
 @dataclass(frozen=True)
 class LayerBuffers:
-    """One decoder layer's buffers: the two RMSNorm weights ``[D]`` float32, the four projections, and the per-head
-    q/k RMSNorm weights ``[Dh]`` float32 of a model that has them (Qwen3; applied after the q/k/v projection,
-    before RoPE) or ``None``."""
+    """One decoder layer's buffers: the two RMSNorm scales ``[D]`` float32 (``input_norm`` before attention,
+    ``post_norm`` before the MLP), the four projections, the per-head q/k RMSNorm scales ``[Dh]`` float32 of a model
+    that has them (Qwen3, Gemma 3; applied after the q/k/v projection, before RoPE) or ``None``, Gemma 3's sandwich
+    norms' scales ``[D]`` float32 (``attn_out_norm`` on the attention's output projection, ``mlp_out_norm`` on the
+    MLP's output, each before its residual add) or ``None``, and ``local``: a sliding-window layer (its own RoPE
+    tables and windowed masks).  Every scale is the one multiplied in (Gemma's ``1 + weight``, not its weight)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -105,6 +115,9 @@ class LayerBuffers:
     down: ProjectionBuffers
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    local: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,6 +131,13 @@ class ModelBuffers:
         rope_cos, rope_sin: RoPE tables ``[P, Dh]`` float32 (``sin`` signed, see the torch reference forward).
         norm: the final RMSNorm weight ``[D]`` float32; ``norm_eps`` its epsilon.
         head: the LM head's projection (no bias), or ``None`` where the torch head runs.
+        activation: the MLP's gate activation, one of :data:`ACTIVATIONS`.
+        q_scale: q is multiplied by it after RoPE (Gemma 3: ``(Dh / query_pre_attn_scalar) ** 0.5``; the softmax
+            scale stays ``Dh ** -0.5``).
+        window: the local layers' sliding window [tokens]: a row at position ``p`` attends the cache slots
+            ``> p - window`` its mask allows (0 where no layer is local).
+        rope_cos_local, rope_sin_local: the local layers' RoPE tables, the shape of ``rope_cos`` (``None`` where no
+            layer is local).
     """
 
     hidden: int
@@ -132,6 +152,16 @@ class ModelBuffers:
     norm: torch.Tensor
     norm_eps: float
     head: ProjectionBuffers | None = None
+    activation: str = "silu"
+    q_scale: float = 1.0
+    window: int = 0
+    rope_cos_local: torch.Tensor | None = None
+    rope_sin_local: torch.Tensor | None = None
+
+    @property
+    def has_local(self) -> bool:
+        """Whether some layer is a sliding-window one."""
+        return any(layer.local for layer in self.layers)
 
 
 def why_not(model: ModelBuffers, cache_dtype: torch.dtype) -> str | None:
@@ -142,16 +172,25 @@ def why_not(model: ModelBuffers, cache_dtype: torch.dtype) -> str | None:
         return "needs a float32 or float16 KV cache and a head size that is a multiple of 8 (at most 256)"
     if model.hidden % 32 or model.intermediate % 32 or (model.heads * model.head_dim) % 32:
         return "needs hidden, intermediate and attention sizes that are multiples of 32"
+    if model.activation not in ACTIVATIONS:
+        return f"has activation {model.activation!r}; allowed: {', '.join(ACTIVATIONS)}"
+    if model.has_local and (model.window < 1 or model.rope_cos_local is None or model.rope_sin_local is None
+                            or model.rope_cos_local.shape != model.rope_cos.shape
+                            or model.rope_sin_local.shape != model.rope_sin.shape):
+        return "has sliding-window layers without a window >= 1 and local RoPE tables of the global ones' shape"
     for i, layer in enumerate(model.layers):
         for p in (layer.qkv, layer.o, layer.gate_up, layer.down):
             if not all(t.is_contiguous() and t.device.type == "cpu" for t in p.tensors()):
                 return f"layer {i} has a projection whose buffers are not contiguous CPU tensors"
-        norms = [w for w in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm) if w is not None]
+        norms = [w for w in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, layer.attn_out_norm,
+                             layer.mlp_out_norm) if w is not None]
         if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
             return "needs float32 norm weights"
         if (layer.q_norm is None) != (layer.k_norm is None) or \
-                any(w.numel() != model.head_dim for w in norms[2:]):
+                any(w.numel() != model.head_dim for w in (layer.q_norm, layer.k_norm) if w is not None):
             return f"layer {i} needs both q/k norms of head_dim values, or neither"
+        if (layer.attn_out_norm is None) != (layer.mlp_out_norm is None):
+            return f"layer {i} needs both sandwich norms (attention and MLP outputs), or neither"
     return None
 
 
@@ -180,39 +219,57 @@ class FusedLayers:
         for i, layer in enumerate(model.layers):
             layers[i] = _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
                                *(p.struct(self._keep) for p in (layer.qkv, layer.o, layer.gate_up, layer.down)),
-                               *(0 if w is None else w.data_ptr() for w in (layer.q_norm, layer.k_norm)))
+                               *(0 if w is None else w.data_ptr() for w in (layer.q_norm, layer.k_norm,
+                                                                            layer.attn_out_norm, layer.mlp_out_norm)),
+                               int(layer.local))
         self._layers = layers
         self.model = _Model(model.hidden, model.heads, model.kv_heads, model.head_dim, model.intermediate,
-                            model.eps, model.head_dim ** -0.5, layers, build.check_weight_prefetch(weight_prefetch))
+                            model.eps, model.head_dim ** -0.5, layers, build.check_weight_prefetch(weight_prefetch),
+                            ACTIVATIONS.index(model.activation), model.window if model.has_local else 0,
+                            model.q_scale)
         self.weight_prefetch = weight_prefetch
         self.hidden = model.hidden
         self.num_layers = len(model.layers)
         self._rope = (model.rope_cos, model.rope_sin)
+        self._rope_local = (model.rope_cos_local, model.rope_sin_local) if model.has_local else None
+        self.local_layers = tuple(bool(layer.local) for layer in model.layers)
         self._norm = (model.norm, float(model.norm_eps))
         head = model.head
         self._head = None if head is None or head.bias is not None or head.parts else head
 
     def run(self, x: torch.Tensor, start: int, end: int, cos: torch.Tensor, sin: torch.Tensor,
-            plan: attention_kernel.RaggedPlan) -> torch.Tensor:
+            plan: attention_kernel.RaggedPlan, local: tuple | None = None) -> torch.Tensor:
         """Layers ``start .. end-1`` over the rows ``x`` ``[R, D]`` (float32) of the sequences of ``plan``
         (one or more; rows in the plan's order), RoPE tables ``cos``/``sin`` ``[R, Dh]`` gathered at the rows'
-        positions.  Writes each sequence's new keys/values to its cache; returns the hidden states ``[R, D]``
-        leaving layer ``end - 1`` (``x`` is not modified).
+        positions; ``local``: the sliding-window layers' ``(cos, sin, plan)`` (their RoPE rows and a plan over the
+        same caches with the windowed masks), needed where the range has such a layer.  Writes each sequence's new
+        keys/values to its cache; returns the hidden states ``[R, D]`` leaving layer ``end - 1`` (``x`` is not
+        modified).
 
         Raises:
-            ValueError: a layer range or row count that does not match.
+            ValueError: a layer range, row count or ``local`` that does not match.
             MemoryError: a workspace cannot be allocated.
         """
         rows = sum(plan.rows[j] for j in range(plan.n))
         if not 0 <= start <= end <= self.num_layers or x.shape != (rows, self.hidden) or cos.shape[0] != rows:
             raise ValueError(f"fused step: layers {start}..{end} of {self.num_layers}, x {tuple(x.shape)}, "
                              f"cos {tuple(cos.shape)}; allowed: rows = {rows}, hidden = {self.hidden}")
+        if local is None and any(self.local_layers[start:end]):
+            raise ValueError(f"fused step: layers {start}..{end} include sliding-window layers; allowed: with local "
+                             "(cos, sin, plan)")
         out = x.detach().float().contiguous().clone()
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        local_args = (None, None, None)
+        if local is not None:
+            cos_l, sin_l, plan_l = local[0].float().contiguous(), local[1].float().contiguous(), local[2]
+            if cos_l.shape != cos.shape or sin_l.shape != cos.shape or list(plan_l.rows) != list(plan.rows):
+                raise ValueError(f"fused step: local cos {tuple(cos_l.shape)}, rows {list(plan_l.rows)}; allowed: "
+                                 f"cos {tuple(cos.shape)}, rows {list(plan.rows)}")
+            local_args = (plan_l.mask_ptrs, cos_l.data_ptr(), sin_l.data_ptr())
         status = self.lib.spec_run_layers(ctypes.byref(self.model), start, end, plan.n, plan.rows, plan.starts,
                                           plan.smax, plan.keys, plan.values, plan.layer_stride, plan.kv_bytes,
                                           plan.mask_ptrs,
-                                          out.data_ptr(), cos.data_ptr(), sin.data_ptr())
+                                          out.data_ptr(), cos.data_ptr(), sin.data_ptr(), *local_args)
         if status != 0:
             raise MemoryError("fused decoding step: cannot allocate its workspace")
         return out
@@ -222,7 +279,8 @@ class FusedLayers:
         """Layers ``start .. end-1`` over one sequence's rows ``hidden`` ``[1, T, D]`` float32 (a decoding step, a
         verification block or tree) at RoPE ``positions`` ``[T]``, new keys/values to slots ``cache_position ..``
         of ``cache`` (a float32 or float16 :class:`~speculant.models.kv_cache.KVCache`, batch 1), attending where ``mask``
-        ``[T, cache_position + T]`` (bool) is True, or causally when it is ``None``.  :meth:`run` for one sequence
+        ``[T, cache_position + T]`` (bool) is True, or causally when it is ``None`` (in sliding-window layers, of
+        those only the slots ``> position - window``; their RoPE rows from the local tables).  :meth:`run` for one sequence
         with the RoPE gathers and the causal mask done in C (``spec_decode_layers``): each torch call in a step
         costs tens of microseconds on a CPU whose caches the weight stream has just flushed.  Returns the hidden
         states ``[1, T, D]`` leaving layer ``end - 1``.
@@ -241,11 +299,13 @@ class FusedLayers:
         if mask is not None:
             mask = mask.contiguous()
         cos, sin = self._rope
+        cos_l, sin_l = (table.data_ptr() for table in self._rope_local) if self._rope_local else (None, None)
         status = self.lib.spec_decode_layers(ctypes.byref(self.model), start, end, t, cache_position, cache.max_length,
                                              cache.keys.data_ptr(), cache.values.data_ptr(), cache.keys.stride(0),
                                              attention_kernel.kv_bytes(cache.dtype),
                                              None if mask is None else mask.data_ptr(), x.data_ptr(), out.data_ptr(),
-                                             cos.data_ptr(), sin.data_ptr(), cos.shape[0], positions.data_ptr())
+                                             cos.data_ptr(), sin.data_ptr(), cos.shape[0], positions.data_ptr(),
+                                             cos_l, sin_l)
         if status == -2:
             raise IndexError(f"fused step: positions {positions.tolist()} outside the RoPE tables "
                              f"(allowed: 0 .. {cos.shape[0] - 1})")

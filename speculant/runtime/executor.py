@@ -56,29 +56,56 @@ def _projection_buffers(module) -> decode_step.ProjectionBuffers | None:
                                          offsets, module.bias, module.scale_group)
 
 
+def _norm_scale(norm) -> torch.Tensor:
+    """What an :class:`~speculant.models.llama.RMSNorm` multiplies by, float32 ``[dim]``: its weight (Llama; the
+    tensor itself), or ``weight + offset`` computed as its forward computes it (Gemma's ``1 + weight``; a copy)."""
+    weight = norm.weight.detach()
+    return (weight.float() + norm.offset).contiguous() if norm.offset else weight
+
+
+def _layer_buffers(decoder: LlamaDecoder, i: int) -> decode_step.LayerBuffers | str:
+    """Layer ``i``'s buffers for the fused step, or why not (a projection that is not W4A8/W8A8)."""
+    layer = decoder.layers[i]
+    modules = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    projections = [_projection_buffers(p) for p in modules]
+    if any(p is None for p in projections):
+        kind = type(next(m for m, p in zip(modules, projections) if p is None)).__name__
+        return f"layer {i} has a projection that is not w4a8/w8a8 ({kind})"
+    attn = layer.self_attn
+    qk = [None if n is None else _norm_scale(n).float().contiguous() for n in (attn.q_norm, attn.k_norm)]
+    if layer.pre_feedforward_layernorm is None:          # Llama's pre-norm layer
+        return decode_step.LayerBuffers(_norm_scale(layer.input_layernorm),
+                                        _norm_scale(layer.post_attention_layernorm), *projections, *qk)
+    # Gemma 3's sandwich: post_attention_layernorm normalises the attention output, pre_feedforward the MLP's input
+    return decode_step.LayerBuffers(_norm_scale(layer.input_layernorm), _norm_scale(layer.pre_feedforward_layernorm),
+                                    *projections, *qk, attn_out_norm=_norm_scale(layer.post_attention_layernorm),
+                                    mlp_out_norm=_norm_scale(layer.post_feedforward_layernorm),
+                                    local=bool(decoder.local_layers[i]))
+
+
 def model_buffers(decoder: LlamaDecoder) -> decode_step.ModelBuffers | str:
     """The buffers and shapes :class:`~speculant.kernels.decode_step.FusedLayers` runs ``decoder`` from, or why
-    not (a Gemma 3 model, a projection that is not W4A8/W8A8)."""
+    not (a projection that is not W4A8/W8A8).  Gemma 3's norm scales (``1 + weight``) are copies made here: the
+    executor rebuilds its fused step when the projections are replaced, not when norm weights are changed in place."""
     cfg = decoder.config
-    if cfg.is_gemma:      # capability check: decode_step.c has Llama/Qwen layers only
-        return ("Gemma 3 layers (norms scaled by 1 + weight around attention and MLP, GeGLU, scaled embeddings, "
-                "sliding-window layers) are not in the fused C step; they run the torch step")
     layers = []
-    for i, layer in enumerate(decoder.layers):
-        modules = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        projections = [_projection_buffers(p) for p in modules]
-        if any(p is None for p in projections):
-            kind = type(next(m for m, p in zip(modules, projections) if p is None)).__name__
-            return f"layer {i} has a projection that is not w4a8/w8a8 ({kind})"
-        attn = layer.self_attn
-        qk = [None if n is None else n.weight.detach().float().contiguous() for n in (attn.q_norm, attn.k_norm)]
-        layers.append(decode_step.LayerBuffers(layer.input_layernorm.weight.detach(),
-                                               layer.post_attention_layernorm.weight.detach(), *projections, *qk))
+    for i in range(decoder.num_layers):
+        layer = _layer_buffers(decoder, i)
+        if isinstance(layer, str):
+            return layer
+        layers.append(layer)
+    attn = decoder.layers[0].self_attn if decoder.num_layers else None
+    local = any(layer.local for layer in layers)
     return decode_step.ModelBuffers(
         cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
         cfg.rms_norm_eps, layers, decoder.rope_cos.float().contiguous(), decoder.rope_sin.float().contiguous(),
-        decoder.norm.weight.detach().float().contiguous(), float(decoder.norm.eps),
-        _projection_buffers(decoder.lm_head_proj))
+        _norm_scale(decoder.norm).float().contiguous(), float(decoder.norm.eps),
+        _projection_buffers(decoder.lm_head_proj),
+        activation="gelu_tanh" if cfg.hidden_act == "gelu_pytorch_tanh" else "silu",
+        q_scale=float(attn.q_scale) if attn is not None and attn.q_scale is not None else 1.0,
+        window=int(cfg.sliding_window or 0) if local else 0,
+        rope_cos_local=decoder.rope_cos_local.float().contiguous() if local else None,
+        rope_sin_local=decoder.rope_sin_local.float().contiguous() if local else None)
 
 
 def why_not_fused(decoder: LlamaDecoder, kv_dtype: torch.dtype) -> str | None:

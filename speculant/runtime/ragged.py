@@ -94,8 +94,10 @@ def ragged_run_layers(executor, blocks: list[Block], end: int | None = None,
             cos, sin = rows[0]
         if fused is not None:         # layers i .. (the next block's start layer) in one C call
             stop = min([b.start_layer for b in blocks if b.start_layer > i] + [end])
+            local = (rows[1][0].reshape(x.shape[1], -1), rows[1][1].reshape(x.shape[1], -1), plans[1]) \
+                if len(plans) > 1 else None                     # Gemma 3's sliding-window layers
             x = fused.run(x.reshape(-1, x.shape[-1]), i, stop, cos.reshape(x.shape[1], -1),
-                          sin.reshape(x.shape[1], -1), plan).view(1, x.shape[1], -1).to(x.dtype)
+                          sin.reshape(x.shape[1], -1), plan, local).view(1, x.shape[1], -1).to(x.dtype)
             for layer_index in range(i, stop):
                 decoder.layer_token_counts[layer_index] += x.shape[1]
             i = stop
