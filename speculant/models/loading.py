@@ -232,27 +232,23 @@ def config_from_gguf_load(conf: dict) -> ModelConfig:
     return ModelConfig.from_hf_dict(conf)
 
 
-def _gguf_float_tensors(gguf: Path, meta_model, parsed: dict | None = None, readers: list | None = None):
-    """``(HF name, float32 tensor)`` of every weight of ``gguf``, one at a time, exactly as transformers' GGUF loader
-    makes them (``load_gguf_checkpoint(return_tensors=True)``: ``gguf.dequantize``, the architecture's tensor
+def _gguf_float_tensors(meta_model, parsed: dict, headers: list):
+    """``(HF name, float32 tensor)`` of every weight of a GGUF file, one at a time, exactly as transformers' GGUF
+    loader makes them (``load_gguf_checkpoint(return_tensors=True)``: ``gguf.dequantize``, the architecture's tensor
     processor, e.g. the q/k row order, and its name map) without holding them all: its loop, tensor by tensor.
     ``meta_model``: the transformers model of the file's config (on the meta device), for the name map;
-    ``parsed``: ``load_gguf_checkpoint(gguf, return_tensors=False)``, if already read; ``readers``: the
-    ``GGUFReader`` of each of its files (one, or a split set's shards: :func:`gguf_files.shard_paths`), if already
-    open."""
+    ``parsed``: ``{"config": the loader's config dict}`` (:func:`gguf_hf.config_dict`); ``headers``: the
+    :class:`~speculant.models.gguf_header.GGUFHeader` of each of its files (one, or a split set's shards)."""
     import numpy as np
-    from gguf import GGUFReader, dequantize
-    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map,
-                                                          load_gguf_checkpoint, read_field)
+    from gguf import dequantize
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    parsed = parsed if parsed is not None else load_gguf_checkpoint(str(gguf), return_tensors=False)
-    readers = readers if readers is not None else [GGUFReader(str(p)) for p in gguf_files.shard_paths(gguf)]
-    architecture = read_field(readers[0], "general.architecture")[0]
+    architecture = str(headers[0].field("general.architecture"))
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed.get("config", {}))
     # the file's own architecture names its tensors (a llama file named "mistral" loads as transformers' Mistral,
     # whose model_type gguf-py has no tensor names for)
     names = get_gguf_hf_weights_map(meta_model, processor, model_type=architecture)
-    for tensor in (t for reader in readers for t in reader.tensors):
+    for tensor in (t for header in headers for t in header.tensors):
         result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
                                    tensor_key_mapping=names, parsed_parameters=parsed)
         if result.name in names:
@@ -299,24 +295,24 @@ def convert_gguf(source: GGUFSource | Path, out_dir: Path) -> Path:
         SpeculantError: the file fails :func:`~speculant.models.gguf_files.inspect_gguf`, its config is not one our
             decoder runs (:meth:`ModelConfig.from_hf_dict`), or its tensors are not exactly the config's weights.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from gguf import GGUFReader
+    from . import gguf_hf
+    from .gguf_header import read_header
 
     gguf = find_gguf(source) if isinstance(source, GGUFSource) else Path(source)
     if not isinstance(source, GGUFSource):
         gguf_files.inspect_gguf(gguf)
-    readers = [GGUFReader(str(p)) for p in gguf_files.shard_paths(gguf)]   # one file, or a split set's shards
+    # the header of each file (one, or a split set's shards) read once, the tokenizer's strings skipped: the config
+    # and the tensors come from it; the tokenizer reads the vocabulary once more (transformers' GGUF tokenizer)
+    readers = [read_header(p) for p in gguf_files.shard_paths(gguf)]
     reader = readers[0]
-    info = gguf_files.GGUFFile(gguf.resolve(), str(reader.fields["general.architecture"].contents()),
+    info = gguf_files.GGUFFile(gguf.resolve(), str(reader.field("general.architecture")),
                                {t.name: t.tensor_type.name for r in readers for t in r.tensors})
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # the file's metadata parsed once (~7 s for SmolLM2's on a 2-core CPU): the config below is what
-    # AutoConfig.from_pretrained(gguf_file=...) builds from the same dict, after two more parses
-    parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+    parsed = {"config": gguf_hf.config_dict(reader), "tensors": {}}
     _complete_gguf_config(reader, info.architecture, parsed["config"])
+    tokenizer = gguf_hf.tokenizer(gguf, parsed["config"]["model_type"])
     if info.architecture == "gemma3":
         _gemma3_chat(tokenizer, parsed["config"])
     hf_config = CONFIG_MAPPING[parsed["config"]["model_type"]].from_dict(dict(parsed["config"]))
@@ -325,7 +321,7 @@ def convert_gguf(source: GGUFSource | Path, out_dir: Path) -> Path:
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     written = []
-    tensors = (written.append(k) or (k, v) for k, v in _gguf_float_tensors(gguf, meta_model, parsed, readers)
+    tensors = (written.append(k) or (k, v) for k, v in _gguf_float_tensors(meta_model, parsed, readers)
                if not (cfg.tie_word_embeddings and k == "lm_head.weight"))
     count = len(meta_model.state_dict()) + 8
     out_dir.parent.mkdir(parents=True, exist_ok=True)
