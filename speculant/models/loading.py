@@ -252,7 +252,8 @@ def _gguf_float_tensors(meta_model, parsed: dict, headers: list):
         result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
                                    tensor_key_mapping=names, parsed_parameters=parsed)
         if result.name in names:
-            yield names[result.name], torch.from_numpy(np.copy(result.weights)).to(torch.float32)
+            # a copy only of what is not already a fresh writable array (the file's mapped F32 tensors)
+            yield names[result.name], torch.from_numpy(np.require(result.weights, requirements=["C", "W"])).to(torch.float32)
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
