@@ -11,6 +11,8 @@ and greedy decoding of every method equals ``ar``; types we do not take are refu
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -23,7 +25,9 @@ from speculant.errors import SpeculantError
 from speculant.kernels import build, qgemm
 from speculant.models import loading
 from speculant.models.gguf_codes import IndexedTensor, _decode
+from speculant.runtime import tune
 from speculant.runtime.formats import StackedLinear, W4A8Linear, W8A8Linear, block_linear, format_available
+from speculant.runtime.loader import load_model
 
 needs_kernel = pytest.mark.skipif(not qgemm.available(), reason=f"our kernels: {qgemm.unavailable_reason()}")
 TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -288,3 +292,38 @@ def test_a_stack_of_parts_is_its_parts_side_by_side_and_torch_formats_requantize
     x = torch.from_numpy(rng.standard_normal((3, 256)).astype(np.float32))
     assert torch.equal(stack(x), torch.cat([block_linear(p)(x) for p in parts], -1) + bias)
     assert type(pack_linear("int4", weight, bias, codes=parts)).__name__ == "Int4Linear"
+
+
+def _k_file(tmp_path, inter: int) -> str:
+    """A one-layer Q8_0 Llama GGUF with a Q6_K down projection (``inter``: a tune key of its own)."""
+    return str(write_tiny_gguf(tmp_path / f"k{inter}.gguf", "Q8_0", layers=1, hidden=256, inter=inter,
+                               types={"blk.0.ffn_down.weight": "Q6_K"}))
+
+
+@needs_kernel
+def test_auto_on_k_quants_is_measured_among_the_formats_taking_them_as_stored(tmp_path, in_process):
+    path = _k_file(tmp_path, 512)
+    assert loading.stored_weights(path) == (("w4a8", "fp32"), "Q6_K")
+    assert loading.stored_weights(path, kernels=False) == (("fp32",), "Q6_K")
+    log = io.StringIO()
+    model = load_model(path, compile=False, log=log)
+    entry = tune.load(model.tune.key).stored_weights["Q6_K"]          # recorded in the tune file
+    assert entry["candidates"] == ["w4a8", "fp32"] and set(entry["ms"]) == {"w4a8", "fp32"}
+    assert model.weights == entry["weights"] == tune.keep_default_format(entry["ms"], "w4a8")
+    assert f"weights auto loads {model.weights} (one-row pass measured here" in log.getvalue()
+
+
+@needs_kernel
+def test_fp32_faster_by_more_than_the_noise_is_chosen_and_the_choice_kept(tmp_path, monkeypatch, in_process):
+    assert tune.keep_default_format({"w4a8": 1.0, "fp32": 0.97}, "w4a8") == "w4a8"      # within the noise
+    assert tune.keep_default_format({"w4a8": 1.0, "fp32": 0.9}, "w4a8") == "fp32"
+    path = _k_file(tmp_path, 768)
+    monkeypatch.setattr(tune, "measure_stored_weights", lambda decoder, codes, candidates, route: {
+        "w4a8": 1.0, "fp32": 1.0 * (1 - 2 * tune.CHOICE_NOISE)})
+    assert load_model(path, compile=False, log=io.StringIO()).weights == "fp32"
+
+    def refuse(*a, **k):
+        raise AssertionError("measured again")
+    monkeypatch.setattr(tune, "measure_stored_weights", refuse)
+    again = load_model(path, compile=False, log=io.StringIO())
+    assert again.weights == "fp32" and again.tune.stored_weights["Q6_K"]["weights"] == "fp32"

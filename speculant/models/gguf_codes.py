@@ -259,27 +259,31 @@ class TensorIndex:
 
 
 def index_tensors(gguf_path: Path) -> TensorIndex:
-    """Read the tensor table of ``gguf_path`` (through the ``gguf`` package's reader, which parses the whole
-    header: ~5-10 s for SmolLM2's on a 2-core CPU, most of it the tokenizer's metadata) and keep only that; a split
-    set's first shard gives the tensors of every shard (:func:`speculant.models.gguf_files.shard_paths`).
+    """Read the tensor table of ``gguf_path`` (:func:`~speculant.models.gguf_header.read_header`: the header without
+    the tokenizer's strings, well under a second) and keep only that; a split set's first shard gives the tensors of
+    every shard (:func:`speculant.models.gguf_files.shard_paths`).
 
     Raises:
         SpeculantError: the file cannot be read as GGUF.
     """
-    from gguf import GGUFReader
-
     from .gguf_files import shard_paths
+    from .gguf_header import read_header
 
     tensors = []
     for path in shard_paths(gguf_path):          # one file, or every shard of a split set
         try:
-            reader = GGUFReader(str(path))
-        except Exception as e:  # noqa: BLE001 - the reader raises many kinds
+            header = read_header(path)
+        except Exception as e:  # noqa: BLE001 - struct, numpy and value errors of a corrupt file
             raise SpeculantError(f"cannot read GGUF file {str(path)!r}: {e}") from None
-        for t in reader.tensors:
-            raw = t.data if t.data.dtype == np.uint8 else t.data.view(np.uint8).reshape(*t.data.shape[:-1], -1)
-            tensors.append(IndexedTensor(t.name, t.tensor_type.name, int(t.data_offset), tuple(raw.shape), str(path)))
+        for t in header.tensors:
+            tensors.append(IndexedTensor(t.name, t.tensor_type.name, t.data_offset, _byte_shape(t), str(path)))
     return TensorIndex(tensors)
+
+
+def _byte_shape(t) -> tuple[int, ...]:
+    """``[..., bytes per row]`` of a header tensor: its stored bytes, a row of the GGUF's last dimension per row."""
+    dims = tuple(reversed(t.shape))
+    return (*dims[:-1], t.n_bytes // max(1, int(np.prod(dims[:-1], dtype=np.int64))))
 
 
 def read_group_quantized(gguf_path: Path, cfg: ModelConfig, index: TensorIndex | None = None) -> GGUFCodes:

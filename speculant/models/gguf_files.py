@@ -1,7 +1,8 @@
 """GGUF files given by path (``--model PATH.gguf``): checked before anything is converted, and where their
 float32 conversion is cached.
 
-:func:`inspect_gguf` reads a file's header with the ``gguf`` package's reader (no tensor data) and refuses, in one
+:func:`inspect_gguf` reads a file's header (:func:`~speculant.models.gguf_header.read_header`: no tensor data, the
+tokenizer's strings skipped) and refuses, in one
 line naming the bad value and what is allowed: a missing file or shard, a later shard of a split set (the first
 holds the metadata; :func:`shard_paths` finds the others by llama.cpp's names), a truncated or corrupt file, an
 architecture our decoder does not implement, a file without a tokenizer, a tensor type we cannot take.  Tensor types:
@@ -132,15 +133,10 @@ class GGUFFile:
                 if t in KERNEL_TYPES + FP32_ONLY_TYPES and not (untied and n == "token_embd.weight")]
 
 
-def _field(reader, key: str):
-    """The value of metadata field ``key`` (a string, a number, or a list), or ``None`` when absent."""
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    try:
-        return field.contents()
-    except Exception:  # noqa: BLE001 - a corrupt field reads as absent
-        return None
+def _field(header, key: str):
+    """The value of metadata field ``key`` of a :class:`~speculant.models.gguf_header.GGUFHeader` (a string, a
+    number, a list, a :class:`~speculant.models.gguf_header.StringArray`), or ``None`` when absent."""
+    return header.field(key)
 
 
 _INSPECTED: dict[tuple, GGUFFile] = {}
@@ -168,7 +164,7 @@ def inspect_gguf(path: str | Path) -> GGUFFile:
         raise SpeculantError(f"GGUF architecture {arch!r} of {name!r} is not supported{why}; "
                              f"allowed: {', '.join(SUPPORTED_ARCHITECTURES)}")
     tok_model = _field(reader, "tokenizer.ggml.model")
-    if tok_model is None or "tokenizer.ggml.tokens" not in reader.fields:
+    if tok_model is None or "tokenizer.ggml.tokens" not in reader.metadata:
         raise SpeculantError(f"GGUF file {name!r} has no tokenizer (tokenizer.ggml.model/tokens missing); allowed: "
                              "a GGUF file with its tokenizer, as llama.cpp's converters write it")
     if tok_model not in TOKENIZER_MODELS:
@@ -177,6 +173,7 @@ def inspect_gguf(path: str | Path) -> GGUFFile:
     from gguf import GGML_QUANT_SIZES
 
     tensors = [t for r in readers for t in r.tensors]
+    r_size = {str(r.path): r.file_size for r in readers}
     types = {t.name: t.tensor_type.name for t in tensors}
     for t in tensors:
         kind = t.tensor_type.name
@@ -186,7 +183,7 @@ def inspect_gguf(path: str | Path) -> GGUFFile:
                 f"{', '.join(FLOAT_TYPES + CODE_TYPES + KERNEL_TYPES)}, and with --weights fp32 "
                 f"{', '.join(FP32_ONLY_TYPES)}")
         block = GGML_QUANT_SIZES[t.tensor_type][0]
-        if not int(t.n_elements) or int(t.shape[0]) % block or int(t.data.size) * t.data.itemsize != int(t.n_bytes):
+        if not t.n_elements or t.shape[0] % block or t.data_offset + t.n_bytes > r_size[t.path]:
             raise SpeculantError(f"tensor {t.name} of {name!r} ({kind}, shape {[int(n) for n in t.shape]}) is "
                                  f"corrupt: empty, or its rows are not whole blocks of {block} values; allowed: a "
                                  "complete GGUF file")
@@ -196,19 +193,19 @@ def inspect_gguf(path: str | Path) -> GGUFFile:
 
 
 def _shard_readers(shards: list[Path], name: str) -> list:
-    """``GGUFReader`` of each file of the model ``name`` (one, or a split set's shards in order), their split
+    """The :class:`~speculant.models.gguf_header.GGUFHeader` of each file of the model ``name`` (one, or a split set's shards in order), their split
     metadata checked (``split.no``, ``split.count``, ``split.tensors.count``: llama.cpp's ``gguf-split``).
 
     Raises:
         SpeculantError: a file unreadable as GGUF, a single file saying it is one shard of several, or shards whose
             split metadata do not fit their names or tensor count.
     """
-    from gguf import GGUFReader
+    from .gguf_header import read_header
 
     readers = []
     for shard in shards:
         try:
-            readers.append(GGUFReader(str(shard)))
+            readers.append(read_header(shard))
         except Exception as e:  # noqa: BLE001 - the reader raises ValueError, struct/numpy errors, MemoryError ...
             detail = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise SpeculantError(f"cannot read {str(shard) if len(shards) > 1 else name!r} as a GGUF file ({detail}); "
@@ -229,6 +226,15 @@ def _shard_readers(shards: list[Path], name: str) -> list:
     return readers
 
 
+def stored_formats(requantized: list[tuple[str, str]], kernels: bool = True) -> tuple[str, ...]:
+    """The weight formats that take a file's :attr:`GGUFFile.requantized` tensors as stored, the default first:
+    ``("w4a8", "fp32")`` when every such type is a :data:`KERNEL_TYPES` one and our kernels run here (``kernels``),
+    else ``("fp32",)``."""
+    if kernels and not any(t in FP32_ONLY_TYPES for _, t in requantized):
+        return ("w4a8", "fp32")
+    return ("fp32",)
+
+
 def check_weights(requantized: list[tuple[str, str]], weights: str, name: str, kernels: bool = True) -> str:
     """The weight format to load a GGUF file in, given its :attr:`GGUFFile.requantized` tensors: ``weights`` itself
     when nothing would be requantized, it is ``fp32``, or it is ``w4a8`` and every such tensor is of a
@@ -243,7 +249,7 @@ def check_weights(requantized: list[tuple[str, str]], weights: str, name: str, k
         return weights
     fp32_only = [(n, t) for n, t in requantized if t in FP32_ONLY_TYPES]
     if weights == "auto":
-        return "w4a8" if kernels and not fp32_only else "fp32"
+        return stored_formats(requantized, kernels)[0]
     if weights == "w4a8" and not fp32_only:
         return weights
     tensor, kind = (fp32_only or requantized)[0]

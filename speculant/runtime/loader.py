@@ -71,9 +71,10 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
         weights: a weight format (``fp32``, ``bf16``, ``int8``, ``int4``, ``w4a8``; see
             :mod:`speculant.runtime.formats`) or ``auto``: the fastest batch-invariant format measured
             on this machine (:mod:`speculant.runtime.tune`, cached after the first load); for a GGUF file holding
-            types torch's packed formats would requantize, ``w4a8`` where they all run as stored on our kernels
-            (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and the kernels run here, else ``fp32``
-            (:func:`~speculant.models.loading.weights_for`).
+            types torch's packed formats would requantize, the faster (measured here, once, on the file's own
+            codes: :func:`tune.measure_stored_weights`) of ``w4a8`` and ``fp32`` where they all run as stored on our
+            kernels (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and the kernels run here, ``w4a8`` unless ``fp32`` is faster by
+            more than :data:`tune.CHOICE_NOISE`; else ``fp32`` (:func:`~speculant.models.loading.stored_weights`).
         compile: compile the decoding steps with ``torch.compile`` (eager without a C++ compiler); ``w4a8``
             weights need no compilation: their layers run as one call into our kernels
             (:mod:`speculant.kernels.decode_step`; ``LoadedModel.fused``); ``LoadedModel.executor`` runs the model.
@@ -109,8 +110,10 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
             raise SpeculantError(f"dtype={str(dtype).replace('torch.', '')} applies to weights='fp32' only; "
                                  f"for {weights} weights keep dtype=float32")
         weights = "fp32"
-    weights = loading.weights_for(name_or_path, weights, log,
-                                  kernels=format_available("w4a8") if weights == "auto" else True)
+    kernels = format_available("w4a8") if weights == "auto" else True
+    stored = loading.stored_weights(name_or_path, kernels) if weights == "auto" else None
+    measured = stored is not None and len(stored[0]) > 1      # auto among the formats that take the file as stored
+    weights = loading.weights_for(name_or_path, weights, None if measured else log, kernels=kernels)
     fixed_threads = threads or user_threads()
     threads = fixed_threads or torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -121,7 +124,9 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
     model = None
     if result is not None:
         fmt = result.weights if weights == "auto" else check_format(weights)
-        if fmt != "fp32":
+        if measured:
+            fmt = _stored_choice(name_or_path, None, result, stored, None, log)
+        if fmt not in (None, "fp32"):
             decoder = load_packed(packed_path(directory, fmt), cfg)
             if decoder is not None:
                 model = LoadedModel(name_or_path, decoder, loading.load_tokenizer(directory), directory)
@@ -134,6 +139,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
             result = tune.load_or_measure(model.decoder, threads, log=log)
             loading.release_memory()            # the tuner's packed copies, before the model is packed
         fmt = "fp32" if result is None else (result.weights if weights == "auto" else check_format(weights))
+        if measured and result is not None:
+            fmt = _stored_choice(name_or_path, model, result, stored, index, log)
         if fmt != "fp32":
             codes = _gguf_codes(name_or_path, model.config, index) if fmt in ("int4", "w4a8") else None
             apply_weight_format(model.decoder, fmt, codes)
@@ -162,6 +169,31 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
         executor.governor = ThreadGovernor(torch.get_num_threads())
     model.compiled = bool(compile) and not model.fused and enable_compile(executor, log=log, blocks=blocks)
     return model
+
+
+def _stored_choice(name_or_path: str, model, result, stored: tuple, index, log) -> str | None:
+    """``--weights auto`` for a GGUF file whose types only some formats take as stored (``stored``:
+    :func:`~speculant.models.loading.stored_weights`, ``(candidates, types)``, the default first): the choice
+    recorded in the tune ``result`` (:attr:`tune.TuneResult.stored_weights`), else measured on ``model`` (float32,
+    :func:`tune.measure_stored_weights` on the file's own codes; ``index``: its tensor table, if read) with the
+    default kept unless another is faster by more than :data:`tune.CHOICE_NOISE`, recorded and saved; ``None`` when
+    not recorded and no ``model`` is given.  Says the choice and why in one line on ``log``."""
+    candidates, types = stored
+    entry = result.stored_weights.get(types)
+    if entry is None or entry.get("candidates") != list(candidates):
+        if model is None:
+            return None
+        ms = tune.measure_stored_weights(model.decoder, _gguf_codes(name_or_path, model.config, index), candidates,
+                                         result.fp32_route)
+        entry = {"candidates": list(candidates), "ms": ms, "weights": tune.keep_default_format(ms, candidates[0])}
+        result.stored_weights[types] = entry
+        tune.save(result)
+        loading.release_memory()                  # the sample's packed copies
+    timings = ", ".join(f"{f} {entry['ms'][f]:.2f} ms" for f in candidates)
+    print(f"{name_or_path} holds {types} weights, taken as stored by {' and '.join(candidates)}: weights auto loads "
+          f"{entry['weights']} (one-row pass measured here: {timings}; {candidates[0]} unless another is faster by "
+          f"more than {tune.CHOICE_NOISE:.0%})", file=log)
+    return entry["weights"]
 
 
 def set_kv_cache(executor, kv_cache: str) -> None:

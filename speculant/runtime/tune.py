@@ -143,6 +143,10 @@ class TuneResult:
             ``{"<kind>:<I>x<O>,...": {"weights": fmt, "ms": {fmt: one-row pass [ms]}}}``
             (:func:`measure_drafter_weights`: the tune step :func:`speculant.drafters.weights.tune_drafter`, run by
             the method factory the first time it builds such a drafter on this machine; loaders only read it).
+        stored_weights: for GGUF files holding types only some formats take as stored (K-quants, Q5_0 ...; see
+            :func:`speculant.models.loading.stored_weights`), per set of types (``"Q4_K, Q6_K"``):
+            ``{"candidates": [default, ...], "ms": {fmt: one-row pass [ms]}, "weights": the format chosen}``
+            (:func:`measure_stored_weights` on the file's own codes, :func:`keep_default_format`).
     """
 
     key: dict
@@ -164,6 +168,7 @@ class TuneResult:
     decode_thread_ms: dict = field(default_factory=dict)
     forward_ms: dict = field(default_factory=dict)
     draft_ms: dict = field(default_factory=dict)
+    stored_weights: dict = field(default_factory=dict)
     measured_at: str = ""
     schema: int = SCHEMA
 
@@ -393,6 +398,43 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
           f"fp32 route={result.fp32_route}, threads={result.threads}, attention={result.attention}", file=log,
           flush=True)
     return result
+
+
+def measure_stored_weights(decoder, codes, candidates, fp32_route: str = "linear", repeats: int = 5) -> dict:
+    """One-row pass over the projections of :func:`sample_layers` and the LM head (the whole model's pass estimated
+    as in :func:`measure`) in each of ``candidates`` (``w4a8``: packed from ``codes``, the GGUF's own codes as stored,
+    :func:`~speculant.models.gguf_codes.read_group_quantized`; ``fp32``: the float32 projections on ``fp32_route``),
+    formats alternated, best of ``repeats`` after a warm-up round [milliseconds]; ``decoder`` has float32
+    projections.  Returns ``{fmt: ms}``."""
+    layers = sample_layers(len(decoder.layers))
+    scale = len(decoder.layers) / len(layers)
+    keys = [f"layers.{i}.{p}" for i in layers for p in PROJECTIONS] + ["lm_head_proj"]
+    base = [_get(decoder.layers[i], p) for i in layers for p in PROJECTIONS] + [decoder.lm_head_proj]
+    codes = codes if codes is not None else {}
+    variants = {f: base if f == "fp32" else
+                [pack_linear(f if k != "lm_head_proj" else head_format(f), m.weight, m.bias, codes.get(k))
+                 for k, m in zip(keys, base)] for f in candidates}
+    g = torch.Generator().manual_seed(2)
+    inputs = {w: torch.randn(1, w, generator=g) for w in sorted({m.in_features for m in base})}
+    best = {f: float("inf") for f in candidates}
+    set_routes(base, FP32_ROUTES[fp32_route])
+    try:
+        with torch.inference_mode():
+            for rep in range(repeats + 1):
+                for f in candidates[rep % len(candidates):] + candidates[:rep % len(candidates)]:
+                    ms = _time_pass(variants[f], inputs, None, scale) * 1e3
+                    if rep:                                        # the first round warms up
+                        best[f] = min(best[f], ms)
+    finally:
+        set_routes(base, DEFAULT_ROUTES)
+    return {f: round(v, 3) for f, v in best.items()}
+
+
+def keep_default_format(ms: dict, default: str, noise: float = CHOICE_NOISE) -> str:
+    """The format of ``ms`` (``{fmt: ms}``) to load in: ``default`` unless another is faster by more than ``noise``
+    (a fraction of ``default``'s time; then the fastest)."""
+    fastest = min(ms, key=ms.get)
+    return fastest if ms[fastest] < ms[default] * (1 - noise) else default
 
 
 def measure_attention(cfg, repeats: int = 5) -> dict[str, float]:
