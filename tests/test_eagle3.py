@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import one_line_error, tiny_model
+from helpers import on_fused_step, one_line_error, tiny_model
 from stats_helpers import chi_square, exact_law
 
 from speculant import GenerationConfig, SamplingConfig, build_generator
@@ -196,9 +196,10 @@ def test_sampled_tokens_follow_the_target_law(spec, tmp_path):
     """T=1.3, top-k 3: the joint law of 3 tokens through the engine (prefill + drafted rounds) equals the target's
     (as tests/test_draft_head.py does for the EAGLE-1/2-style head)."""
     m = tiny_model(seed=5, scale=1.5, vocab=4, layers=3, hidden=32, heads=2, kv_heads=1, inter=64)
+    save_eagle3(random_eagle3(m, seed=1, std=0.3), tmp_path / "h")
+    m = on_fused_step(m)            # the target on the fused step (its auxiliary states too), as real models run
     prompt, sampling = [1, 2, 3, 1, 2], dict(temperature=1.3, top_k=3)
     law = exact_law(m, prompt, SamplingConfig(**sampling))
-    save_eagle3(random_eagle3(m, seed=1, std=0.3), tmp_path / "h")
     gen = build_generator(m, draft_head=str(tmp_path / "h"), speculation="always", **spec)
     assert isinstance(gen.drafter, Eagle3Drafter)
     outs, drafted = [], 0

@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import byte_tokenizer, tiny_model
+from helpers import byte_tokenizer, on_fused_step, tiny_model
 from stats_helpers import chi_square
 
 from speculant import GenerationConfig, SamplingConfig, build_generator
@@ -24,7 +24,7 @@ def model():
     tok = byte_tokenizer()
     tiny = tiny_model(seed=2, scale=1.0, vocab=len(tok), layers=2, hidden=32, heads=2, kv_heads=1, inter=64,
                       eos=tok.eos_token_id)
-    return LoadedModel("tiny", tiny.decoder, tok, None)
+    return on_fused_step(LoadedModel("tiny", tiny.decoder, tok, None))
 
 
 @pytest.mark.parametrize("spec", [dict(method="draft-model", draft_model="truncated:1", num_speculations=2),

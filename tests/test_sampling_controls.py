@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import on_fused_step, tiny_model
 from stats_helpers import chi_square
 
 from speculant import GenerationConfig, SamplingConfig, build_generator
@@ -35,7 +35,9 @@ METHODS = {
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model(seed=5, scale=1.5, vocab=4, layers=2, hidden=32, heads=2, kv_heads=1, inter=64)
+    """On the fused step where our kernels build (:func:`helpers.on_fused_step`); the reference law runs the same
+    weights through the model's torch forward."""
+    return on_fused_step(tiny_model(seed=5, scale=1.5, vocab=4, layers=2, hidden=32, heads=2, kv_heads=1, inter=64))
 
 
 def reference_logits(logits, prompt, generated, cfg: SamplingConfig):

@@ -8,30 +8,38 @@ prefill, tokens 2-3 from the first speculative round, so the joint law of the
 three tokens checks the drafter + acceptance rule + cache commit.  The exact
 law is computed by running the target on every prefix.  Logits processing
 (temperature 1.3, top-k 3 of 4) is applied to draft and target alike.
+Every method runs on the fused C step (the tiny model in w4a8, the route real models decode on); a chain and a tree
+also run on the torch step.
 """
 
 
 import pytest
-from helpers import tiny_model
+from helpers import on_fused_step, tiny_model
 from stats_helpers import chi_square, exact_law
 
 from speculant import GenerationConfig, SamplingConfig, build_generator
 from speculant.engine.stats import GenerationStats
 from speculant.verification import rules
-from speculant.runtime.executor import executor_of
 
 RUNS = 5_000
 PROMPT = [1, 2, 3, 1, 2]           # repeats, so prompt lookup finds n-gram drafts
 SAMPLING = dict(temperature=1.3, top_k=3)
 
 
-@pytest.fixture(scope="module")
-def model():
+def tiny():
     return tiny_model(seed=5, scale=1.5, vocab=4, layers=2, hidden=32, heads=2, kv_heads=1, inter=64)
 
 
 @pytest.fixture(scope="module")
+def model():
+    """The tiny model on the fused step where our kernels build (:func:`helpers.on_fused_step`);
+    :func:`test_torch_step_emits_the_target_law` holds the torch step to the same law."""
+    return on_fused_step(tiny())
+
+
+@pytest.fixture(scope="module")
 def law(model):
+    """The law of the model's own weights (w4a8 where it runs the fused step)."""
     return exact_law(model, PROMPT, SamplingConfig(**SAMPLING))
 
 
@@ -73,23 +81,15 @@ def test_broken_rule_fails(model, law, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def fused_model():
-    """The same tiny model in ``w4a8``: its cached forwards run the fused step (speculant/kernels/decode_step.c)."""
-    from speculant.kernels import build
-    from speculant.runtime.formats import apply_weight_format
-    if not build.available():
-        pytest.skip(f"kernels: {build.unavailable_reason()}")
-    m = tiny_model(seed=5, scale=1.5, vocab=4, layers=2, hidden=32, heads=2, kv_heads=1, inter=64)
-    apply_weight_format(m.decoder, "w4a8")
-    executor_of(m).fused_prompt_tokens = 64          # the prompt's forward through the fused step as well
-    assert executor_of(m).fused_layers() is not None
-    return m
+def torch_model():
+    """The same tiny model in float32: its forwards run the torch step (speculant/runtime/steps.py)."""
+    return tiny()
 
 
 @pytest.mark.parametrize("name", ["early-exit", "rsd-s"])
-def test_fused_step_emits_the_target_law(fused_model, name):
-    """A chain resuming at its exit layer and a tree, drafted and verified through the fused step, against the law
-    of the same w4a8 target."""
-    stat, threshold = chi_square(sample(fused_model, METHODS[name]), exact_law(fused_model, PROMPT,
+def test_torch_step_emits_the_target_law(torch_model, name):
+    """A chain resuming at its exit layer and a tree, drafted and verified through the torch step, against the law
+    of the same float32 target."""
+    stat, threshold = chi_square(sample(torch_model, METHODS[name]), exact_law(torch_model, PROMPT,
                                                                                  SamplingConfig(**SAMPLING)))
     assert stat < threshold, (name, stat, threshold)

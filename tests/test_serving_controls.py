@@ -33,7 +33,7 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"typ
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     tok = byte_tokenizer()
-    tiny = tiny_model(seed=3, scale=2.0, vocab=len(tok), layers=2, ctx=1024, eos=tok.eos_token_id)
+    tiny = tiny_model(seed=4, scale=2.0, vocab=len(tok), layers=2, ctx=1024, eos=tok.eos_token_id)
     path = save_hf_dir(LoadedModel("tiny", tiny.decoder, tok, None), tmp_path_factory.mktemp("serve_controls"))
     return load_model(str(path), weights="auto", compile=False)
 

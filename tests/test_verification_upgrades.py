@@ -152,8 +152,9 @@ ENGINE = {
 
 @pytest.fixture(scope="module")
 def engine_model():
-    from helpers import tiny_model
-    return tiny_model(seed=5, scale=1.5, vocab=4, layers=2, hidden=32, heads=2, kv_heads=1, inter=64)
+    """On the fused step where our kernels build (:func:`helpers.on_fused_step`), as test_sampling_engine.py."""
+    from helpers import on_fused_step, tiny_model
+    return on_fused_step(tiny_model(seed=5, scale=1.5, vocab=4, layers=2, hidden=32, heads=2, kv_heads=1, inter=64))
 
 
 @pytest.mark.parametrize("name", ENGINE)
