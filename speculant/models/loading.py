@@ -635,11 +635,19 @@ def load_hf_dir(path: Path, dtype=torch.float32, name: str | None = None) -> Loa
         state.update(part)
         del part                            # state holds the only references (consumed below)
     decoder = decoder_from_hf_state(cfg, state, dtype, consume=True)
+    return LoadedModel(name or path.name, decoder, tokenizer_of(path), path)
+
+
+def tokenizer_of(path: Path):
+    """:func:`load_tokenizer` of the HF-format directory ``path``.
+
+    Raises:
+        SpeculantError: missing or unreadable tokenizer files (the first line of transformers' error).
+    """
     try:
-        tokenizer = load_tokenizer(path)
+        return load_tokenizer(path)
     except (OSError, ValueError) as e:
         raise SpeculantError(f"cannot load the tokenizer of {str(path)!r} ({str(e).splitlines()[0]})") from None
-    return LoadedModel(name or path.name, decoder, tokenizer, path)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -706,6 +714,26 @@ def converted_dir(name: str) -> Path:
     if name not in KNOWN_MODELS and gguf_files.is_gguf_path(name):
         return gguf_files.cache_dir(name)
     return cache_root() / name
+
+
+def packed_cache_dir(path: str | Path) -> Path:
+    """Where the packed copies of the HF-format directory ``path`` are kept (:mod:`speculant.runtime.store`):
+    ``$SPECULANT_CACHE/hf/<name>-<12 hex>``, the hex digits a hash of its resolved path and of the name, size [bytes]
+    and modification time [ns] of its ``config.json`` and weight files (:func:`weight_files`), as
+    :func:`gguf_files.cache_dir` keys a GGUF file: changed weights are packed again.
+
+    Raises:
+        SpeculantError: ``path`` has no weight file or a bad index (:func:`weight_files`).
+    """
+    import hashlib
+
+    resolved = Path(path).expanduser().resolve()
+    parts = [str(resolved)]
+    for f in [resolved / "config.json"] + weight_files(resolved):
+        st = f.stat()
+        parts.append(f"{f.name}|{st.st_size}|{st.st_mtime_ns}")
+    key = hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
+    return cache_root() / "hf" / f"{resolved.name}-{key}"
 
 
 def weights_for(name_or_path: str, weights: str, log=None, kernels: bool = True) -> str:

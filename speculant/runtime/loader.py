@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import threading
+from pathlib import Path
 
 import torch
 
@@ -48,16 +49,61 @@ def user_threads() -> int | None:
     return n
 
 
-def _config_of(name_or_path: str) -> tuple[ModelConfig | None, object]:
-    """(config, cache directory) of a GGUF model (known or by path) whose float32 conversion is cached; (None, None)
-    otherwise."""
-    if not loading.is_gguf_source(name_or_path):
-        return None, None
-    directory = loading.converted_dir(name_or_path)
+def _cached_source(name_or_path: str) -> tuple[ModelConfig | None, Path | None, Path | None]:
+    """(config, directory of its packed copies, HF-format directory of its config and tokenizer) of a model whose
+    packed copies may be cached: a GGUF model (known or by path) already converted (both directories its conversion's,
+    :func:`~speculant.models.loading.converted_dir`) or an HF-format directory (packed copies in
+    :func:`~speculant.models.loading.packed_cache_dir`); ``(None, None, None)`` otherwise or when unreadable (the
+    full load then says what is wrong)."""
     try:
-        return ModelConfig.from_hf_dict(json.loads((directory / "config.json").read_text())), directory
-    except (OSError, ValueError, KeyError):
-        return None, None
+        if loading.is_gguf_source(name_or_path):
+            packed_dir = source = loading.converted_dir(name_or_path)
+        elif os.path.isdir(name_or_path):
+            source = Path(name_or_path)
+            packed_dir = loading.packed_cache_dir(source)
+        else:
+            return None, None, None
+        return ModelConfig.from_hf_dict(json.loads((source / "config.json").read_text())), packed_dir, source
+    except (OSError, ValueError, KeyError):          # SpeculantError is a ValueError
+        return None, None, None
+
+
+def _from_packed(name_or_path: str, cfg: ModelConfig, packed_dir: Path, source: Path, fmt: str) -> LoadedModel | None:
+    """The model read from its packed copy in format ``fmt`` (:func:`~speculant.runtime.store.load_packed`), or
+    ``None`` when there is none for ``cfg``.
+
+    Raises:
+        SpeculantError: the tokenizer files of ``source`` are unreadable.
+    """
+    decoder = load_packed(packed_path(packed_dir, fmt), cfg)
+    if decoder is None:
+        return None
+    name = name_or_path if loading.is_gguf_source(name_or_path) else source.name
+    return LoadedModel(name, decoder, loading.tokenizer_of(source), source)
+
+
+def _read_and_pack(name_or_path: str, dtype: torch.dtype, weights: str, result, threads: int, packed_dir, log):
+    """The first load of a model in a format (no packed copy cached): read it, measure the kernels (when ``result``,
+    the cached tune, is ``None``), pack it and save the packed copy in ``packed_dir`` (GGUF models and HF
+    directories).  Returns ``(model, tune result or None, weight format)``."""
+    index = None
+    if loading.is_gguf_source(name_or_path) and not (loading.converted_dir(name_or_path) / "model.safetensors").is_file():
+        index = _convert_overlapped(name_or_path)
+    model = loading.read_checkpoint(name_or_path, dtype)
+    if result is None and dtype == torch.float32:
+        result = tune.load_or_measure(model.decoder, threads, log=log)
+        loading.release_memory()            # the tuner's packed copies, before the model is packed
+    fmt = "fp32" if result is None else (result.weights if weights == "auto" else check_format(weights))
+    if fmt != "fp32":
+        codes = _gguf_codes(name_or_path, model.config, index) if fmt in ("int4", "w4a8") else None
+        apply_weight_format(model.decoder, fmt, codes)
+        del codes
+        loading.release_memory()            # the float32 projections and the GGUF's unpacked codes
+        if packed_dir is None:          # a GGUF model's conversion is its directory; an HF directory's is in the cache
+            packed_dir = model.path if loading.is_gguf_source(name_or_path) else loading.packed_cache_dir(model.path)
+        Path(packed_dir).mkdir(parents=True, exist_ok=True)
+        save_packed(model.decoder, packed_path(packed_dir, fmt))
+    return model, result, fmt
 
 
 # Over 80 lines with its docstring (the public API: ~35 lines of arguments); the body is the load sequence:
@@ -115,32 +161,16 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
     threads = fixed_threads or torch.get_num_threads()
     torch.set_num_threads(threads)
 
-    # fast path: a cached tune and a cached packed copy of a known model
-    cfg, directory = _config_of(name_or_path)
+    # fast path: a cached tune and a cached packed copy (a known model, a GGUF file, an HF directory)
+    cfg, packed_dir, source = _cached_source(name_or_path)
     result = tune.load(tune.tune_key(cfg, threads)) if cfg is not None else None
     model = None
     if result is not None:
         fmt = result.weights if weights == "auto" else check_format(weights)
         if fmt != "fp32":
-            decoder = load_packed(packed_path(directory, fmt), cfg)
-            if decoder is not None:
-                model = LoadedModel(name_or_path, decoder, loading.load_tokenizer(directory), directory)
-    index = None
+            model = _from_packed(name_or_path, cfg, packed_dir, source, fmt)
     if model is None:
-        if loading.is_gguf_source(name_or_path) and not (loading.converted_dir(name_or_path) / "model.safetensors").is_file():
-            index = _convert_overlapped(name_or_path)
-        model = loading.read_checkpoint(name_or_path, dtype)
-        if result is None and dtype == torch.float32:
-            result = tune.load_or_measure(model.decoder, threads, log=log)
-            loading.release_memory()            # the tuner's packed copies, before the model is packed
-        fmt = "fp32" if result is None else (result.weights if weights == "auto" else check_format(weights))
-        if fmt != "fp32":
-            codes = _gguf_codes(name_or_path, model.config, index) if fmt in ("int4", "w4a8") else None
-            apply_weight_format(model.decoder, fmt, codes)
-            del codes
-            loading.release_memory()            # the float32 projections and the GGUF's unpacked codes
-            if loading.is_gguf_source(name_or_path):
-                save_packed(model.decoder, packed_path(model.path, fmt))
+        model, result, fmt = _read_and_pack(name_or_path, dtype, weights, result, threads, packed_dir, log)
     model.weights = fmt
     model.tune = result
     explicit_kv = None if kv_cache == "auto" else kv_cache
