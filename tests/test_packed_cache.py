@@ -107,3 +107,17 @@ def test_the_child_progress_lines_are_passed_on(tmp_path):
         finished.set()
         relay.join(timeout=10)
     assert out.getvalue().splitlines() == ["speculant:   3/9 tensors converted", "speculant: done"]
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "F16", "BF16"])
+def test_dequantizing_by_rows_gives_the_readers_values(kind):
+    import numpy as np
+    from gguf import GGMLQuantizationType, dequantize, quantize
+
+    qtype = GGMLQuantizationType[kind]
+    weights = np.random.default_rng(0).standard_normal((11, 64)).astype(np.float32)
+    data = quantize(weights, qtype)
+    whole = dequantize(data, qtype)
+    by_rows = loading._dequantize_by_rows(data, qtype, rows=4)
+    assert by_rows.shape == whole.shape and by_rows.dtype == whole.dtype
+    assert np.array_equal(by_rows, whole)

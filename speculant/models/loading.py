@@ -271,7 +271,7 @@ def _gguf_float_tensors(gguf: Path, meta_model, parsed: dict | None = None, read
     ``GGUFReader`` of each of its files (one, or a split set's shards: :func:`gguf_files.shard_paths`), if already
     open."""
     import numpy as np
-    from gguf import GGUFReader, dequantize
+    from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map,
                                                           load_gguf_checkpoint, read_field)
 
@@ -283,10 +283,31 @@ def _gguf_float_tensors(gguf: Path, meta_model, parsed: dict | None = None, read
     # whose model_type gguf-py has no tensor names for)
     names = get_gguf_hf_weights_map(meta_model, processor, model_type=architecture)
     for tensor in (t for reader in readers for t in reader.tensors):
-        result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
+        result = processor.process(weights=_dequantize_by_rows(tensor.data, tensor.tensor_type), name=tensor.name,
                                    tensor_key_mapping=names, parsed_parameters=parsed)
         if result.name in names:
-            yield names[result.name], torch.from_numpy(np.copy(result.weights)).to(torch.float32)
+            w = result.weights
+            if not (w.flags.writeable and w.flags.c_contiguous and w.dtype == np.float32):
+                w = np.copy(w)
+            yield names[result.name], torch.from_numpy(w).to(torch.float32)
+
+
+def _dequantize_by_rows(data, kind, rows: int = 4096):
+    """``gguf.dequantize(data, kind)`` computed ``rows`` rows at a time into one float32 array (the same values: a
+    block never spans rows): a large tensor's (the token embedding's) dequantization never holds the reader's
+    intermediate arrays for the whole tensor at once."""
+    import numpy as np
+    from gguf import dequantize
+
+    if data.ndim < 2 or data.shape[0] <= rows:
+        return dequantize(data, kind)
+    first = dequantize(data[:rows], kind)
+    out = np.empty((data.shape[0],) + first.shape[1:], dtype=first.dtype)
+    out[:rows] = first
+    del first
+    for start in range(rows, data.shape[0], rows):
+        out[start:start + rows] = dequantize(data[start:start + rows], kind)
+    return out
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
