@@ -70,6 +70,7 @@ def test_first_load_streams_layer_by_layer(tmp_path, monkeypatch, fmt):
     monkeypatch.setattr(loading, "load_hf_dir", whole)
     model = loader.load_model(str(directory), weights=fmt, compile=False)
     assert model.weights == fmt and model.decoder.weight_format == fmt
+    assert not any(t.is_meta for t in [*model.decoder.parameters(), *model.decoder.buffers()]), "a tensor left unread"
     ids = [2, 3, 5, 7, 11, 13]
     assert torch.equal(_logits(model, ids), _logits(reference, ids))
 

@@ -69,15 +69,12 @@ def open_streamed(path: Path, cfg: ModelConfig) -> tuple[LlamaDecoder, StreamedC
         return None
     with torch.device("meta"):
         dec = LlamaDecoder(cfg)
-    dec.embed_tokens.to_empty(device="cpu")
-    dec.embed_tokens.weight.data = checkpoint.take("model.embed_tokens.weight")
-    dec.norm.to_empty(device="cpu")
-    dec.norm.weight.data = checkpoint.take("model.norm.weight")
+    dec.embed_tokens.weight = torch.nn.Parameter(checkpoint.take("model.embed_tokens.weight"), requires_grad=False)
+    dec.norm.weight = torch.nn.Parameter(checkpoint.take("model.norm.weight"), requires_grad=False)
     if cfg.tie_word_embeddings:
         dec.lm_head_proj.weight = dec.embed_tokens.weight
     else:
-        dec.lm_head_proj.to_empty(device="cpu")
-        dec.lm_head_proj.weight.data = checkpoint.take("lm_head.weight")
+        dec.lm_head_proj.weight = torch.nn.Parameter(checkpoint.take("lm_head.weight"), requires_grad=False)
     dec.set_rope_tables()               # buffers were on the meta device
     dec.layer_token_counts = [0] * cfg.num_hidden_layers
     expected = {"model.embed_tokens.weight": (dec.embed_tokens.weight, (cfg.vocab_size, cfg.hidden_size)),
@@ -118,8 +115,7 @@ def fill_layers(decoder: LlamaDecoder, checkpoint: StreamedCheckpoint, layers, o
                if v.shape != shapes.get(k)]
         if bad:
             raise SpeculantError(f"weight shape(s) differ from config.json: {'; '.join(bad[:3])}")
-        layer.to_empty(device="cpu")
-        layer.load_state_dict(ours, strict=True, assign=True)
+        layer.load_state_dict(ours, strict=True, assign=True)      # replaces the meta tensors: no second copy
         layer.requires_grad_(False)
         del ours
         if on_layer is not None:
