@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,7 +160,7 @@ class LoadedModel:
         return sorted(ids)
 
 
-def convert_gguf_in_child(name: str, out_dir: Path, meanwhile=None) -> Path:
+def convert_gguf_in_child(name: str, out_dir: Path, meanwhile=None, progress=None) -> Path:
     """:func:`convert_gguf` of ``name`` (a known model or a GGUF file's path) in a child process (same interpreter
     and ``speculant``):
     this process then never holds transformers' model classes, the GGUF reader's tables or the heap the
@@ -167,8 +168,9 @@ def convert_gguf_in_child(name: str, out_dir: Path, meanwhile=None) -> Path:
     ``meanwhile()``, if given, runs in this process while the child converts (the conversion is one core's
     work for ~30-45 s; the loader reads the file's tensor table and builds the kernels on the other).
 
-    The child's messages are kept in a temporary file; the last line of a failure (the child's error) is said in one
-    line.  Interrupted (Ctrl-C), the child is interrupted too and removes its partial output.
+    The child's messages are kept in a temporary file; its progress lines (``speculant: ...``) are passed on to
+    ``progress`` (a text file, e.g. stderr; ``None``: not shown) as they come; the last line of a failure (the
+    child's error) is said in one line.  Interrupted (Ctrl-C), the child is interrupted too and removes its partial output.
 
     Raises:
         SpeculantError: the package or file is missing (checked here first), or the conversion failed (its exit
@@ -185,11 +187,19 @@ def convert_gguf_in_child(name: str, out_dir: Path, meanwhile=None) -> Path:
     with tempfile.TemporaryFile("w+", errors="replace") as errors:
         proc = subprocess.Popen([sys.executable, "-c", code, name, str(out_dir)], env=env, stdout=subprocess.DEVNULL,
                                 stderr=errors)
+        finished = threading.Event()
+        relay = threading.Thread(target=_relay_progress, args=(errors.fileno(), progress, finished), daemon=True)
+        if progress is not None:
+            relay.start()
         try:
             if meanwhile is not None:
                 meanwhile()
             proc.wait()
+            finished.set()
+            if progress is not None:
+                relay.join()
         except BaseException:
+            finished.set()
             proc.send_signal(signal.SIGINT)         # the child removes its temporary directory on KeyboardInterrupt
             try:
                 proc.wait(timeout=30)
@@ -202,6 +212,26 @@ def convert_gguf_in_child(name: str, out_dir: Path, meanwhile=None) -> Path:
         last = lines[-1] if lines else "no message"
         raise SpeculantError(f"converting {label} to {str(out_dir)!r} failed (exit status {proc.returncode}: {last})")
     return out_dir
+
+
+def _relay_progress(fd: int, out, finished) -> None:
+    """Pass the lines starting with ``speculant:`` that a child writes to the file ``fd`` on to ``out`` as they come
+    (read with ``pread``: the child's file offset is left alone), until ``finished`` is set and all is read."""
+    import time
+
+    offset, pending = 0, b""
+    while True:
+        chunk = os.pread(fd, 1 << 16, offset)
+        if not chunk:
+            if finished.is_set():
+                return
+            time.sleep(0.25)
+            continue
+        offset += len(chunk)
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            if line.startswith(b"speculant:"):
+                print(line.decode(errors="replace"), file=out, flush=True)
 
 
 def convert_in_child_main(argv: list[str]) -> None:
@@ -240,7 +270,6 @@ def _gguf_float_tensors(meta_model, parsed: dict, headers: list):
     ``parsed``: ``{"config": the loader's config dict}`` (:func:`gguf_hf.config_dict`); ``headers``: the
     :class:`~speculant.models.gguf_header.GGUFHeader` of each of its files (one, or a split set's shards)."""
     import numpy as np
-    from gguf import dequantize
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     architecture = str(headers[0].field("general.architecture"))
@@ -249,11 +278,29 @@ def _gguf_float_tensors(meta_model, parsed: dict, headers: list):
     # whose model_type gguf-py has no tensor names for)
     names = get_gguf_hf_weights_map(meta_model, processor, model_type=architecture)
     for tensor in (t for header in headers for t in header.tensors):
-        result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
+        result = processor.process(weights=_dequantize_by_rows(tensor.data, tensor.tensor_type), name=tensor.name,
                                    tensor_key_mapping=names, parsed_parameters=parsed)
         if result.name in names:
             # a copy only of what is not already a fresh writable array (the file's mapped F32 tensors)
-            yield names[result.name], torch.from_numpy(np.require(result.weights, requirements=["C", "W"])).to(torch.float32)
+            yield names[result.name], torch.from_numpy(np.require(result.weights, np.float32, ["C", "W"]))
+
+
+def _dequantize_by_rows(data, kind, rows: int = 4096):
+    """``gguf.dequantize(data, kind)`` computed ``rows`` rows at a time into one float32 array (the same values: a
+    block never spans rows): a large tensor's (the token embedding's) dequantization never holds the reader's
+    intermediate arrays for the whole tensor at once."""
+    import numpy as np
+    from gguf import dequantize
+
+    if data.ndim < 2 or data.shape[0] <= rows:
+        return dequantize(data, kind)
+    first = dequantize(data[:rows], kind)
+    out = np.empty((data.shape[0],) + first.shape[1:], dtype=first.dtype)
+    out[:rows] = first
+    del first
+    for start in range(rows, data.shape[0], rows):
+        out[start:start + rows] = dequantize(data[start:start + rows], kind)
+    return out
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -322,7 +369,8 @@ def convert_gguf(source: GGUFSource | Path, out_dir: Path) -> Path:
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     written = []
-    tensors = (written.append(k) or (k, v) for k, v in _gguf_float_tensors(meta_model, parsed, readers)
+    progress = _TensorProgress(sum(len(h.tensors) for h in readers))
+    tensors = (written.append(k) or (k, v) for k, v in map(progress, _gguf_float_tensors(meta_model, parsed, readers))
                if not (cfg.tie_word_embeddings and k == "lm_head.weight"))
     count = len(meta_model.state_dict()) + 8
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -352,6 +400,24 @@ def convert_gguf(source: GGUFSource | Path, out_dir: Path) -> Path:
         del tensors, meta_model, reader, readers
         release_memory()                       # before the converted weights are read back
     return out_dir
+
+
+class _TensorProgress:
+    """Counts the tensors a conversion writes (called on each, returned as is) and says on stderr, every 5 s, how
+    many of ``total`` are done (the loader passes these lines on: :func:`convert_gguf_in_child`)."""
+
+    def __init__(self, total: int):
+        import time
+        self.total, self.count, self.clock = total, 0, time.perf_counter
+        self.last = self.clock()
+
+    def __call__(self, item):
+        import sys
+        self.count += 1
+        if self.clock() - self.last >= 5.0:
+            self.last = self.clock()
+            print(f"speculant:   {self.count}/{self.total} tensors converted", file=sys.stderr, flush=True)
+        return item
 
 
 GEMMA_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
@@ -469,26 +535,32 @@ def hf_state_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig, consume: 
     out = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     if not cfg.tie_word_embeddings:
         out["lm_head_proj.weight"] = take("lm_head.weight")
-    kinds = ["weight"] + (["bias"] if cfg.qkv_bias else [])
-    mlp_kinds = ["weight"] + (["bias"] if cfg.mlp_bias else [])
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        q = f"layers.{i}."
-        for kind in kinds:
-            out[q + f"self_attn.qkv_proj.{kind}"] = torch.cat([take(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"], dim=0)
-        for kind in ["weight"] + (["bias"] if cfg.o_bias else []):
-            out[q + f"self_attn.o_proj.{kind}"] = take(p + f"self_attn.o_proj.{kind}")
-        for kind in mlp_kinds:
-            out[q + f"mlp.gate_up_proj.{kind}"] = torch.cat(
-                [take(p + f"mlp.gate_proj.{kind}"), take(p + f"mlp.up_proj.{kind}")], dim=0)
-            out[q + f"mlp.down_proj.{kind}"] = take(p + f"mlp.down_proj.{kind}")
-        out[q + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
-        out[q + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
-        if cfg.qk_norm:
-            for n in ("q_norm", "k_norm"):
-                out[q + f"self_attn.{n}.weight"] = take(p + f"self_attn.{n}.weight")
-        for n in GEMMA_NORMS if cfg.is_gemma else ():
-            out[q + f"{n}.weight"] = take(p + f"{n}.weight")
+        out.update(hf_layer_to_ours(take, cfg, i))
+    return out
+
+
+def hf_layer_to_ours(take, cfg: ModelConfig, i: int) -> dict[str, torch.Tensor]:
+    """Our parameters ``layers.{i}.*`` of decoder layer ``i`` (:func:`hf_state_to_ours`), each HF tensor got by
+    ``take(name)``."""
+    p = f"model.layers.{i}."
+    q = f"layers.{i}."
+    out = {}
+    for kind in ["weight"] + (["bias"] if cfg.qkv_bias else []):
+        out[q + f"self_attn.qkv_proj.{kind}"] = torch.cat([take(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"], dim=0)
+    for kind in ["weight"] + (["bias"] if cfg.o_bias else []):
+        out[q + f"self_attn.o_proj.{kind}"] = take(p + f"self_attn.o_proj.{kind}")
+    for kind in ["weight"] + (["bias"] if cfg.mlp_bias else []):
+        out[q + f"mlp.gate_up_proj.{kind}"] = torch.cat(
+            [take(p + f"mlp.gate_proj.{kind}"), take(p + f"mlp.up_proj.{kind}")], dim=0)
+        out[q + f"mlp.down_proj.{kind}"] = take(p + f"mlp.down_proj.{kind}")
+    out[q + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
+    out[q + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+    if cfg.qk_norm:
+        for n in ("q_norm", "k_norm"):
+            out[q + f"self_attn.{n}.weight"] = take(p + f"self_attn.{n}.weight")
+    for n in GEMMA_NORMS if cfg.is_gemma else ():
+        out[q + f"{n}.weight"] = take(p + f"{n}.weight")
     return out
 
 
@@ -632,11 +704,19 @@ def load_hf_dir(path: Path, dtype=torch.float32, name: str | None = None) -> Loa
         state.update(part)
         del part                            # state holds the only references (consumed below)
     decoder = decoder_from_hf_state(cfg, state, dtype, consume=True)
+    return LoadedModel(name or path.name, decoder, tokenizer_of(path), path)
+
+
+def tokenizer_of(path: Path):
+    """:func:`load_tokenizer` of the HF-format directory ``path``.
+
+    Raises:
+        SpeculantError: missing or unreadable tokenizer files (the first line of transformers' error).
+    """
     try:
-        tokenizer = load_tokenizer(path)
+        return load_tokenizer(path)
     except (OSError, ValueError) as e:
         raise SpeculantError(f"cannot load the tokenizer of {str(path)!r} ({str(e).splitlines()[0]})") from None
-    return LoadedModel(name or path.name, decoder, tokenizer, path)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -715,6 +795,26 @@ def _requantized(name_or_path: str) -> list | None:
         return json.loads((converted_dir(name_or_path) / "gguf.json").read_text())["requantized"]
     except (OSError, ValueError, KeyError, TypeError):
         return gguf_files.inspect_gguf(gguf_file_of(name_or_path)).requantized
+
+
+def packed_cache_dir(path: str | Path) -> Path:
+    """Where the packed copies of the HF-format directory ``path`` are kept (:mod:`speculant.runtime.store`):
+    ``$SPECULANT_CACHE/hf/<name>-<12 hex>``, the hex digits a hash of its resolved path and of the name, size [bytes]
+    and modification time [ns] of its ``config.json`` and weight files (:func:`weight_files`), as
+    :func:`gguf_files.cache_dir` keys a GGUF file: changed weights are packed again.
+
+    Raises:
+        SpeculantError: ``path`` has no weight file or a bad index (:func:`weight_files`).
+    """
+    import hashlib
+
+    resolved = Path(path).expanduser().resolve()
+    parts = [str(resolved)]
+    for f in [resolved / "config.json"] + weight_files(resolved):
+        st = f.stat()
+        parts.append(f"{f.name}|{st.st_size}|{st.st_mtime_ns}")
+    key = hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
+    return cache_root() / "hf" / f"{resolved.name}-{key}"
 
 
 def weights_for(name_or_path: str, weights: str, log=None, kernels: bool = True) -> str:

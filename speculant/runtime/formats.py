@@ -529,11 +529,23 @@ def apply_weight_format(decoder, fmt: str, codes: dict[str, GroupQuantized] | No
         raise SpeculantError(f"the model's weights are already in format {current!r}; load it again for {fmt!r}")
     if fmt == "fp32":
         return
-    codes = codes or {}
     for i, layer in enumerate(decoder.layers):
-        pack_projections(layer, fmt, {name: codes.get(f"layers.{i}.{name}") for name in PROJECTIONS})
+        pack_projections(layer, fmt, layer_codes(codes, i))
+    pack_head(decoder, fmt, codes)
+
+
+def layer_codes(codes, i: int) -> dict:
+    """The GGUF codes of decoder layer ``i``'s :data:`PROJECTIONS` (by projection name; ``None`` where absent) out
+    of a model's ``codes`` (:func:`apply_weight_format`; ``None``: none)."""
+    return {name: (codes or {}).get(f"layers.{i}.{name}") for name in PROJECTIONS}
+
+
+def pack_head(decoder, fmt: str, codes=None) -> None:
+    """Put ``decoder``'s LM head in the head format of ``fmt`` (:func:`head_format`; ``codes``: as
+    :func:`apply_weight_format`'s) and record ``fmt`` as ``decoder.weight_format``: the last step of packing a
+    model whose layers are packed (:func:`pack_projections`)."""
     head = decoder.lm_head_proj
-    decoder.lm_head_proj = pack_linear(head_format(fmt), head.weight, head.bias, codes.get("lm_head_proj"))
+    decoder.lm_head_proj = pack_linear(head_format(fmt), head.weight, head.bias, (codes or {}).get("lm_head_proj"))
     decoder.weight_format = fmt
 
 

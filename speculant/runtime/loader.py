@@ -10,6 +10,8 @@ import json
 import os
 import sys
 import threading
+import time
+from pathlib import Path
 
 import torch
 
@@ -48,16 +50,146 @@ def user_threads() -> int | None:
     return n
 
 
-def _config_of(name_or_path: str) -> tuple[ModelConfig | None, object]:
-    """(config, cache directory) of a GGUF model (known or by path) whose float32 conversion is cached; (None, None)
-    otherwise."""
-    if not loading.is_gguf_source(name_or_path):
-        return None, None
-    directory = loading.converted_dir(name_or_path)
+def _cached_source(name_or_path: str) -> tuple[ModelConfig | None, Path | None, Path | None]:
+    """(config, directory of its packed copies, HF-format directory of its config and tokenizer) of a model whose
+    packed copies may be cached: a GGUF model (known or by path) already converted (both directories its conversion's,
+    :func:`~speculant.models.loading.converted_dir`) or an HF-format directory (packed copies in
+    :func:`~speculant.models.loading.packed_cache_dir`); ``(None, None, None)`` otherwise or when unreadable (the
+    full load then says what is wrong)."""
     try:
-        return ModelConfig.from_hf_dict(json.loads((directory / "config.json").read_text())), directory
-    except (OSError, ValueError, KeyError):
-        return None, None
+        if loading.is_gguf_source(name_or_path):
+            packed_dir = source = loading.converted_dir(name_or_path)
+        elif os.path.isdir(name_or_path):
+            source = Path(name_or_path)
+            packed_dir = loading.packed_cache_dir(source)
+        else:
+            return None, None, None
+        return ModelConfig.from_hf_dict(json.loads((source / "config.json").read_text())), packed_dir, source
+    except (OSError, ValueError, KeyError):          # SpeculantError is a ValueError
+        return None, None, None
+
+
+def _from_packed(name_or_path: str, cfg: ModelConfig, packed_dir: Path, source: Path, fmt: str) -> LoadedModel | None:
+    """The model read from its packed copy in format ``fmt`` (:func:`~speculant.runtime.store.load_packed`), or
+    ``None`` when there is none for ``cfg``.
+
+    Raises:
+        SpeculantError: the tokenizer files of ``source`` are unreadable.
+    """
+    decoder = load_packed(packed_path(packed_dir, fmt), cfg)
+    if decoder is None:
+        return None
+    name = name_or_path if loading.is_gguf_source(name_or_path) else source.name
+    return LoadedModel(name, decoder, loading.tokenizer_of(source), source)
+
+
+def _read_and_pack(name_or_path: str, dtype: torch.dtype, weights: str, result, threads: int, packed_dir, stored,
+                   log):
+    """The first load of a model in a format (no packed copy cached): read it, measure the kernels (when ``result``,
+    the cached tune, is ``None``), pack it and save the packed copy in ``packed_dir`` (GGUF models and HF
+    directories).  A float32 load in a format other than ``fp32`` streams (:func:`_stream_and_pack`).  ``stored``:
+    the formats ``auto`` measures for a GGUF file (:func:`_stored_choice`), else ``None``.
+    Returns ``(model, tune result or None, weight format)``."""
+    index = None
+    if loading.is_gguf_source(name_or_path) and not (loading.converted_dir(name_or_path) / "model.safetensors").is_file():
+        print(f"speculant: converting {loading.gguf_file_of(name_or_path).name} to float32 safetensors "
+              "(first load only) ...", file=log, flush=True)
+        index = _convert_overlapped(name_or_path, log)
+    if dtype == torch.float32 and weights != "fp32":
+        streamed = _stream_and_pack(name_or_path, weights, result, threads, index, stored, log)
+        if streamed is not None:
+            model, result, fmt = streamed
+            if fmt != "fp32":
+                _save(model, name_or_path, packed_dir, fmt)
+            return model, result, fmt
+    model = loading.read_checkpoint(name_or_path, dtype)
+    if result is None and dtype == torch.float32:
+        result = tune.load_or_measure(model.decoder, threads, log=log)
+        loading.release_memory()            # the tuner's packed copies, before the model is packed
+    fmt = "fp32" if result is None else (result.weights if weights == "auto" else check_format(weights))
+    if stored and result is not None:
+        fmt = _stored_choice(name_or_path, model, result, stored, index, log)
+    if fmt != "fp32":
+        codes = _gguf_codes(name_or_path, model.config, index) if fmt in ("int4", "w4a8") else None
+        apply_weight_format(model.decoder, fmt, codes)
+        del codes
+        loading.release_memory()            # the float32 projections and the GGUF's unpacked codes
+        _save(model, name_or_path, packed_dir, fmt)
+    return model, result, fmt
+
+
+def _save(model: LoadedModel, name_or_path: str, packed_dir, fmt: str) -> None:
+    """Save ``model``'s packed copy in ``packed_dir`` (``None``: a GGUF model's conversion directory, an HF
+    directory's :func:`~speculant.models.loading.packed_cache_dir`)."""
+    if packed_dir is None:
+        packed_dir = model.path if loading.is_gguf_source(name_or_path) else loading.packed_cache_dir(model.path)
+    Path(packed_dir).mkdir(parents=True, exist_ok=True)
+    save_packed(model.decoder, packed_path(packed_dir, fmt))
+
+
+def _stream_and_pack(name_or_path: str, weights: str, result, threads: int, index, stored, log):
+    """Read the model layer by layer (:mod:`speculant.models.streaming`), each layer packed as soon as it is read:
+    the whole model is never in float32 in memory (only its token embedding, final norm and LM head, and for the
+    tuner, when ``result`` is ``None``, the float32 layers of :func:`tune.sample_layers`).  Returns ``(model, tune
+    result, weight format)``, or ``None`` where the checkpoint cannot be streamed (a bad directory, a tied model's
+    saved LM head copy, stored RoPE frequencies: :func:`~speculant.models.streaming.streamable`)."""
+    from ..models import streaming
+    from .formats import layer_codes, pack_head, pack_projections
+
+    source = loading.converted_dir(name_or_path) if loading.is_gguf_source(name_or_path) else Path(name_or_path)
+    try:
+        cfg = streaming.config_of(source) if os.path.isdir(source) else None
+        opened = streaming.open_streamed(source, cfg) if cfg is not None else None
+    except SpeculantError:
+        opened = None                     # the whole read says what is wrong
+    if opened is None:
+        return None
+    decoder, checkpoint = opened
+    layers = cfg.num_hidden_layers
+    if result is None or stored:          # the tuner's sample (and that of the stored-format choice) in float32
+        streaming.fill_layers(decoder, checkpoint, tune.sample_layers(layers))
+    if result is None:
+        result = tune.load_or_measure(decoder, threads, log=log)
+        loading.release_memory()            # the tuner's packed copies, before the model is packed
+    fmt = result.weights if weights == "auto" else check_format(weights)
+    if stored:
+        fmt = _stored_choice(name_or_path, LoadedModel(name_or_path, decoder, None, source), result, stored, index, log)
+    codes = _gguf_codes(name_or_path, cfg, index) if fmt in ("int4", "w4a8") else None
+    progress = _Progress(log, f"reading {layers} layers" + ("" if fmt == "fp32" else f" into {fmt}"), layers)
+
+    def pack(i, layer):
+        if fmt != "fp32":
+            pack_projections(layer, fmt, layer_codes(codes, i))
+        progress.step()
+    streaming.fill_layers(decoder, checkpoint, range(layers), pack)
+    if fmt != "fp32":
+        pack_head(decoder, fmt, codes)
+    codes = checkpoint = None              # the GGUF's codes and the open weight files
+    loading.release_memory()
+    progress.done()
+    name = name_or_path if loading.is_gguf_source(name_or_path) else source.name
+    return LoadedModel(name, decoder, loading.tokenizer_of(source), source), result, fmt
+
+
+class _Progress:
+    """Progress of ``total`` steps on ``log``: a line when started, one every :attr:`EVERY` seconds, one when done."""
+
+    EVERY = 5.0
+
+    def __init__(self, log, what: str, total: int):
+        self.log, self.what, self.total, self.count = log, what, total, 0
+        self.start = self.last = time.perf_counter()
+        print(f"speculant: {what} ...", file=log, flush=True)
+
+    def step(self) -> None:
+        self.count += 1
+        now = time.perf_counter()
+        if now - self.last >= self.EVERY and self.count < self.total:
+            self.last = now
+            print(f"speculant:   {self.count}/{self.total}", file=self.log, flush=True)
+
+    def done(self) -> None:
+        print(f"speculant: {self.what}: done in {time.perf_counter() - self.start:.1f} s", file=self.log, flush=True)
 
 
 # Over 80 lines with its docstring (the public API: ~35 lines of arguments); the body is the load sequence:
@@ -112,42 +244,24 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
         weights = "fp32"
     kernels = format_available("w4a8") if weights == "auto" else True
     stored = loading.stored_weights(name_or_path, kernels) if weights == "auto" else None
-    measured = stored is not None and len(stored[0]) > 1      # auto among the formats that take the file as stored
-    weights = loading.weights_for(name_or_path, weights, None if measured else log, kernels=kernels)
+    stored = stored if stored is not None and len(stored[0]) > 1 else None   # auto measured among these formats
+    weights = loading.weights_for(name_or_path, weights, None if stored else log, kernels=kernels)
     fixed_threads = threads or user_threads()
     threads = fixed_threads or torch.get_num_threads()
     torch.set_num_threads(threads)
 
-    # fast path: a cached tune and a cached packed copy of a known model
-    cfg, directory = _config_of(name_or_path)
+    # fast path: a cached tune and a cached packed copy (a known model, a GGUF file, an HF directory)
+    cfg, packed_dir, source = _cached_source(name_or_path)
     result = tune.load(tune.tune_key(cfg, threads)) if cfg is not None else None
     model = None
     if result is not None:
         fmt = result.weights if weights == "auto" else check_format(weights)
-        if measured:
+        if stored:
             fmt = _stored_choice(name_or_path, None, result, stored, None, log)
         if fmt not in (None, "fp32"):
-            decoder = load_packed(packed_path(directory, fmt), cfg)
-            if decoder is not None:
-                model = LoadedModel(name_or_path, decoder, loading.load_tokenizer(directory), directory)
-    index = None
+            model = _from_packed(name_or_path, cfg, packed_dir, source, fmt)
     if model is None:
-        if loading.is_gguf_source(name_or_path) and not (loading.converted_dir(name_or_path) / "model.safetensors").is_file():
-            index = _convert_overlapped(name_or_path)
-        model = loading.read_checkpoint(name_or_path, dtype)
-        if result is None and dtype == torch.float32:
-            result = tune.load_or_measure(model.decoder, threads, log=log)
-            loading.release_memory()            # the tuner's packed copies, before the model is packed
-        fmt = "fp32" if result is None else (result.weights if weights == "auto" else check_format(weights))
-        if measured and result is not None:
-            fmt = _stored_choice(name_or_path, model, result, stored, index, log)
-        if fmt != "fp32":
-            codes = _gguf_codes(name_or_path, model.config, index) if fmt in ("int4", "w4a8") else None
-            apply_weight_format(model.decoder, fmt, codes)
-            del codes
-            loading.release_memory()            # the float32 projections and the GGUF's unpacked codes
-            if loading.is_gguf_source(name_or_path):
-                save_packed(model.decoder, packed_path(model.path, fmt))
+        model, result, fmt = _read_and_pack(name_or_path, dtype, weights, result, threads, packed_dir, stored, log)
     model.weights = fmt
     model.tune = result
     explicit_kv = None if kv_cache == "auto" else kv_cache
@@ -225,7 +339,7 @@ def _gguf_codes(name_or_path: str, cfg: ModelConfig, index=None):
     return read_group_quantized(path, cfg, index)
 
 
-def _convert_overlapped(name: str):
+def _convert_overlapped(name: str, log=None):
     """Convert the GGUF model ``name``, known or a file's path (:func:`~speculant.models.loading.convert_gguf_in_child`),
     and, while the child converts, read the GGUF's tensor table here and compile our kernels in a thread
     (:func:`~speculant.kernels.build.prebuild`; timing a CPU's variants waits for a quiet machine): work the
@@ -243,5 +357,5 @@ def _convert_overlapped(name: str):
         kernels.start()
         index.append(index_tensors(loading.gguf_file_of(name)))
         kernels.join()
-    loading.convert_gguf_in_child(name, loading.converted_dir(name), meanwhile)
+    loading.convert_gguf_in_child(name, loading.converted_dir(name), meanwhile, progress=log)
     return index[0] if index else None
