@@ -19,6 +19,12 @@ gives, per temperature and method:
   same method with ``verif=token`` on the same prompt and seed, +- the standard error of those differences
   (the rules draw different random numbers, so a pair shares its prompt and seed, not its draws).
 
+With ``--same-draft-repeats R`` (give token-rule methods) the generation runs as usual, and every round's
+draft and target rows are also verified ``R`` times by each rule with a separate generator (token and block on
+chains, token and traversal on trees); the second table gives the mean accepted drafted tokens per round of
+each rule *on identical drafts* (the quantity Sun et al.'s Theorem 2 orders), and the gain +- its standard error
+over rounds: no trajectory noise, so small gains show.
+
 Sources: Sun et al., "Block Verification Accelerates Speculative Decoding", ICLR 2025; Weng et al., "Traversal
 Verification for Speculative Tree Decoding", NeurIPS 2025; :mod:`speculant.verification.sequence`.
 """
@@ -32,6 +38,9 @@ import re
 import sys
 import time
 
+import torch
+
+import speculant.engine.rounds as engine_rounds
 from speculant.bench.datasets import load_prompts
 from speculant.bench.runner import encode_prompts
 from speculant.bench.specs import parse_methods
@@ -55,6 +64,9 @@ def _args(argv=None):
     ap.add_argument("--speculation", default="always", choices=("always", "cost"))
     ap.add_argument("--methods", default="early-exit,early-exit:verif=block,eagle,eagle:verif=block,"
                                          "rsd-c,rsd-c:verif=traversal,specinfer,specinfer:verif=traversal")
+    ap.add_argument("--same-draft-repeats", type=int, default=0,
+                    help="R > 0: also verify every round's draft R times by each rule (token and block on chains, "
+                         "token and traversal on trees) and record the mean accepted per rule (see module docstring)")
     ap.add_argument("--out", required=True, help="JSON lines, one per generation (appended)")
     ap.add_argument("--summarize-only", action="store_true", help="print the table of --out, run nothing")
     return ap.parse_args(argv)
@@ -70,6 +82,9 @@ def run(a) -> None:
     gens = {m.label: build_generator(model, m.spec) for m in methods}
     temps = [float(t) for t in a.temperatures.split(",")]
     total, done, t0 = len(temps) * len(prompts) * a.seeds * len(methods), 0, time.time()
+    same = SameDraft(a.same_draft_repeats) if a.same_draft_repeats else None
+    if same is not None:
+        engine_rounds.sampling_accept = same
     with open(a.out, "a") as f:
         for temp in temps:
             for seed in range(a.seeds):          # seeds outermost: a cut run still covers every prompt
@@ -86,11 +101,33 @@ def run(a) -> None:
                                "max_new_tokens": a.max_new_tokens, "new_tokens": st.new_tokens,
                                "target_forwards": st.target_forwards, "rounds": st.rounds,
                                "drafted_tokens": st.drafted_tokens, "accepted_tokens": st.accepted_tokens}
+                        if same is not None:
+                            rec["same_draft_rounds"] = same.take()
                         f.write(json.dumps(rec) + "\n")
                         f.flush()
                         done += 1
                     print(f"[{done}/{total}] T={temp} seed {seed} prompt {p.id} {time.time() - t0:.0f}s",
                           file=sys.stderr, flush=True)
+
+
+class SameDraft:
+    """Wraps the engine's ``sampling_accept``: each round's draft is also verified ``repeats`` times by each rule."""
+
+    def __init__(self, repeats: int, seed: int = 12345):
+        self.repeats, self.g, self.rounds = repeats, torch.Generator().manual_seed(seed), []
+        self.real = engine_rounds.sampling_accept
+
+    def __call__(self, tree, p, generator, without_replacement, verification="token"):
+        if len(tree):
+            rows = p(torch.arange(len(tree) + 1)) if callable(p) else p
+            rules = ("token", "block") if tree.is_chain else ("token", "traversal")
+            self.rounds.append({r: sum(len(self.real(tree, rows, self.g, without_replacement, r)[0])
+                                       for _ in range(self.repeats)) / self.repeats for r in rules})
+        return self.real(tree, p, generator, without_replacement, verification)
+
+    def take(self) -> list[dict]:
+        out, self.rounds = self.rounds, []
+        return out
 
 
 def _mean_se(xs: list[float]) -> tuple[float, float]:
@@ -131,11 +168,31 @@ def summarize(path: str) -> str:
     return "\n".join(rows)
 
 
+def summarize_same_draft(path: str) -> str:
+    """The markdown table of the ``same_draft_rounds`` of ``path``: mean accepted drafted tokens per round."""
+    recs = [json.loads(line) for line in open(path) if line.strip() and "same_draft_rounds" in line]
+    rows = ["| T | method | rounds | accepted/round token | upgraded rule | accepted/round upgraded | gain |",
+            "|---|---|---|---|---|---|---|"]
+    for temp, label in dict.fromkeys((r["temperature"], r["method"]) for r in recs):
+        rounds = [d for r in recs if r["temperature"] == temp and r["method"] == label for d in r["same_draft_rounds"]]
+        for rule in dict.fromkeys(k for d in rounds for k in d if k != "token"):
+            rs = [d for d in rounds if rule in d]
+            tok, _ = _mean_se([d["token"] for d in rs])
+            up, _ = _mean_se([d[rule] for d in rs])
+            g, gse = _mean_se([d[rule] - d["token"] for d in rs])
+            rows.append(f"| {temp} | {label} | {len(rs)} | {tok:.4f} | {rule} | {up:.4f} | {g:+.4f} +- {gse:.4f} "
+                        f"({100 * g / tok if tok else 0:+.1f}%) |")
+    return "\n".join(rows)
+
+
 def main(argv=None) -> int:
     a = _args(argv)
     if not a.summarize_only:
         run(a)
     print(summarize(a.out))
+    if any("same_draft_rounds" in line for line in open(a.out)):
+        print()
+        print(summarize_same_draft(a.out))
     return 0
 
 
