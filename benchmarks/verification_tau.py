@@ -58,7 +58,8 @@ def _args(argv=None):
     ap.add_argument("--dataset", required=True, help="a Spec-Bench question.jsonl, 'builtin' or 'humaneval'")
     ap.add_argument("--categories", default=None, help="comma-separated; default: all")
     ap.add_argument("--limit", type=int, default=1, help="prompts per category")
-    ap.add_argument("--seeds", type=int, default=4, help="seeds 0..N-1 per prompt and method")
+    ap.add_argument("--seeds", type=int, default=4, help="seeds F..F+N-1 per prompt and method (F: --first-seed)")
+    ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--temperatures", default="1.0", help="comma-separated, each > 0")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--speculation", default="always", choices=("always", "cost"))
@@ -87,7 +88,7 @@ def run(a) -> None:
         engine_rounds.sampling_accept = same
     with open(a.out, "a") as f:
         for temp in temps:
-            for seed in range(a.seeds):          # seeds outermost: a cut run still covers every prompt
+            for seed in range(a.first_seed, a.first_seed + a.seeds):   # outermost: a cut run covers every prompt
                 for p, pid in zip(prompts, ids):
                     for m in methods:
                         cfg = GenerationConfig(max_new_tokens=a.max_new_tokens,
