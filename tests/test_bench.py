@@ -105,6 +105,15 @@ def test_method_syntax():
             parse_methods(bad)
 
 
+def test_method_syntax_verification_rule():
+    ms = parse_methods("early-exit:E=2,verif=block,eagle:K=3,verif=traversal,rsd-c:b=2x1,verif=traversal,specinfer")
+    assert [m.spec.verification for m in ms] == ["block", "traversal", "traversal", "token"]
+    for bad in ("early-exit:verif=nope", "rsd-c:verif=block", "rsd-s:verif=traversal", "ar:verif=block",
+                "hf-ar:verif=block"):
+        with pytest.raises(SpeculantError, match="verif"):
+            parse_methods(bad)
+
+
 def test_datasets_and_errors(tmp_path):
     assert len(load_prompts("builtin", limit=1)) == len({p.category for p in load_prompts("builtin")})
     he = load_prompts("humaneval", limit=2)

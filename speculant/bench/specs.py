@@ -22,6 +22,9 @@ Ours (keys -> :class:`speculant.engine.methods.MethodSpec` fields):
                        runtime loads the model once more)
 ``head``               draft_head (name or directory): ``eagle`` and the tree methods draft with it
 ``spec``               speculation, ``cost`` or ``always`` (default: the run's ``--speculation``, ``cost``)
+``verif``              verification under sampling: ``token`` (recursive rejection sampling, the default),
+                       ``block`` (chains: Sun et al. 2025) or ``traversal`` (chains and RSD-C/SpecInfer trees:
+                       Weng et al. 2025), :mod:`speculant.verification.sequence`; e.g. ``eagle:verif=block``
 =====================  ==========================================================
 
 Transformers (:mod:`speculant.bench.hf_baselines`): ``hf-ar``; ``hf-early-exit[:E=..,K=..]``
@@ -41,6 +44,7 @@ from ..engine.methods import METHODS, TREE_METHODS, MethodSpec
 from ..engine.speculation import SPECULATION
 from ..errors import SpeculantError
 from ..runtime.formats import FORMATS
+from ..verification.sequence import VERIFICATIONS
 
 HF_METHODS = ("hf-ar", "hf-early-exit", "hf-prompt-lookup", "hf-assistant")
 LLAMACPP_METHODS = ("llamacpp", "llamacpp-lookup")
@@ -48,12 +52,14 @@ ALL_METHODS = METHODS + HF_METHODS + LLAMACPP_METHODS
 
 _OURS_KEYS = {"E": "exit_layer", "K": "num_speculations", "draft": "draft_model", "N": "max_ngram",
               "n": "min_ngram", "b": "branching", "W": "beam_width", "L": "draft_length", "adapter": "exit_adapter",
-              "head": "draft_head", "spec": "speculation"}
+              "head": "draft_head", "spec": "speculation",
+              "verif": "verification"}
 _ALLOWED = {
-    "ar": ("rt",), "early-exit": ("E", "K", "adapter", "rt", "spec"), "draft-model": ("E", "K", "draft", "rt", "spec"),
-    "prompt-lookup": ("K", "N", "n", "rt", "spec"), "eagle": ("K", "head", "rt", "spec"),
-    "rsd-c": ("E", "b", "draft", "adapter", "head", "rt", "spec"),
-    "specinfer": ("E", "b", "draft", "adapter", "head", "rt", "spec"), "rsd-s": ("E", "W", "L", "draft", "adapter", "head", "rt", "spec"),
+    "ar": ("rt",), "early-exit": ("E", "K", "adapter", "rt", "spec", "verif"),
+    "draft-model": ("E", "K", "draft", "rt", "spec", "verif"), "prompt-lookup": ("K", "N", "n", "rt", "spec", "verif"),
+    "eagle": ("K", "head", "rt", "spec", "verif"), "rsd-c": ("E", "b", "draft", "adapter", "head", "rt", "spec", "verif"),
+    "specinfer": ("E", "b", "draft", "adapter", "head", "rt", "spec", "verif"),
+    "rsd-s": ("E", "W", "L", "draft", "adapter", "head", "rt", "spec", "verif"),
     "hf-ar": (), "hf-early-exit": ("E", "K"), "hf-prompt-lookup": ("K", "N"), "hf-assistant": ("E", "K"),
     "llamacpp": (), "llamacpp-lookup": ("K", "N"),
 }
@@ -114,6 +120,10 @@ def _value(method: str, key: str, raw: str):
     if key == "spec":
         if raw not in SPECULATION:
             raise SpeculantError(f"{method}: spec={raw!r} is unknown; allowed: {', '.join(SPECULATION)}")
+        return raw
+    if key == "verif":
+        if raw not in VERIFICATIONS:
+            raise SpeculantError(f"{method}: verif={raw!r} is unknown; allowed: {', '.join(VERIFICATIONS)}")
         return raw
     if key == "rt":
         if raw not in RUNTIMES:
