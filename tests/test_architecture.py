@@ -153,3 +153,33 @@ def test_the_layering_test_reads_real_modules(module):
     """The test is not vacuous: the modules it reasons about exist and have imports."""
     known = _modules()
     assert module in known and _imports(module, known[module], known)
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions_without_a_reason(root: Path) -> list[str]:
+    """``path:function (N lines)`` for every function of the ``.py`` files under ``root`` longer than
+    :data:`MAX_FUNCTION_LINES` (decorators and docstring included) whose definition is not preceded by a comment
+    saying why."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                length = node.end_lineno - first + 1
+                if length > MAX_FUNCTION_LINES and not (first >= 2 and lines[first - 2].strip().startswith("#")):
+                    found.append(f"{path}:{node.name} ({length} lines)")
+    return found
+
+
+def test_no_function_over_80_lines_without_a_reason():
+    assert long_functions_without_a_reason(ROOT) == []
+
+
+def test_the_length_check_can_fail(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "m.py").write_text(f"def long():\n{body}\n\n\n# a reason\ndef kept():\n{body}\n")
+    assert long_functions_without_a_reason(tmp_path) == [f"{tmp_path / 'm.py'}:long (81 lines)"]

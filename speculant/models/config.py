@@ -82,6 +82,39 @@ _HARMLESS = {
 _MUST_BE_OFF = ("is_encoder_decoder", "is_decoder", "add_cross_attention", "tie_encoder_decoder", "pruned_heads")
 
 
+def _checked_model_type(d: dict) -> str:
+    """The ``model_type`` of a Hugging Face ``config.json`` dict once its architecture, fields and required fields
+    are checked (:meth:`ModelConfig.from_hf_dict`).
+
+    Raises:
+        SpeculantError: one line naming the unsupported model type, architecture or field(s), or a missing one.
+    """
+    model_type = d.get("model_type", "llama")
+    if model_type == "gemma3":
+        raise SpeculantError("model_type='gemma3' (Gemma3ForConditionalGeneration, text and vision) is not "
+                             "supported; allowed: its text model, model_type='gemma3_text' (Gemma3ForCausalLM), "
+                             "or the model's GGUF file")
+    if model_type not in FAMILIES:
+        raise SpeculantError(f"model_type={model_type!r} is not supported; allowed: {', '.join(FAMILIES)}")
+    archs = d.get("architectures") or [FAMILIES[model_type]]
+    bad = [a for a in archs if a != FAMILIES[model_type]]
+    if bad:
+        raise SpeculantError(f"architectures={bad} is not supported for model_type={model_type!r}; "
+                             f"allowed: {FAMILIES[model_type]}")
+    unknown = sorted(set(d) - _READ - _HARMLESS - _FAMILY_FIELDS[model_type] - set(_MUST_BE_OFF))
+    if unknown:
+        raise SpeculantError(f"config field(s) {', '.join(unknown)} are not supported for model_type="
+                             f"{model_type!r} (they may change the forward); see README 'Supported models'")
+    on = [k for k in _MUST_BE_OFF if d.get(k)]
+    if on:
+        raise SpeculantError(f"config field(s) {', '.join(f'{k}={d[k]!r}' for k in on)} are not supported; "
+                             "allowed: a decoder-only causal LM")
+    missing = [k for k in _REQUIRED if d.get(k) is None]
+    if missing:
+        raise SpeculantError(f"config.json lacks {', '.join(missing)}; required for model_type={model_type!r}")
+    return model_type
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a Llama-family decoder (RMSNorm, RoPE, GQA attention, SwiGLU MLP).
@@ -220,29 +253,7 @@ class ModelConfig:
         Raises:
             SpeculantError: one line naming the unsupported field(s) or value, or a missing required field.
         """
-        model_type = d.get("model_type", "llama")
-        if model_type == "gemma3":
-            raise SpeculantError("model_type='gemma3' (Gemma3ForConditionalGeneration, text and vision) is not "
-                                 "supported; allowed: its text model, model_type='gemma3_text' (Gemma3ForCausalLM), "
-                                 "or the model's GGUF file")
-        if model_type not in FAMILIES:
-            raise SpeculantError(f"model_type={model_type!r} is not supported; allowed: {', '.join(FAMILIES)}")
-        archs = d.get("architectures") or [FAMILIES[model_type]]
-        bad = [a for a in archs if a != FAMILIES[model_type]]
-        if bad:
-            raise SpeculantError(f"architectures={bad} is not supported for model_type={model_type!r}; "
-                                 f"allowed: {FAMILIES[model_type]}")
-        unknown = sorted(set(d) - _READ - _HARMLESS - _FAMILY_FIELDS[model_type] - set(_MUST_BE_OFF))
-        if unknown:
-            raise SpeculantError(f"config field(s) {', '.join(unknown)} are not supported for model_type="
-                                 f"{model_type!r} (they may change the forward); see README 'Supported models'")
-        on = [k for k in _MUST_BE_OFF if d.get(k)]
-        if on:
-            raise SpeculantError(f"config field(s) {', '.join(f'{k}={d[k]!r}' for k in on)} are not supported; "
-                                 "allowed: a decoder-only causal LM")
-        missing = [k for k in _REQUIRED if d.get(k) is None]
-        if missing:
-            raise SpeculantError(f"config.json lacks {', '.join(missing)}; required for model_type={model_type!r}")
+        model_type = _checked_model_type(d)
         if model_type == "gemma3_text":
             return cls(**_gemma3_fields(d))
         act = d.get("hidden_act", "silu")
