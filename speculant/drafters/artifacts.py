@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from ..errors import SpeculantError
 
 ARTIFACTS_ROOT = Path(__file__).resolve().parent.parent / "artifacts"
@@ -58,3 +60,21 @@ def check_compatible(conf: dict, model, keys: dict, path: Path, what: str) -> No
         if conf[key] != have:
             raise SpeculantError(f"{what} {str(path)!r} has {key}={conf[key]} but model {model.name!r} has "
                                  f"{have}; allowed: a {what} trained for this model")
+
+
+def write_dir(out_dir: str | Path, weights_file: str, state: dict[str, torch.Tensor], dtype: torch.dtype,
+              file_format: str, config: dict, metrics: dict | None = None, card: str | None = None) -> Path:
+    """Write a trained artefact's directory: ``weights_file`` (``state``'s float tensors in ``dtype``, the others as
+    they are; safetensors metadata ``{"format": file_format}``), ``config.json`` (``config``) and, given,
+    ``metrics.json`` / ``README.md`` (the model card ``card``); returns the directory, created if needed."""
+    from safetensors.torch import save_file
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
+    save_file(sd, str(out / weights_file), metadata={"format": file_format})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if metrics is not None:
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    if card is not None:
+        (out / "README.md").write_text(card)
+    return out

@@ -23,7 +23,6 @@ shipped heads live under ``speculant/artifacts/draft_heads/<model name>/<name>/`
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -38,7 +37,7 @@ from ..models.llama import DecoderLayer, RMSNorm, attention_inputs, causal_mask,
 from ..runtime.steps import attend
 from ..models.rope import rope_tables
 from ..runtime.formats import select_rows
-from .artifacts import check_compatible, read_config, resolve_dir, shipped_names
+from .artifacts import check_compatible, read_config, resolve_dir, shipped_names, write_dir
 
 FORMAT = "speculant-draft-head"
 KIND = "draft_heads"
@@ -236,18 +235,8 @@ def save_head(head: DraftHead, out_dir: str | Path, card: str | None = None, met
               dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write ``head.safetensors`` (float tensors in ``dtype``), ``config.json`` and (given) ``README.md``,
     ``metrics.json``; returns the directory."""
-    from safetensors.torch import save_file
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in head.trained_state().items()}
-    save_file(sd, str(out / WEIGHTS_FILE), metadata={"format": FORMAT})
-    (out / "config.json").write_text(json.dumps(dict(head.config, stored_dtype=str(dtype).replace("torch.", "")),
-                                                indent=2))
-    if metrics is not None:
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    if card is not None:
-        (out / "README.md").write_text(card)
-    return out
+    return write_dir(out_dir, WEIGHTS_FILE, head.trained_state(), dtype, FORMAT,
+                     dict(head.config, stored_dtype=str(dtype).replace("torch.", "")), metrics, card)
 
 
 def available_heads(model_name: str) -> list[str]:

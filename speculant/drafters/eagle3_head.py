@@ -43,6 +43,7 @@ from ..models.linear import DecodeLinear
 from ..models.llama import DecoderLayer, RMSNorm, attention_inputs, causal_mask, layer_output
 from ..models.rope import rope_tables
 from ..runtime.steps import attend
+from .artifacts import write_dir
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 FORMAT = "speculant-eagle3-head"
@@ -302,20 +303,10 @@ def save_eagle3(head: Eagle3Head, out_dir: str | Path, card: str | None = None, 
                 dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (float tensors in ``dtype``; the layout of the module docstring)
     and, given, ``README.md`` / ``metrics.json``; returns the directory."""
-    from safetensors.torch import save_file
     if head.weight_format != "fp32":
         raise SpeculantError(f"EAGLE-3 head packed in {head.weight_format}; allowed: save a float head")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in engine_state(head).items()}
-    save_file(sd, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    conf = dict(head.config, torch_dtype=str(dtype).replace("torch.", ""))
-    (out / "config.json").write_text(json.dumps(conf, indent=2))
-    if metrics is not None:
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    if card is not None:
-        (out / "README.md").write_text(card)
-    return out
+    return write_dir(out_dir, WEIGHTS_FILE, engine_state(head), dtype, "pt",
+                     dict(head.config, torch_dtype=str(dtype).replace("torch.", "")), metrics, card)
 
 
 def is_eagle3_dir(path: Path) -> bool:

@@ -3,11 +3,11 @@ forward and the loading that decoding needs)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
+from ..drafters.artifacts import write_dir
 from ..drafters.exit_adapter import FORMAT, ExitAdapter
 from ..errors import SpeculantError
 from ..runtime.formats import lm_head_rows_weight
@@ -46,15 +46,5 @@ def new_adapter(model, exit_layer: int, num_blocks: int = 1, vocab_ids: torch.Te
 def save_adapter(adapter: ExitAdapter, out_dir: str | Path, card: str | None = None, metrics: dict | None = None,
                  dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write ``adapter.safetensors`` (float tensors in ``dtype``), ``config.json`` and ``README.md``."""
-    from safetensors.torch import save_file
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in adapter.trained_state().items()}
-    save_file(sd, str(out / "adapter.safetensors"), metadata={"format": FORMAT})
-    conf = dict(adapter.config, stored_dtype=str(dtype).replace("torch.", ""))
-    (out / "config.json").write_text(json.dumps(conf, indent=2))
-    if metrics is not None:
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    if card is not None:
-        (out / "README.md").write_text(card)
-    return out
+    return write_dir(out_dir, "adapter.safetensors", adapter.trained_state(), dtype, FORMAT,
+                     dict(adapter.config, stored_dtype=str(dtype).replace("torch.", "")), metrics, card)
