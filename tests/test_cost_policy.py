@@ -79,6 +79,27 @@ def test_drafting_that_never_pays_gives_only_ar_rounds(model, ar_ids, head_dir, 
     _, always = run(build_generator(model, speculation="always", **_spec(name, head_dir)))
     assert always.speculated_rounds > 0
 
+@pytest.mark.parametrize("name", ["early-exit", "rsd-s"])
+def test_an_ar_round_of_self_speculation_is_one_forward_from_layer_0(model, ar_ids, head_dir, name, monkeypatch):
+    """A round without drafts runs the target's layers in one call from layer 0, as ``ar`` does, not layers < E and
+    then the rest (the drafting route, two calls a round)."""
+    from speculant.runtime.executor import Executor
+    calls = []
+    real = Executor.run
+
+    def counted(self, blocks, end=None):
+        calls.append([b.start_layer for b in blocks])
+        return real(self, blocks, end)
+
+    monkeypatch.setattr(Executor, "run", counted)
+    toks, stats = run(build_generator(model, costs=NEVER_PAYS, **_spec(name, head_dir)))
+    assert toks == ar_ids and stats.ar_rounds == stats.rounds
+    assert calls[1:] == [[0]] * stats.rounds                     # the prompt, then one call per round
+    calls.clear()                                                # drafting rounds do split (the check can fail)
+    run(build_generator(model, speculation="always", **_spec(name, head_dir)))
+    assert any(start != [0] for start in calls[1:])
+
+
 
 # ------------------------------------------------------------------ (b) an always-right / never-right drafter
 class OracleDrafter(Drafter):

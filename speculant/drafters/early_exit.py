@@ -87,11 +87,14 @@ class EarlyExitDrafter(ModelDrafterBase[EarlyExitState]):
 
     def draft(self, state, builder, generator, max_nodes, max_depth):
         """The tree (:meth:`ModelDrafterBase.draft`), then layers < E over the block entries drafting did not run
-        (the deepest frontier, or the root alone when nothing was drafted), so that the exit-query cache holds the
-        whole block and verification resumes at the exit layer."""
+        (the deepest frontier), so that the exit-query cache holds the whole block and verification resumes at the
+        exit layer.  A round that ran no draft forward (an ``ar`` round of the cost-aware policy) leaves the cache
+        empty: its verification is the plain one-token step from layer 0, one call instead of two."""
         tree = super().draft(state, builder, generator, max_nodes, max_depth)
         ds = state.drafter_state
-        if ds.processed < len(tree) + 1:
+        if ds.processed == 0 and len(tree) == 0:
+            ds.exit_queries = []
+        elif ds.processed < len(tree) + 1:
             if ds.processed == 0:
                 ds.exit_queries = []
             self._run_prefix(state, tree, ds.processed)
@@ -99,8 +102,11 @@ class EarlyExitDrafter(ModelDrafterBase[EarlyExitState]):
         return tree
 
     def verification_input(self, state, tree):
-        """Resume at the exit layer from the exit-query cache ``[1, N+1, D]`` that :meth:`draft` filled."""
+        """Resume at the exit layer from the exit-query cache ``[1, N+1, D]`` that :meth:`draft` filled (from layer
+        0 where it is empty: an ``ar`` round)."""
         n = state.n
+        if not state.drafter_state.exit_queries:
+            return super().verification_input(state, tree)
         h = torch.cat(state.drafter_state.exit_queries, dim=1)
         return VerificationInput(h, self.exit_layer, tree.block_positions(n),
                                  None if tree.is_chain else tree.attention_mask(n), n)
