@@ -243,6 +243,22 @@ def test_speculation_option_is_checked(model):
         MethodSpec(method="early-exit", exit_layer=3))
 
 
+def test_sampled_generations_are_sized_by_the_sampled_costs(model):
+    """Greedy generations use ``costs``; sampled ones the sampled table, measured once (acceptance at a
+    temperature costs more per draft than a greedy match)."""
+    made = []
+
+    def sampled():
+        made.append(1)
+        return NEVER_PAYS
+    gen = SpeculativeGenerator(model, base.Drafter(), ChainBuilder(3), costs=SWITCHING, sampled_costs=sampled)
+    assert gen.costs_for(SamplingConfig()) is SWITCHING and not made
+    assert gen.costs_for(SamplingConfig(temperature=1.0)) is NEVER_PAYS
+    assert gen.costs_for(SamplingConfig(temperature=0.5)) is NEVER_PAYS and made == [1]
+    assert SpeculativeGenerator(model, base.Drafter(), ChainBuilder(3), costs=SWITCHING).costs_for(
+        SamplingConfig(temperature=1.0)) is SWITCHING
+
+
 def test_cli_and_bench_take_the_option():
     from speculant.bench.specs import parse_methods
     from speculant.cli import build_parser
@@ -300,6 +316,12 @@ def test_generate_json_reports_rounds_end_to_end(capsys, tmp_path):
     assert out["always"]["stats"]["ar_rounds"] <= 1 < out["always"]["stats"]["speculated_rounds"]
     tune = load_model(str(directory), weights="fp32", compile=False).tune
     assert "early-exit,exit_layer=2" in tune.draft_ms and tune.draft_ms["early-exit,exit_layer=2"] > 0
+    assert "early-exit,exit_layer=2 sampled" not in tune.draft_ms         # measured at the first sampled generation
+    assert main(["generate", "t1 t2 t3 t4", "--model", str(directory), "--raw", "--json", "--max-new-tokens", "8",
+                 "--method", "early-exit", "--exit-layer", "2", "--temperature", "1"]) == 0
+    capsys.readouterr()
+    tune = load_model(str(directory), weights="fp32", compile=False).tune
+    assert tune.draft_ms["early-exit,exit_layer=2 sampled"] > 0
     assert forward_seconds(load_model(str(directory), weights="fp32", compile=False)) is not None
 
 

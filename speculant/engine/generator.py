@@ -128,16 +128,19 @@ class SpeculativeGenerator:
         costs: a :class:`~speculant.engine.goodput.CostTable` that sizes each round by expected tokens per second
             (:mod:`speculant.engine.speculation`; zero drafts make an ``ar`` round); ``None``: every round drafts as
             deep as the builder allows (``--speculation always``).
+        sampled_costs: the table for generations at a temperature (whose acceptance costs more per draft), or a
+            function returning it (called once, at the first such generation); ``None``: ``costs``.
     """
 
     def __init__(self, model: LoadedModel, drafter: Drafter | None = None, builder: TreeBuilder | None = None,
-                 verification: str = "token", costs: CostTable | None = None):
+                 verification: str = "token", costs: CostTable | None = None, sampled_costs=None):
         self.model = model
         self.drafter = drafter or Drafter()
         self.builder = builder
         self.without_replacement = not isinstance(builder, IIDTreeBuilder)
         self.verification = verification
         self.costs = costs if builder is not None else None
+        self._sampled_costs = (costs if sampled_costs is None else sampled_costs) if builder is not None else None
         self.last_result: GenerationResult | None = None
 
     # ---------------------------------------------------------------- prompts
@@ -155,6 +158,15 @@ class SpeculativeGenerator:
         return check_prompt_ids(ids, self.model.config.context_length, self.model.config.vocab_size)
 
     # ---------------------------------------------------------------- core loop
+    def costs_for(self, sampling: SamplingConfig) -> CostTable | None:
+        """The cost table that sizes rounds under ``sampling``: ``costs`` under greedy decoding, else the sampled one
+        (given as a table, or a function measuring it once, at the first sampled generation)."""
+        if sampling.greedy or self._sampled_costs is None:
+            return self.costs
+        if callable(self._sampled_costs):
+            self._sampled_costs = self._sampled_costs()
+        return self._sampled_costs
+
     def generate_blocks(self, prompt_ids: list[int], config: GenerationConfig,
                         stats: GenerationStats, controls=None, shared=None) -> Iterator[list[int]]:
         """Yield each round's emitted tokens (EOS, stop tokens and ``max_new_tokens`` already applied).
@@ -185,8 +197,8 @@ class SpeculativeGenerator:
         else:
             state = self._prefill(prompt_ids, config.sampling, min(ctx, len(prompt_ids) + max_new + budget + 2),
                                   generator, stats, t0, controls)
-        sizer = (RoundSizer(self.costs, builder, self.drafter.capabilities.draft_confidence)
-                 if self.costs is not None else None)
+        costs = self.costs_for(config.sampling)
+        sizer = RoundSizer(costs, builder, self.drafter.capabilities.draft_confidence) if costs is not None else None
         block = state.tokens[-1:]
         while True:
             yield list(block)
@@ -222,9 +234,10 @@ class SpeculativeGenerator:
         stats.draft_forwards = state.draft_forwards
         logits = self.drafter.verify_logits(state, tree)
         stats.target_forwards += 1
-        accepted = stats.accepted_tokens
+        accepted, t0 = stats.accepted_tokens, time.perf_counter()
         block = accept_and_commit(state, self.drafter, builder, tree, logits, generator, self.without_replacement,
                                   remaining, eos, stats, verification=self.verification)
+        stats.accept_seconds += time.perf_counter() - t0
         if sizer is not None:
             sizer.observe(tree.max_depth, stats.accepted_tokens - accepted)
         return block

@@ -199,7 +199,8 @@ def build_generator(model: LoadedModel, spec: MethodSpec | None = None, costs: C
                     **kwargs) -> SpeculativeGenerator:
     """A :class:`SpeculativeGenerator` for ``spec`` (or ``MethodSpec(**kwargs)``).  Under ``speculation="cost"``
     its rounds are sized by ``costs``, by default the model's measured ones
-    (:func:`speculant.engine.speculation.cost_table`; a model without a tune drafts every round).
+    (:func:`speculant.engine.speculation.cost_table`, greedy and, measured at the first sampled generation, sampled;
+    a model without a tune drafts every round).
 
     Raises:
         SpeculantError: unknown method or bad parameters (the message names the value).
@@ -210,8 +211,13 @@ def build_generator(model: LoadedModel, spec: MethodSpec | None = None, costs: C
     if e is not None and (isinstance(e, bool) or not isinstance(e, int) or not 1 <= e < layers):
         raise SpeculantError(f"exit_layer={spec.exit_layer} is out of range; allowed: 1..{layers - 1}")
     drafter, builder = _drafter(spec, model), _builder(spec)
+    sampled_costs = costs
     if spec.speculation != "cost":
-        costs = None
+        costs = sampled_costs = None
     elif costs is None:
         costs = cost_table(model, drafter, builder, drafter_signature(spec))
-    return SpeculativeGenerator(model, drafter, builder, verification=spec.verification, costs=costs)
+        if costs is not None:
+            def sampled_costs():
+                return cost_table(model, drafter, builder, drafter_signature(spec), sampled=True)
+    return SpeculativeGenerator(model, drafter, builder, verification=spec.verification, costs=costs,
+                                sampled_costs=sampled_costs)

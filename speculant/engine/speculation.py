@@ -10,7 +10,10 @@ policy calls the same function with its batch size), through
   tuner's pass over all projections at 1, 2, 4, 5, 8 and 16 rows), linear in between;
 * ``c``: seconds of one draft call (one depth of drafting) of this drafter, measured once per machine, model and
   drafter by :func:`draft_seconds` (a short greedy generation that drafts every round, the draft calls timed as they
-  run between verifications) and kept with the tune;
+  run between verifications) and kept with the tune; for sampled generations a second figure, measured the same way
+  at temperature 1, also holds the acceptance's time per draft call (recursive rejection sampling's residual
+  distributions over the vocabulary, which a greedy round does not compute), so that sampling does not draft where
+  its extra work makes a round cost more than it gives;
 * ``alpha_d``: the sequence's running acceptance per depth (:class:`~speculant.engine.goodput.DepthAcceptance`,
   counts only);
 * where the drafter declares ``draft_confidence``: the draft probability of the top token at each depth, times that
@@ -97,56 +100,80 @@ def monotone(table: dict[int, float]) -> dict[int, float]:
     return dict(sorted(out.items()))
 
 
-def draft_seconds(model, drafter, builder: TreeBuilder, signature: str) -> float:
-    """Seconds of one draft call of ``drafter`` on ``model`` [s]: ``model.tune.draft_ms[signature]`` if measured,
-    else :func:`measure_draft_seconds`, then kept there (and saved with the tune)."""
+SAMPLED = " sampled"
+"""Suffix of a drafter signature in ``draft_ms`` for the figure measured at temperature 1 (:func:`draft_seconds`)."""
+
+
+def draft_seconds(model, drafter, builder: TreeBuilder, signature: str, sampled: bool = False) -> float:
+    """Seconds of one draft call of ``drafter`` on ``model`` [s]: ``model.tune.draft_ms[signature]`` (``sampled``:
+    ``[signature + SAMPLED]``, acceptance included) if measured, else :func:`measure_draft_seconds`, then kept there
+    (and saved with the tune)."""
     tune = model.tune
-    if signature not in tune.draft_ms:
-        tune.draft_ms[signature] = round(measure_draft_seconds(model, drafter, builder) * 1e3, 6)
+    key = signature + (SAMPLED if sampled else "")
+    if key not in tune.draft_ms:
+        tune.draft_ms[key] = round(measure_draft_seconds(model, drafter, builder, sampled=sampled) * 1e3, 6)
         from ..runtime import tune as tune_module
         tune_module.save(tune)
-    return tune.draft_ms[signature] / 1e3
+    return tune.draft_ms[key] / 1e3
 
 
 def measure_draft_seconds(model, drafter, builder: TreeBuilder, tokens: int = CALIBRATION_TOKENS,
-                          repeats: int = 3, budget: float = CALIBRATION_SECONDS) -> float:
-    """Time ``drafter``'s draft calls as they run in decoding, between the target's verifications: greedy
-    generations of ``tokens`` tokens that draft every round (``--speculation always``) from a prompt of a 24-token
-    random pattern said twice (so that prompt lookup finds continuations; EOS ignored), a warm-up of ``tokens // 4``
-    tokens and then up to ``repeats``, fewer once the timed ones took ``budget`` seconds (at least one); seconds in
-    ``draft`` per draft forward (per drafted depth for a drafter without forwards, prompt lookup), the least of the
-    repeats (the figure least disturbed by other work) [s]; 0 if nothing drafted.  ~1 s for SmolLM2-135M on 2
-    cores in ``w4a8``."""
+                          repeats: int = 3, budget: float = CALIBRATION_SECONDS, sampled: bool = False) -> float:
+    """Time ``drafter``'s draft calls as they run in decoding, between the target's verifications: generations of
+    ``tokens`` tokens that draft every round (``--speculation always``) from a prompt of a 24-token random pattern
+    said twice (so that prompt lookup finds continuations; EOS ignored), greedy, or with ``sampled`` at temperature
+    1 (seed 7), a warm-up of ``tokens // 4`` tokens and then up to ``repeats``, fewer once the timed ones took
+    ``budget`` seconds (at least one); seconds in ``draft`` per draft forward (per drafted depth for a drafter
+    without forwards, prompt lookup), with ``sampled`` plus the rounds' acceptance time beyond an ``ar`` round's
+    one draw (the residual distributions), the least of the repeats (the figure least disturbed by other work)
+    [s]; 0 if nothing drafted.  ~1 s for SmolLM2-135M on 2 cores in ``w4a8``."""
+    from ..sampling import SamplingConfig
     from .generator import GenerationConfig, SpeculativeGenerator
     from .stats import GenerationStats
     vocab = model.config.vocab_size
     pattern = torch.randint(vocab, (24,), generator=torch.Generator().manual_seed(7)).tolist()
     gen = SpeculativeGenerator(model, drafter, builder)
+    sampling = SamplingConfig(temperature=1.0, seed=7) if sampled else SamplingConfig()
     best, spent = float("inf"), 0.0
     for rep in range(repeats + 1):
         stats = GenerationStats()
-        config = GenerationConfig(max_new_tokens=tokens if rep else max(1, tokens // 4), ignore_eos=True)
+        config = GenerationConfig(max_new_tokens=tokens if rep else max(1, tokens // 4), ignore_eos=True,
+                                  sampling=sampling)
         t0 = time.perf_counter()
         for _ in gen.generate_blocks(pattern * 2, config, stats):
             pass
         calls = stats.draft_forwards or sum(stats.drafted_at_depth)
         if rep and calls:                                            # the first is a warm-up
-            best = min(best, stats.draft_seconds / calls)
+            extra = stats.accept_seconds - stats.rounds * draw_seconds(vocab, sampling) if sampled else 0.0
+            best = min(best, (stats.draft_seconds + max(extra, 0.0)) / calls)
         spent += (time.perf_counter() - t0) if rep else 0.0
         if spent >= budget:
             break
     return best if best < float("inf") else 0.0
 
 
-def cost_table(model, drafter, builder: TreeBuilder | None, signature: str) -> CostTable | None:
-    """The :class:`CostTable` of ``drafter`` on ``model`` (:func:`forward_seconds`, :func:`draft_seconds`), or
-    ``None`` where the model has no tune (or nothing drafts)."""
+def draw_seconds(vocab: int, sampling, repeats: int = 5) -> float:
+    """Seconds of an ``ar`` round's acceptance: one draw from fp32 logits ``[vocab]`` under ``sampling``, the least
+    of ``repeats`` [s]."""
+    from .rounds import pick_token
+    logits, generator = torch.randn(vocab), sampling.generator()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        pick_token(logits, sampling, generator)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def cost_table(model, drafter, builder: TreeBuilder | None, signature: str, sampled: bool = False) -> CostTable | None:
+    """The :class:`CostTable` of ``drafter`` on ``model`` (:func:`forward_seconds`, :func:`draft_seconds`; ``sampled``:
+    the figure for generations at a temperature), or ``None`` where the model has no tune (or nothing drafts)."""
     if builder is None or drafter is None:
         return None
     forward = forward_seconds(model)
     if forward is None:
         return None
-    return CostTable(forward, draft_seconds(model, drafter, builder, signature))
+    return CostTable(forward, draft_seconds(model, drafter, builder, signature, sampled))
 
 
 class RoundSizer:

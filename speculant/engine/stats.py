@@ -26,6 +26,7 @@ class GenerationStats:
         speculated_rounds / ar_rounds: rounds that verified at least one drafted token / none (an ``ar`` round:
             nothing drafted, chosen by ``--speculation cost`` or with nothing to draft) [count].
         draft_seconds: time spent in the drafter's ``draft`` calls [s].
+        accept_seconds: time spent accepting and committing the rounds' blocks [s].
     """
 
     new_tokens: int = 0
@@ -43,6 +44,7 @@ class GenerationStats:
     speculated_rounds: int = 0
     ar_rounds: int = 0
     draft_seconds: float = 0.0
+    accept_seconds: float = 0.0
 
     def record_round(self, tree_size: int, tree_depth: int, accepted: int) -> None:
         self._last_accepted = accepted
