@@ -174,10 +174,15 @@ _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q4_
 
 
 def _decode(tensor) -> GroupQuantized | None:
-    kind = tensor.kind
-    if kind not in _BLOCK_BYTES:
+    if tensor.kind not in _BLOCK_BYTES:
         return None      # F32/F16/BF16 and the types we do not take as codes: the float weights are used instead
-    b = _blocks(tensor.data, int(tensor.data.shape[0]), _BLOCK_BYTES[kind])
+    return decode_blocks(tensor.kind, tensor.data)
+
+
+def decode_blocks(kind: str, raw: np.ndarray) -> GroupQuantized:
+    """GGUF blocks of type ``kind`` (a key of ``_BLOCK_BYTES``), ``raw`` uint8 ``[O, bytes per row]`` as a GGUF
+    tensor's data (or ``gguf.quants.quantize``) holds them -> :class:`GroupQuantized` ``[O, I]``."""
+    b = _blocks(raw, int(raw.shape[0]), _BLOCK_BYTES[kind])
     if kind in ("Q4_0", "Q4_1"):
         return _decode_q4(kind, b)
     if kind == "Q8_0":

@@ -36,6 +36,8 @@ rests on) is measured by :mod:`speculant.runtime.tune`, not assumed.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -432,33 +434,35 @@ def int4_fits(out_features: int, in_features: int) -> bool:
 
 
 def quantize_q4(weight: torch.Tensor) -> GroupQuantized:
-    """Float weight ``[O, I]`` -> 4-bit group-wise codes the way llama.cpp's Q4_1 makes them
-    (per group of 32: ``scale = (max - min) / 15``, ``offset = min``, ``q = round((w - min) / scale)``), the scale
-    and offset rounded to float16 as a GGUF stores them (and the codes made with the rounded values)."""
-    o, i = weight.shape
-    q, scales, los = torch.empty(o, i, dtype=torch.uint8), torch.empty(o, i // INT4_GROUP), torch.empty(o, i // INT4_GROUP)
-    for rows in _row_chunks(o, i):
-        w = weight.detach()[rows].float().view(-1, i // INT4_GROUP, INT4_GROUP)
-        lo, hi = w.amin(-1).half().float(), w.amax(-1)
-        scale = ((hi - lo) / 15.0).half().float()
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q[rows] = torch.round((w - lo[..., None]) / safe[..., None]).clamp(0, 15).to(torch.uint8).view(-1, i)
-        scales[rows], los[rows] = scale, lo
-    return GroupQuantized(q, scales, los, 4, INT4_GROUP)
+    """Float weight ``[O, I]`` -> 4-bit group-wise codes by llama.cpp's reference Q4_1 quantizer
+    (``quantize_row_q4_1_ref``, as the ``gguf`` package implements it, which makes the codes: per block of 32,
+    ``d = (max - min) / 15``, ``q = trunc((w - min) / d + 0.5)``, then ``d`` and ``min`` rounded to float16 as a
+    GGUF stores them), so a projection quantized here has the bytes ``gguf.quants.quantize(w, Q4_1)`` writes."""
+    return _reference_quantized(weight, "Q4_1")
 
 
 def quantize_q8(weight: torch.Tensor) -> GroupQuantized:
-    """Float weight ``[O, I]`` -> symmetric 8-bit codes per group of 32, as llama.cpp's Q8_0 makes them
-    (``scale = max|w| / 127`` rounded to float16 as a GGUF stores it, ``q = round(w / scale)``)."""
+    """Float weight ``[O, I]`` -> symmetric 8-bit codes per group of 32 by llama.cpp's reference Q8_0 quantizer
+    (``quantize_row_q8_0_ref`` through the ``gguf`` package, bit for bit: ``d = max|w| / 127``,
+    ``q = roundf(w / d)`` half away from zero, ``d`` stored in float16)."""
+    return _reference_quantized(weight, "Q8_0")
+
+
+def _reference_quantized(weight: torch.Tensor, kind: str) -> GroupQuantized:
+    """``weight`` ``[O, I]`` quantized by ``gguf.quants.quantize`` to ``kind`` in row chunks, read back as codes."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from ..models.gguf_codes import decode_blocks
     o, i = weight.shape
-    q, scales = torch.empty(o, i, dtype=torch.int8), torch.empty(o, i // INT4_GROUP)
+    parts = []
     for rows in _row_chunks(o, i):
-        w = weight.detach()[rows].float().view(-1, i // INT4_GROUP, INT4_GROUP)
-        scale = (w.abs().amax(-1) / 127.0).half().float()
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q[rows] = torch.round(w / safe[..., None]).clamp(-127, 127).to(torch.int8).view(-1, i)
-        scales[rows] = scale
-    return GroupQuantized(q, scales, None, 8, INT4_GROUP)
+        w = weight.detach()[rows].float().contiguous().numpy()
+        parts.append(decode_blocks(kind, quantize(w, GGMLQuantizationType[kind]).reshape(w.shape[0], -1)))
+    out = parts[0] if len(parts) == 1 else GroupQuantized(
+        torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+        None if parts[0].offset is None else torch.cat([p.offset for p in parts]), parts[0].bits)
+    return replace(out, kind=None)                     # made here: packed as torch-made codes always were
 
 
 def pack_linear(fmt: str, weight: torch.Tensor, bias: torch.Tensor | None = None,

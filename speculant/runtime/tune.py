@@ -512,7 +512,7 @@ def measure_prompt_route(executor, lengths=PROMPT_LENGTHS, log=None) -> tuple[in
 def measure_weight_prefetch(executor, distances=WEIGHT_PREFETCH_BYTES, repeats: int = 15,
                             log=None) -> tuple[int, dict]:
     """Time the model's one-token forward (all layers, final norm, LM head; :data:`WEIGHT_PREFETCH_CONTEXT` cached
-    tokens) with the weight-quantized products prefetching their codes each of ``distances`` bytes ahead
+    tokens, fewer if the model's positions end sooner) with the weight-quantized products prefetching their codes each of ``distances`` bytes ahead
     (an executor of the same model per distance, :meth:`~speculant.runtime.executor.Executor.replace`): a one-token
     step reads every weight once from DRAM, and how far ahead to ask for it depends on the machine.  Distances
     alternated, best of ``repeats`` after a warm-up; ``executor`` is not changed.
@@ -527,7 +527,7 @@ def measure_weight_prefetch(executor, distances=WEIGHT_PREFETCH_BYTES, repeats: 
         print(f"speculant: timing the weight prefetch ({', '.join(map(str, distances))} bytes ahead) ...", file=log,
               flush=True)
     g = torch.Generator().manual_seed(4)
-    ctx, start = WEIGHT_PREFETCH_CONTEXT, time.perf_counter()
+    ctx, start = min(WEIGHT_PREFETCH_CONTEXT, executor.decoder.rope_cos.shape[0] - 1), time.perf_counter()   # a shorter model context: its longest
     best = {d: float("inf") for d in distances}
     runs = {d: executor.replace(weight_prefetch=d) for d in distances}
     with torch.inference_mode():
