@@ -1,7 +1,7 @@
 """Training and make-data on two processes, launched by torchrun (gloo on CPU), against one process (issue 28, 4).
 
 One torchrun launch runs every two-process job (tests/distributed_worker.py); the one-process jobs run here.  Each
-recipe (exit adapter and draft head under DDP, full-model LayerSkip under FSDP2, LayerSkip LoRA under DDP) must
+recipe (exit adapter, draft head and EAGLE-3 head under DDP, full-model LayerSkip under FSDP2, LayerSkip LoRA under DDP) must
 give, per step, the one-process losses with the same global batch, and a run stopped at step 3 and resumed on the
 other world size (1 -> 2 and 2 -> 1) must continue the same trajectory.  make-data on two processes must write
 the one-process file.
@@ -23,7 +23,7 @@ from distributed_worker import STEPS, run_job
 from helpers import pattern_corpus, tiny_model
 from speculant.models.loading import save_hf_dir
 
-KINDS = ("exit-adapter", "draft-head", "layerskip", "layerskip-lora")
+KINDS = ("exit-adapter", "draft-head", "eagle3", "layerskip", "layerskip-lora")
 STOP = 3
 WORKER = Path(__file__).with_name("distributed_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
