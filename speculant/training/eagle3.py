@@ -30,65 +30,44 @@ from ..drafters.eagle3_head import Eagle3Head, check_aux_layer_ids, default_aux_
 from ..errors import SpeculantError, check_range
 from ..models.llama import layer_output
 from .distributed import SINGLE, Dist, check_batch, full_states, load_full_states, main_first, save_on_main, wrap_ddp
-from .head import HeadData, draw_windows, head_data, window_batch, window_targets
+from .head import HeadData, HeadRunConfig, draw_windows, head_data, head_train_loop, window_batch, window_targets
 from .losses import distill_totals, topk_distill_loss
-from .run import RunConfig, check_positions, optimize, read_checkpoint, seeded
+from .run import read_checkpoint, seeded
 
 
 @dataclass(frozen=True)
-class Eagle3Config(RunConfig):
-    """Settings of ``--recipe eagle3`` (flags ``--head-batch``, ``--head-seq-len``, ``--draft-vocab``, ``--topk``,
-    ``--hard-weight``, ``--positions``, ``--cache-dir``, ``--max-train-tokens``, ``--aux-layers``, ``--ttt-steps``,
-    ``--ttt-decay``; :class:`RunConfig` has the common ones).
+class Eagle3Config(HeadRunConfig):
+    """Settings of ``--recipe eagle3`` (flags ``--aux-layers``, ``--ttt-steps``, ``--ttt-decay``;
+    :class:`~speculant.training.head.HeadRunConfig` has the ones shared with ``draft-head``).
 
     Attributes:
         aux_layers: the 3 hidden-state boundaries (``k``: entering target layer ``k``) the head reads; ``None``:
             :func:`~speculant.drafters.eagle3_head.default_aux_layer_ids`.  Written into the head's config.
         ttt_steps: training-time-test steps (1: the target's states only).
         ttt_decay: weight ``decay^s`` of step ``s``'s loss (the EAGLE-3 reference's 0.8).
-        batch_seqs, seq_len, draft_vocab, topk, hard_weight, positions, cache_dir, max_train_tokens, command: as
-            :class:`speculant.training.head.DraftHeadConfig`'s.
 
     Raises:
         SpeculantError: a value out of range (one line naming it and what is allowed).
     """
 
-    checkpoint_every: int = 100
-    eval_every: int = 100
     aux_layers: tuple[int, ...] | None = None
     ttt_steps: int = 3
     ttt_decay: float = 0.8
-    batch_seqs: int = 8
-    seq_len: int = 256
-    draft_vocab: int = 16384
-    topk: int = 32
-    hard_weight: float = 0.5
-    positions: str = "all"
-    cache_dir: str | None = None
-    max_train_tokens: int | None = None
-    command: str = ""
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("batch_seqs", "seq_len", "topk"):
-            check_range(name, getattr(self, name), 1)
-        check_range("draft_vocab", self.draft_vocab, 0)
         check_range("ttt_steps", self.ttt_steps, 1, 8)
         check_range("ttt_decay", self.ttt_decay, 0.0, 1.0)
-        check_positions(self.positions)
         if self.aux_layers is not None:              # the range is checked against the target when it loads
             check_aux_layer_ids(list(self.aux_layers), max(max(self.aux_layers, default=1), 1))
 
     @classmethod
     def from_args(cls, args) -> "Eagle3Config":
         """From ``speculant train``'s parsed flags (:func:`speculant.training.train.add_train_args`)."""
-        from .train import _int_list, command_line
+        from .train import _int_list
         aux = _int_list("--aux-layers", args.aux_layers) if args.aux_layers else None
-        return cls(**RunConfig.args_of(args, lr=1e-3), aux_layers=aux, ttt_steps=args.ttt_steps,
-                   ttt_decay=args.ttt_decay, batch_seqs=args.head_batch, seq_len=args.head_seq_len,
-                   draft_vocab=args.draft_vocab, topk=args.topk, hard_weight=args.hard_weight,
-                   positions=args.positions, cache_dir=args.cache_dir, max_train_tokens=args.max_train_tokens,
-                   command=command_line())
+        return cls(**HeadRunConfig.head_args_of(args), aux_layers=aux, ttt_steps=args.ttt_steps,
+                   ttt_decay=args.ttt_decay)
 
     def settings(self, aux: list[int]) -> dict:
         """What a checkpoint must match to be resumed."""
@@ -249,7 +228,7 @@ def train_eagle3(model, corpora: list[str], out: str, config: Eagle3Config = Eag
     named = [(n, p) for n, p in head.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    ckpt, last = out / "checkpoint.pt", {"loss": float("nan"), "parts": {}}
+    ckpt, last = out / "checkpoint.pt", {"loss": torch.tensor(float("nan")), "parts": {}}
     start, history, last["seen"] = _resume(ckpt, cfg, aux, head, named, opt, gen) if cfg.resume else (0, [], 0)
     net = wrap_ddp(TTTLogits(head), dist)
     ho = data.heldout
@@ -259,7 +238,7 @@ def train_eagle3(model, corpora: list[str], out: str, config: Eagle3Config = Eag
                                cfg.eval_tokens, cfg.ttt_steps)
 
     def record(done):
-        history.append({"step": done, "train_positions": last["seen"], "loss": last["loss"], **last["parts"],
+        history.append({"step": done, "train_positions": last["seen"], "loss": last["loss"].item(), **last["parts"],
                         "eval": evaluate(head)})
 
     if start == 0 and dist.main:
@@ -281,18 +260,8 @@ def train_eagle3(model, corpora: list[str], out: str, config: Eagle3Config = Eag
         last.update(parts=dict(zip(parts, sums)), seen=last["seen"] + positions)
         return loss, positions
 
-    def after_step(done, loss):
-        last["loss"] = loss.item()
-        if done == 1 and dist.main:
-            history[0]["first_loss"] = last["loss"]
-        if (done % cfg.eval_every == 0 or done == cfg.steps) and dist.main:
-            record(done)
-
-    done, _, secs = optimize(cfg, opt, params, start, "train eagle3", batch_loss, after_step, checkpoint,
-                             unit="pos_s", dist=dist)
-    if dist.main and history[-1]["step"] != done:
-        record(done)
-    checkpoint(done)
+    done, secs = head_train_loop(cfg, dist, opt, params, start, "train eagle3", batch_loss, record, checkpoint,
+                                 history, last)
     if not dist.main:
         return {"rank": dist.rank, "steps_done": done}
     head.eval()
@@ -305,7 +274,7 @@ def _metrics(cfg: Eagle3Config, aux: list[int], corpora, data: HeadData, params,
             "corpora": [str(c) for c in corpora], "topk": cfg.topk, "lr": cfg.lr, "seed": cfg.seed,
             "steps_done": done, "train_positions": int(data.train["tokens"]), "positions_seen": last["seen"],
             "parameters": sum(p.numel() for p in params), "train_seconds": secs,
-            "first_loss": history[0].get("first_loss"), "last_loss": last["loss"], "history": history}
+            "first_loss": history[0].get("first_loss"), "last_loss": last["loss"].item(), "history": history}
 
 
 def _save(model, head: Eagle3Head, out: Path, metrics: dict, evaluate, command: str) -> dict:

@@ -309,20 +309,17 @@ Decoding results (block efficiency, speed) are in BENCHMARKS.md ("Draft head (EA
 
 
 @dataclass(frozen=True)
-class DraftHeadConfig(RunConfig):
-    """Settings of ``--recipe draft-head`` (the flags of the same names, ``--head-batch``/``--head-seq-len`` for
-    ``batch_seqs``/``seq_len``, ``--feature-noise`` for ``noise``; :class:`RunConfig` has the common ones).
+class HeadRunConfig(RunConfig):
+    """Settings shared by the feature-level head recipes (``draft-head``: :class:`DraftHeadConfig`, ``eagle3``:
+    :class:`~speculant.training.eagle3.Eagle3Config`); flags ``--head-batch``/``--head-seq-len`` for
+    ``batch_seqs``/``seq_len``, the others of the same names; :class:`RunConfig` has the common ones.
 
     Attributes:
-        batch_seqs, seq_len: windows per step and entries per window [positions].
+        batch_seqs, seq_len: windows per step (the global batch) and entries per window [positions].
         draft_vocab: draft vocabulary size (0: the full vocabulary).
         topk: teacher top-k log-probs cached per position.
-        feature: target feature the head reads, ``post-norm`` or ``pre-norm``; init: ``random`` or ``last-layer``.
-        v_weight, p_weight, hard_weight: weights of the feature regression, the distribution loss, and the hard
-            cross-entropy inside it (:func:`head_loss`).
-        noise: uniform input-feature noise, width in units of the features' RMS (EAGLE's augmentation).
+        hard_weight: weight of the hard cross-entropy on the teacher's argmax inside the distribution loss.
         positions: train on ``all`` positions or ``response`` positions only.
-        unroll: 1, or 2 for the second, self-fed pass of :func:`head_loss`.
         cache_dir: feature cache (``None``: :func:`default_cache_dir`).
         max_train_tokens: training positions cached at most (``None``: every train split).
         command: the command line the model card records.
@@ -337,14 +334,8 @@ class DraftHeadConfig(RunConfig):
     seq_len: int = 256
     draft_vocab: int = 16384
     topk: int = 32
-    feature: str = "post-norm"
-    init: str = "random"
-    v_weight: float = 1.0
-    p_weight: float = 1.0
     hard_weight: float = 0.5
-    noise: float = 0.0
     positions: str = "all"
-    unroll: int = 1
     cache_dir: str | None = None
     max_train_tokens: int | None = None
     command: str = ""
@@ -354,18 +345,50 @@ class DraftHeadConfig(RunConfig):
         for name in ("batch_seqs", "seq_len", "topk"):
             check_range(name, getattr(self, name), 1)
         check_range("draft_vocab", self.draft_vocab, 0)
-        check_range("unroll", self.unroll, 1, 2)
         check_positions(self.positions)
+
+    @staticmethod
+    def head_args_of(args) -> dict:
+        """The common and the shared head fields from ``speculant train``'s parsed flags
+        (:func:`speculant.training.train.add_train_args`)."""
+        from .train import command_line
+        return dict(RunConfig.args_of(args, lr=1e-3), batch_seqs=args.head_batch, seq_len=args.head_seq_len,
+                    draft_vocab=args.draft_vocab, topk=args.topk, hard_weight=args.hard_weight,
+                    positions=args.positions, cache_dir=args.cache_dir, max_train_tokens=args.max_train_tokens,
+                    command=command_line())
+
+
+@dataclass(frozen=True)
+class DraftHeadConfig(HeadRunConfig):
+    """Settings of ``--recipe draft-head`` (the flags of the same names, ``--feature-noise`` for ``noise``;
+    :class:`HeadRunConfig` has the ones shared with ``eagle3``).
+
+    Attributes:
+        feature: target feature the head reads, ``post-norm`` or ``pre-norm``; init: ``random`` or ``last-layer``.
+        v_weight, p_weight: weights of the feature regression and the distribution loss (:func:`head_loss`).
+        noise: uniform input-feature noise, width in units of the features' RMS (EAGLE's augmentation).
+        unroll: 1, or 2 for the second, self-fed pass of :func:`head_loss`.
+
+    Raises:
+        SpeculantError: a value out of range (one line naming it and what is allowed).
+    """
+
+    feature: str = "post-norm"
+    init: str = "random"
+    v_weight: float = 1.0
+    p_weight: float = 1.0
+    noise: float = 0.0
+    unroll: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_range("unroll", self.unroll, 1, 2)
 
     @classmethod
     def from_args(cls, args) -> DraftHeadConfig:
         """From ``speculant train``'s parsed flags (:func:`speculant.training.train.add_train_args`)."""
-        from .train import command_line
-        return cls(**RunConfig.args_of(args, lr=1e-3), batch_seqs=args.head_batch, seq_len=args.head_seq_len,
-                   draft_vocab=args.draft_vocab, topk=args.topk, feature=args.feature, init=args.init,
-                   v_weight=args.v_weight, p_weight=args.p_weight, hard_weight=args.hard_weight,
-                   noise=args.feature_noise, positions=args.positions, unroll=args.unroll, cache_dir=args.cache_dir,
-                   max_train_tokens=args.max_train_tokens, command=command_line())
+        return cls(**HeadRunConfig.head_args_of(args), feature=args.feature, init=args.init, v_weight=args.v_weight,
+                   p_weight=args.p_weight, noise=args.feature_noise, unroll=args.unroll)
 
     def settings(self) -> dict:
         """What a checkpoint must match to be resumed."""
@@ -501,6 +524,21 @@ def train_draft_head(model, corpora: list[str], out: str, config: DraftHeadConfi
         last.update(v=v, p=p, seen=last["seen"] + positions)
         return loss, positions
 
+    head.train()
+    done, secs = head_train_loop(cfg, dist, opt, params, start, "train draft-head", batch_loss, record, checkpoint,
+                                 history, last)
+    if not dist.main:
+        return {"rank": dist.rank, "steps_done": done}
+    head.eval()
+    metrics = _head_metrics(cfg, corpora, data, params, history, last, done, secs, model.config.vocab_size)
+    return _save_head_and_card(model, head, out, cfg, metrics, evaluate)
+
+
+def head_train_loop(cfg: HeadRunConfig, dist: Dist, opt, params: list, start: int, desc: str, batch_loss, record,
+                    checkpoint, history: list, last: dict) -> tuple[int, float]:
+    """:func:`~speculant.training.run.optimize` as the head recipes run it: ``last["loss"]`` set to each step's global
+    loss, ``history[0]["first_loss"]`` after step 1, ``record(done)`` (rank 0: evaluate, append to ``history``) every
+    ``cfg.eval_every`` steps and at the end, then a last ``checkpoint(done)``.  Returns ``(steps done, seconds)``."""
     def after_step(done, loss):
         last["loss"] = loss
         if done == 1 and dist.main:
@@ -508,17 +546,12 @@ def train_draft_head(model, corpora: list[str], out: str, config: DraftHeadConfi
         if (done % cfg.eval_every == 0 or done == cfg.steps) and dist.main:
             record(done)
 
-    head.train()
-    done, _, secs = optimize(cfg, opt, params, start, "train draft-head", batch_loss, after_step, checkpoint,
-                             unit="pos_s", dist=dist)
+    done, _, secs = optimize(cfg, opt, params, start, desc, batch_loss, after_step, checkpoint, unit="pos_s",
+                             dist=dist)
     if dist.main and history[-1]["step"] != done:
         record(done)
     checkpoint(done)
-    if not dist.main:
-        return {"rank": dist.rank, "steps_done": done}
-    head.eval()
-    metrics = _head_metrics(cfg, corpora, data, params, history, last, done, secs, model.config.vocab_size)
-    return _save_head_and_card(model, head, out, cfg, metrics, evaluate)
+    return done, secs
 
 
 def _head_metrics(cfg: DraftHeadConfig, corpora, data: HeadData, params, history, last, done, secs,
