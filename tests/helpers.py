@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -66,6 +67,51 @@ def on_fused_step(model: LoadedModel) -> LoadedModel:
         executor_of(model).fused_prompt_tokens = 64
         assert executor_of(model).fused_layers() is not None
     return model
+
+
+def generate_blocks(model, prompt: list[int], max_new: int = 40, **kw):
+    """Greedy decoding of ``prompt`` with ``build_generator(model, **kw)`` through ``generate_blocks`` (the engine's
+    rounds); returns ``(token ids, GenerationStats, the generator)``."""
+    from speculant import GenerationConfig, build_generator
+    from speculant.engine.stats import GenerationStats
+    gen = build_generator(model, **kw)
+    stats = GenerationStats()
+    out = [t for b in gen.generate_blocks(prompt, GenerationConfig(max_new_tokens=max_new), stats) for t in b]
+    return out, stats, gen
+
+
+def self_distilled_corpus(model, path, n: int, n_train: int, max_new: int, seed: int = 0) -> list[list[int]]:
+    """A make-data corpus at ``path`` of ``model``'s own greedy responses (``max_new`` tokens) to ``n`` random prompts
+    of 3 to 8 tokens (seeded): the first ``n_train`` records in the train split, the others held out (the data of the
+    self-distillation recipes).  Returns the prompts."""
+    from speculant import GenerationConfig, build_generator
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(0, vocab, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    ar = build_generator(model, method="ar")
+    responses = [ar.generate(p, GenerationConfig(max_new_tokens=max_new)).token_ids for p in prompts]
+    Path(path).write_text("".join(json.dumps({"id": str(i), "source": "t", "split": "train" if i < n_train else
+                                              "heldout", "prompt": "", "prompt_ids": p, "response_ids": r, "text": ""})
+                                  + "\n" for i, (p, r) in enumerate(zip(prompts, responses))))
+    return prompts
+
+
+DELETE = object()
+"""A value of :func:`edit_config`'s ``changes``: remove the key."""
+
+
+def edit_config(folder, **changes):
+    """Rewrite ``folder/config.json`` with ``changes`` (a key set to :data:`DELETE` is removed); returns ``folder``."""
+    path = Path(folder) / "config.json"
+    conf = json.loads(path.read_text())
+    for k, v in changes.items():
+        if v is DELETE:
+            conf.pop(k, None)
+        else:
+            conf[k] = v
+    path.write_text(json.dumps(conf))
+    return Path(folder)
 
 
 def one_line_error(err: str) -> bool:
