@@ -118,6 +118,22 @@ def save_with_word_tokenizer(hf_model, folder):
     return folder
 
 
+def load_hf_dir_in(hf_dir, weights: str) -> LoadedModel:
+    """The HF directory ``hf_dir`` loaded with its weights in format ``weights`` (``fp32``: as stored); skips the
+    test where our kernels for ``weights`` do not build on this machine."""
+    import pytest
+
+    from speculant.models.loading import load_hf_dir
+    from speculant.runtime.formats import apply_weight_format, format_available
+    if not format_available(weights):
+        pytest.skip(f"our {weights} kernels do not build on this machine")
+    model = load_hf_dir(hf_dir)
+    if weights != "fp32":
+        apply_weight_format(model.decoder, weights)
+        model.weights = weights
+    return model
+
+
 ARCH_SPECS = {"early-exit": dict(method="early-exit", exit_layer=1, num_speculations=3),
               "prompt-lookup": dict(method="prompt-lookup", num_speculations=4),
               "rsd-s": dict(method="rsd-s", exit_layer=1, beam_width=3, draft_length=3),

@@ -17,8 +17,8 @@ import copy
 
 import pytest
 import torch
-from helpers import (ARCH_SPECS, assert_hf_dir_round_trips, assert_methods_equal_ar, greedy_ids, random_hf_model,
-                     save_with_word_tokenizer)
+from helpers import (ARCH_SPECS, assert_hf_dir_round_trips, assert_methods_equal_ar, greedy_ids, load_hf_dir_in,
+                     random_hf_model, save_with_word_tokenizer)
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from speculant.errors import SpeculantError
@@ -118,12 +118,8 @@ def test_a_batched_pass_equals_the_sequences_alone(weights, hf_dir):
 
 @pytest.mark.parametrize("weights", ("fp32", "w4a8"))
 def test_greedy_methods_equal_ar(weights, hf_dir):
-    if not format_available(weights):
-        pytest.skip(f"our {weights} kernels do not build on this machine")
-    model = load_hf_dir(hf_dir)
+    model = load_hf_dir_in(hf_dir, weights)
     if weights != "fp32":
-        apply_weight_format(model.decoder, weights)
-        model.weights = weights
         _fused_step_equals_the_torch_step(executor_of(model))
         executor_of(model).fused_prompt_tokens = 64            # the prompts' layers through the fused step too
     assert_methods_equal_ar(model, PROMPTS, label=weights)

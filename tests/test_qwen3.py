@@ -15,15 +15,15 @@ import copy
 
 import pytest
 import torch
-from helpers import (ARCH_SPECS, assert_hf_dir_round_trips, assert_methods_equal_ar, greedy_ids, random_hf_model,
-                     save_with_word_tokenizer)
+from helpers import (ARCH_SPECS, assert_hf_dir_round_trips, assert_methods_equal_ar, greedy_ids, load_hf_dir_in,
+                     random_hf_model, save_with_word_tokenizer)
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from speculant.errors import SpeculantError
 from speculant.models.config import ModelConfig
 from speculant.models.loading import load_hf_dir, ours_to_hf_state
 from speculant.runtime.executor import executor_of, why_not_fused
-from speculant.runtime.formats import apply_weight_format, format_available
+from speculant.runtime.formats import format_available
 
 VOCAB = 100
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -66,12 +66,8 @@ def test_fp32_logits_match_transformers_and_the_hf_directory_round_trips(tie, tm
 
 @pytest.mark.parametrize("weights", ("fp32", "w4a8"))
 def test_greedy_methods_equal_ar(weights, hf_dir):
-    if not format_available(weights):
-        pytest.skip(f"our {weights} kernels do not build on this machine")
-    model = load_hf_dir(hf_dir)
+    model = load_hf_dir_in(hf_dir, weights)
     if weights != "fp32":
-        apply_weight_format(model.decoder, weights)
-        model.weights = weights
         # w4a8 runs the fused C step, q/k norms included, close to the torch step on the same weights
         ex = executor_of(model)
         assert ex.fused_layers() is not None, why_not_fused(model.decoder, ex.kv_dtype)
