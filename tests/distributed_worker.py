@@ -1,6 +1,6 @@
 """Jobs of tests/test_distributed_training.py, run on every rank under torchrun (``python -m torch.distributed.run
 --nproc_per_node 2 --standalone tests/distributed_worker.py JOBS.json``) or in the test's own process (a world of
-one, :func:`run_job`).  A job is a dict: ``kind`` (``exit-adapter``, ``draft-head``, ``layerskip``,
+one, :func:`run_job`).  A job is a dict: ``kind`` (``exit-adapter``, ``draft-head``, ``eagle3``, ``layerskip``,
 ``layerskip-lora``, ``make-data``, ``cli``: ``speculant`` with ``argv``), ``out``, ``corpus`` and, for training, ``steps``, ``stop_at``, ``resume``."""
 
 from __future__ import annotations
@@ -40,6 +40,13 @@ def _train(job: dict, dist):
         cfg = DraftHeadConfig(lr=1e-2, batch_seqs=3, seq_len=12, draft_vocab=48, topk=8, noise=0.2, unroll=2,
                               cache_dir=out + "-cache", **common)
         return train_draft_head(tiny_model(seed=11, scale=2.5, layers=4), [corpus], out, cfg, dist=dist)
+    if kind == "eagle3":             # 3 windows a step (shares of 1 and 2), 3 training-time-test steps
+        from speculant.training.eagle3 import Eagle3Config, train_eagle3
+        # lr 1e-3: AdamW turns the gradients' float noise (2e-7 of their size between batch splits) into weight
+        # differences of about lr * 5e-3 (9e-6 after 6 steps at lr 2e-3), which _same's 1e-5 must stay above
+        cfg = Eagle3Config(lr=1e-3, batch_seqs=3, seq_len=12, draft_vocab=48, topk=8, ttt_steps=3,
+                           cache_dir=out + "-cache", **common)
+        return train_eagle3(tiny_model(seed=11, scale=2.5, layers=4), [corpus], out, cfg, dist=dist)
     lora = 4 if kind == "layerskip-lora" else 0      # full fine-tune: FSDP; LoRA: DDP
     cfg = LayerSkipConfig(lr=1e-2 if lora else 3e-3, lora_rank=lora, p_max=0.6, exit_curriculum="rotational",
                           rotation=2, seq_len=16, batch=3 if lora else 4, eval_exit=2, **common)

@@ -40,6 +40,34 @@ def serve_engine(model, spec, max_batch=8, max_queue=64, name="tiny", prefix_cac
                         prefix_cache_tokens=prefix_cache_tokens, speculation=speculation)
 
 
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+"""A plain chat template for the tiny models' word tokenizers (the turns' contents, space separated)."""
+
+
+def chat_tiny_model(layers: int):
+    """A tiny random model (tests/helpers.py's ``tiny_model``: vocabulary 64, context 1024) with :data:`CHAT_TEMPLATE`."""
+    from helpers import tiny_model
+    tiny = tiny_model(seed=11, scale=2.5, vocab=64, layers=layers, ctx=1024)
+    tiny.tokenizer.chat_template = CHAT_TEMPLATE
+    return tiny
+
+
+def served_tiny_model(folder, layers: int):
+    """:func:`chat_tiny_model` saved as an HF directory in ``folder`` and loaded as ``speculant serve --model DIR``
+    loads it."""
+    from speculant.models.loading import save_hf_dir
+    from speculant.runtime.loader import load_model
+    path = save_hf_dir(chat_tiny_model(layers), folder)
+    return load_model(str(path), weights="auto", compile=False)
+
+
+def openai_client(server, **kw):
+    """The official ``openai`` client of ``server`` (a :class:`ServerThread`): no retries, 60 s timeout unless given."""
+    import openai
+    kw = {"timeout": 60, **kw}
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, **kw)
+
+
 METRIC = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$')
 
 

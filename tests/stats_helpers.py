@@ -55,3 +55,21 @@ def exact_law(model, prompt: list[int], sampling, length: int = 3) -> dict[tuple
                 prob *= float(logits_to_probs(logits, sampling)[seq[i]])
             out[seq] = prob
     return out
+
+
+def assert_engine_follows_law(gen, prompt: list[int], sampling: dict, law: dict[tuple, float], runs: int,
+                              label=None) -> None:
+    """``runs`` samples (seeds ``0 .. runs-1``) of ``len(next(iter(law)))`` tokens through the engine
+    (``gen.generate_blocks``: prefill and drafted rounds) follow ``law`` (:func:`chi_square` at 1e-4), and the
+    drafter drafted (otherwise the premise, a drafted round, does not hold)."""
+    from speculant import GenerationConfig, SamplingConfig
+    from speculant.engine.stats import GenerationStats
+    outs, drafted = [], 0
+    for seed in range(runs):
+        stats = GenerationStats()
+        c = GenerationConfig(max_new_tokens=len(next(iter(law))), sampling=SamplingConfig(seed=seed, **sampling))
+        outs.append(tuple(t for b in gen.generate_blocks(prompt, c, stats) for t in b))
+        drafted += stats.drafted_tokens
+    assert drafted > 0, label
+    stat, threshold = chi_square(outs, law)
+    assert stat < threshold, (label, stat, threshold)

@@ -1,7 +1,7 @@
 """Training and make-data on two processes, launched by torchrun (gloo on CPU), against one process (issue 28, 4).
 
 One torchrun launch runs every two-process job (tests/distributed_worker.py); the one-process jobs run here.  Each
-recipe (exit adapter and draft head under DDP, full-model LayerSkip under FSDP2, LayerSkip LoRA under DDP) must
+recipe (exit adapter, draft head and EAGLE-3 head under DDP, full-model LayerSkip under FSDP2, LayerSkip LoRA under DDP) must
 give, per step, the one-process losses with the same global batch, and a run stopped at step 3 and resumed on the
 other world size (1 -> 2 and 2 -> 1) must continue the same trajectory.  make-data on two processes must write
 the one-process file.
@@ -23,7 +23,7 @@ from distributed_worker import STEPS, run_job
 from helpers import pattern_corpus, tiny_model
 from speculant.models.loading import save_hf_dir
 
-KINDS = ("exit-adapter", "draft-head", "layerskip", "layerskip-lora")
+KINDS = ("exit-adapter", "draft-head", "eagle3", "layerskip", "layerskip-lora")
 STOP = 3
 WORKER = Path(__file__).with_name("distributed_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,9 +55,9 @@ def runs(tmp_path_factory):
                                        job(k, "w1-stopped", resume=True))]
     tiny = save_hf_dir(tiny_model(layers=4, scale=2.0), d / "tiny")
     cli = {"kind": "cli", "out": str(d / "cli"),
-           "argv": ["train", "--recipe", "exit-adapter", "--model", str(tiny), "--corpus", corpus, "--out",
-                    str(d / "cli"), "--steps", "2", "--exit-layer", "1", "--blocks", "1", "--draft-vocab", "48",
-                    "--topk", "8", "--batch-tokens", "32", "--eval-tokens", "40"]}
+           "argv": ["train", "--recipe", "eagle3", "--model", str(tiny), "--corpus", corpus, "--out", str(d / "cli"),
+                    "--steps", "2", "--draft-vocab", "48", "--topk", "8", "--head-batch", "2", "--head-seq-len", "8",
+                    "--ttt-steps", "2", "--eval-tokens", "40", "--cache-dir", str(d / "cli-cache")]}
     report = _launch(jobs + [{"kind": "sgd"}, {"kind": "make-data", "out": str(d / "data-w2.jsonl")}, cli], d)
     print(f"torchrun launch: {time.perf_counter() - t0:.1f} s")
     results = {(j["kind"], Path(j["out"]).name.removeprefix(j["kind"] + "-")): r
@@ -139,17 +139,48 @@ def test_make_data_on_two_processes_writes_the_one_process_file(runs):
 
 
 def test_speculant_train_under_torchrun_reports_and_writes_from_rank_0(runs):
-    """`speculant train` itself under torchrun: both ranks train (the command exits 0 on each), rank 0 alone prints
-    the metrics and shows the progress bar, and writes the adapter and its checkpoint."""
+    """`speculant train` itself under torchrun (the eagle3 recipe, which once refused it): both ranks train (the
+    command exits 0 on each), rank 0 alone prints the metrics and shows the progress bar, and writes the head and its
+    checkpoint."""
     d, _, results = runs
     assert results["cli", "w2"]["code"] == 0
     out = d / "cli"
     metrics = json.loads((out / "stdout.rank0").read_text())
-    assert metrics["recipe"] == "exit-adapter" and metrics["steps_done"] == 2
+    assert metrics["recipe"] == "eagle3" and metrics["steps_done"] == 2
     assert (out / "stdout.rank1").read_text() == ""
-    assert "train exit-adapter" in (out / "stderr.rank0").read_text()
-    assert "train exit-adapter" not in (out / "stderr.rank1").read_text()
-    assert (out / "adapter.safetensors").is_file() and (out / "checkpoint.pt").is_file()
+    assert "train eagle3" in (out / "stderr.rank0").read_text()
+    assert "train eagle3" not in (out / "stderr.rank1").read_text()
+    assert (out / "model.safetensors").is_file() and (out / "checkpoint.pt").is_file()
+
+
+def test_an_eagle3_checkpoint_of_either_format_resumes(tmp_path):
+    """The eagle3 recipe writes its AdamW state by parameter name (any world size reads it); a checkpoint of the
+    earlier one-process format (state by index) still resumes with the same state."""
+    from speculant.drafters.eagle3_head import new_eagle3
+    from speculant.training.eagle3 import Eagle3Config, _resume
+    from speculant.training.distributed import full_states
+    model, cfg, aux = tiny_model(layers=4), Eagle3Config(draft_vocab=0), [1, 2, 3]
+
+    def head_and_opt(seed):
+        head = new_eagle3(model, aux, seed=seed)
+        named = [(n, p) for n, p in head.named_parameters() if p.requires_grad]
+        return head, named, torch.optim.AdamW([p for _, p in named], lr=1e-2)
+
+    head, named, opt = head_and_opt(0)
+    sum(p.square().sum() for _, p in named).backward()
+    opt.step()
+    common = {"recipe": "eagle3", "settings": cfg.settings(aux), "head": head.state_dict(),
+              "gen": torch.Generator().get_state(), "step": 1, "history": [], "seen": 8}
+    for name, st in (("by-name", {**common, "format": "full-state", "opt": full_states(named, opt)[1]}),
+                     ("by-index", {**common, "opt": opt.state_dict()})):
+        torch.save(st, tmp_path / f"{name}.pt")
+        other, other_named, other_opt = head_and_opt(1)
+        assert _resume(tmp_path / f"{name}.pt", cfg, aux, other, other_named, other_opt, torch.Generator()) == \
+            (1, [], 8)
+        for (n, p), (_, q) in zip(named, other_named):
+            assert torch.equal(p, q), (name, n)
+            for k, v in opt.state[p].items():
+                assert torch.equal(other_opt.state[q][k], v), (name, n, k)
 
 
 def test_shares_cover_the_global_batch_and_bad_settings_are_one_line_errors(monkeypatch):

@@ -8,13 +8,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import on_fused_step, tiny_model
-from stats_helpers import chi_square, exact_law
+from helpers import generate_blocks as run, on_fused_step, self_distilled_corpus, tiny_model
+from stats_helpers import assert_engine_follows_law, exact_law
 
 from speculant import GenerationConfig, SamplingConfig, build_generator
 from speculant.drafters.draft_head import DraftHead, head_weight_format, load_head, new_head, save_head
 from speculant.drafters.eagle import DraftHeadDrafter, target_features
-from speculant.engine.stats import GenerationStats
 from speculant.errors import SpeculantError
 from speculant.runtime.formats import PackedLinear
 
@@ -43,13 +42,6 @@ def head_dir(model, tmp_path_factory):
     return d
 
 
-def run(model, prompt, max_new=40, **kw):
-    gen = build_generator(model, **kw)
-    stats = GenerationStats()
-    out = [t for b in gen.generate_blocks(prompt, GenerationConfig(max_new_tokens=max_new), stats) for t in b]
-    return out, stats
-
-
 HEAD_METHODS = [dict(method="eagle", num_speculations=1), dict(method="eagle", num_speculations=4),
                 dict(method="eagle", num_speculations="auto"), dict(method="rsd-c", branching="3,2,1"),
                 dict(method="rsd-s", beam_width=3, draft_length=4), dict(method="specinfer", branching="2,2")]
@@ -58,8 +50,8 @@ HEAD_METHODS = [dict(method="eagle", num_speculations=1), dict(method="eagle", n
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("spec", HEAD_METHODS, ids=lambda s: "-".join(map(str, s.values())))
 def test_head_methods_match_ar_under_greedy(model, head_dir, spec, prompt):
-    ar, _ = run(model, PROMPTS[prompt], method="ar")
-    out, stats = run(model, PROMPTS[prompt], draft_head=str(head_dir), **spec)
+    ar, _, _ = run(model, PROMPTS[prompt], method="ar")
+    out, stats, _ = run(model, PROMPTS[prompt], draft_head=str(head_dir), **spec)
     assert out == ar
     assert stats.drafted_tokens > 0 and stats.new_tokens == 40
 
@@ -127,15 +119,7 @@ def test_sampled_tokens_follow_the_target_law(spec, head_weights, tmp_path, monk
     packed = [mod for mod in gen.drafter.head.modules() if isinstance(mod, PackedLinear)]
     assert bool(packed) == (head_weights != "fp32")        # the head really runs in the format under test
     assert all(mod.format == head_weights for mod in packed)
-    outs, drafted = [], 0
-    for seed in range(4000):
-        stats = GenerationStats()
-        c = GenerationConfig(max_new_tokens=3, sampling=SamplingConfig(seed=seed, **sampling))
-        outs.append(tuple(t for b in gen.generate_blocks(prompt, c, stats) for t in b))
-        drafted += stats.drafted_tokens
-    assert drafted > 0
-    stat, threshold = chi_square(outs, law)
-    assert stat < threshold, (spec, stat, threshold)
+    assert_engine_follows_law(gen, prompt, sampling, law, 4000, spec)
 
 
 def test_save_load_round_trip(model, tmp_path):
@@ -200,15 +184,8 @@ def test_training_lowers_loss_raises_agreement_and_drafts_better(tmp_path):
     an untrained one when decoding (train/decode alignment), output stays identical to AR, --resume works."""
     from speculant.training.head import DraftHeadConfig, train_draft_head
     m = tiny_model(seed=11, scale=2.5, vocab=64, layers=4)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 64, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(48)]                     # self-distillation: the target's own greedy responses
-    ar = build_generator(m, method="ar")
-    responses = [ar.generate(p, GenerationConfig(max_new_tokens=40)).token_ids for p in prompts]
     corpus = tmp_path / "c.jsonl"
-    corpus.write_text("".join(json.dumps({"id": str(i), "source": "t", "split": "train" if i < 42 else "heldout",
-                                          "prompt": "", "prompt_ids": p, "response_ids": r, "text": ""}) + "\n"
-                              for i, (p, r) in enumerate(zip(prompts, responses))))
+    prompts = self_distilled_corpus(m, corpus, 48, 42, 40)    # self-distillation: the target's own greedy responses
     cfg = DraftHeadConfig(steps=80, lr=1e-2, batch_seqs=4, seq_len=32, draft_vocab=48, topk=8, eval_every=40,
                           checkpoint_every=40, eval_tokens=400, cache_dir=str(tmp_path / "cache"), progress=False)
     met = train_draft_head(m, [str(corpus)], str(tmp_path / "h"), cfg)
@@ -217,10 +194,10 @@ def test_training_lowers_loss_raises_agreement_and_drafts_better(tmp_path):
     save_head(new_head(m, None, "post-norm", "random"), tmp_path / "h0")
     # a training prompt (42 sequences do not generalise on a random target, but they must be learnt):
     # the trained head's drafts are accepted far more often, so training and decoding index alike
-    ar, _ = run(m, prompts[0], method="ar")
+    ar, _, _ = run(m, prompts[0], method="ar")
     accepted = {}
     for name in ("h0", "h"):
-        out, stats = run(m, prompts[0], method="eagle", num_speculations=4, draft_head=str(tmp_path / name))
+        out, stats, _ = run(m, prompts[0], method="eagle", num_speculations=4, draft_head=str(tmp_path / name))
         assert out == ar
         accepted[name] = stats.accepted_tokens / stats.drafted_tokens
     assert accepted["h"] > accepted["h0"] + 0.15, accepted

@@ -7,14 +7,14 @@ import json
 
 import pytest
 import torch
-from helpers import on_fused_step, one_line_error, tiny_model
-from stats_helpers import chi_square, exact_law
+from helpers import (DELETE, edit_config, generate_blocks as run, on_fused_step, one_line_error,
+                     self_distilled_corpus, tiny_model)
+from stats_helpers import assert_engine_follows_law, exact_law
 
 from speculant import GenerationConfig, SamplingConfig, build_generator
 from speculant.drafters.eagle3 import Eagle3Drafter
 from speculant.drafters.eagle3_head import (AUX_IDS_KEY, default_aux_layer_ids, engine_state, load_eagle3,
                                             new_eagle3, save_eagle3)
-from speculant.engine.stats import GenerationStats
 from speculant.errors import SpeculantError
 from speculant.runtime.formats import apply_weight_format, format_available
 
@@ -39,13 +39,6 @@ def head_dir(model, tmp_path_factory):
     d = tmp_path_factory.mktemp("eagle3")
     save_eagle3(random_eagle3(model, torch.arange(0, 64, 2), aux=[1, 3, 5]), d, card="test head")
     return d
-
-
-def run(model, prompt, max_new=40, **kw):
-    gen = build_generator(model, **kw)
-    stats = GenerationStats()
-    out = [t for b in gen.generate_blocks(prompt, GenerationConfig(max_new_tokens=max_new), stats) for t in b]
-    return out, stats, gen
 
 
 METHODS = [dict(method="eagle", num_speculations=4), dict(method="rsd-c", branching="3,2,1"),
@@ -202,15 +195,7 @@ def test_sampled_tokens_follow_the_target_law(spec, tmp_path):
     law = exact_law(m, prompt, SamplingConfig(**sampling))
     gen = build_generator(m, draft_head=str(tmp_path / "h"), speculation="always", **spec)
     assert isinstance(gen.drafter, Eagle3Drafter)
-    outs, drafted = [], 0
-    for seed in range(2000):
-        stats = GenerationStats()
-        c = GenerationConfig(max_new_tokens=3, sampling=SamplingConfig(seed=seed, **sampling))
-        outs.append(tuple(t for b in gen.generate_blocks(prompt, c, stats) for t in b))
-        drafted += stats.drafted_tokens
-    assert drafted > 0
-    stat, threshold = chi_square(outs, law)
-    assert stat < threshold, (spec, stat, threshold)
+    assert_engine_follows_law(gen, prompt, sampling, law, 2000, spec)
 
 
 def test_engine_layout_and_round_trip(model, head_dir, tmp_path):
@@ -241,31 +226,24 @@ def test_engine_layout_and_round_trip(model, head_dir, tmp_path):
                                                                                      s2.accepted_at_depth)
 
 
-def _edit_config(src, dst, **changes):
+def _edit_copy(src, dst, **changes):
     import shutil
     shutil.copytree(src, dst)
-    conf = json.loads((dst / "config.json").read_text())
-    for k, v in changes.items():
-        if v is None:
-            conf.pop(k, None)
-        else:
-            conf[k] = v
-    (dst / "config.json").write_text(json.dumps(conf))
-    return dst
+    return edit_config(dst, **changes)
 
 
 def test_config_without_aux_ids_is_refused_not_guessed(model, head_dir, tmp_path):
-    bad = _edit_config(head_dir, tmp_path / "noids", **{AUX_IDS_KEY: None, "eagle_config": None})
+    bad = _edit_copy(head_dir, tmp_path / "noids", **{AUX_IDS_KEY: DELETE, "eagle_config": DELETE})
     with pytest.raises(SpeculantError, match="no eagle_aux_hidden_state_layer_ids") as e:
         load_eagle3(bad, model)
     assert "\n" not in str(e.value)
     from speculant.drafters.export import export_head
     with pytest.raises(SpeculantError, match="never guesses"):
         export_head(bad, tmp_path / "x")
-    nested_only = _edit_config(head_dir, tmp_path / "nested", **{AUX_IDS_KEY: None})
+    nested_only = _edit_copy(head_dir, tmp_path / "nested", **{AUX_IDS_KEY: DELETE})
     assert load_eagle3(nested_only, model).aux_layer_ids == [1, 3, 5]      # SGLang's place for them is read too
     for name, ids in (("range", [1, 3, 6]), ("order", [3, 1, 5]), ("count", [1, 3])):
-        bad = _edit_config(head_dir, tmp_path / name, **{AUX_IDS_KEY: ids, "eagle_config": None})
+        bad = _edit_copy(head_dir, tmp_path / name, **{AUX_IDS_KEY: ids, "eagle_config": DELETE})
         with pytest.raises(SpeculantError, match="allowed: 3 increasing"):
             load_eagle3(bad, model)
     other = tiny_model(seed=1, vocab=64, layers=5, hidden=32, heads=2, kv_heads=1, inter=64)
@@ -329,15 +307,8 @@ def test_training_lowers_loss_and_drafts_better(model, tmp_path):
 
     from speculant.cli import main
     from speculant.training.eagle3 import Eagle3Config, train_eagle3
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 64, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(16)]
-    ar = build_generator(model, method="ar")
-    responses = [ar.generate(p, GenerationConfig(max_new_tokens=32)).token_ids for p in prompts]
     corpus = tmp_path / "c.jsonl"
-    corpus.write_text("".join(json.dumps({"id": str(i), "source": "t", "split": "train" if i < 14 else "heldout",
-                                          "prompt": "", "prompt_ids": p, "response_ids": r, "text": ""}) + "\n"
-                              for i, (p, r) in enumerate(zip(prompts, responses))))
+    prompts = self_distilled_corpus(model, corpus, 16, 14, 32)
     cfg = Eagle3Config(steps=120, lr=2e-2, batch_seqs=4, seq_len=32, draft_vocab=48, topk=8, eval_every=60,
                        checkpoint_every=60, eval_tokens=400, ttt_steps=2, cache_dir=str(tmp_path / "cache"),
                        progress=False)

@@ -17,13 +17,13 @@ import copy
 
 import pytest
 import torch
-from helpers import word_tokenizer
+from helpers import (ARCH_SPECS, assert_hf_dir_round_trips, assert_methods_equal_ar, greedy_ids, load_hf_dir_in,
+                     random_hf_model, save_with_word_tokenizer)
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-from speculant import GenerationConfig, build_generator
 from speculant.errors import SpeculantError
 from speculant.models.config import ModelConfig
-from speculant.models.loading import load_hf_dir, ours_to_hf_state, save_hf_dir
+from speculant.models.loading import load_hf_dir, ours_to_hf_state
 from speculant.runtime.blocks import Block
 from speculant.runtime.executor import executor_of, why_not_fused
 from speculant.runtime.formats import apply_weight_format, format_available
@@ -34,32 +34,17 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
              sliding_window=WINDOW, sliding_window_pattern=2, query_pre_attn_scalar=24)
 PROMPTS = ([3, 17, 42, 8, 25, 60, 1, 9, 33, 70, 12, 5], [7, 8, 9, 10] * 4, [11, 12, 13, 14, 15, 16, 11, 12, 13])
-SPECS = {"early-exit": dict(method="early-exit", exit_layer=1, num_speculations=3),
-         "prompt-lookup": dict(method="prompt-lookup", num_speculations=4),
-         "rsd-s": dict(method="rsd-s", exit_layer=1, beam_width=3, draft_length=3),
-         "draft-model": dict(method="draft-model", draft_model="truncated:1", num_speculations=3)}
 IDS = torch.tensor([[5, 9, 2, 7, 33, 81, 14, 60, 2, 99, 0, 41, 17, 3, 3, 8, 71, 22, 40, 5]])   # 20 > WINDOW
 
 
 def _hf_model(seed: int = 0, **changes) -> Gemma3ForCausalLM:
     """A random tiny Gemma 3 with peaky distributions and norm weights away from 0 (so that ``1 + w`` matters)."""
-    torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(Gemma3TextConfig(**{**SHAPE, **changes})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(-0.5, 0.5)
-            else:
-                p.normal_(0, 0.1 if "embed" in name else 0.25)
-    return model
+    return random_hf_model(Gemma3ForCausalLM, Gemma3TextConfig(**{**SHAPE, **changes}), seed, (-0.5, 0.5), 0.1)
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gemma3")
-    _hf_model().save_pretrained(d)
-    word_tokenizer(VOCAB).save_pretrained(d)
-    return d
+    return save_with_word_tokenizer(_hf_model(), tmp_path_factory.mktemp("gemma3"))
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -84,14 +69,7 @@ def test_fp32_logits_match_transformers_and_the_hf_directory_round_trips(hf_dir,
         with torch.inference_mode():
             assert _rel(other(IDS)[0], want) > 1e-3, change
     # our directory is read by transformers as the same model, and by us again bit for bit
-    save_hf_dir(ours, tmp_path / "ours")
-    back = Gemma3ForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
-    with torch.inference_mode():
-        assert torch.equal(back(IDS).logits[0], want)
-    again = load_hf_dir(tmp_path / "ours")
-    assert again.config == cfg
-    mine, theirs = ours_to_hf_state(ours.decoder), ours_to_hf_state(again.decoder)
-    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    mine = assert_hf_dir_round_trips(ours, Gemma3ForCausalLM, IDS, want, tmp_path / "ours")
     assert "model.layers.3.post_feedforward_layernorm.weight" in mine
 
 
@@ -138,25 +116,13 @@ def test_a_batched_pass_equals_the_sequences_alone(weights, hf_dir):
             assert torch.equal(b, a)
 
 
-def _greedy(model, spec: dict, prompt: list[int]) -> list[int]:
-    return build_generator(model, **spec).generate(prompt, GenerationConfig(max_new_tokens=20)).token_ids
-
-
 @pytest.mark.parametrize("weights", ("fp32", "w4a8"))
 def test_greedy_methods_equal_ar(weights, hf_dir):
-    if not format_available(weights):
-        pytest.skip(f"our {weights} kernels do not build on this machine")
-    model = load_hf_dir(hf_dir)
+    model = load_hf_dir_in(hf_dir, weights)
     if weights != "fp32":
-        apply_weight_format(model.decoder, weights)
-        model.weights = weights
         _fused_step_equals_the_torch_step(executor_of(model))
         executor_of(model).fused_prompt_tokens = 64            # the prompts' layers through the fused step too
-    for prompt in PROMPTS:
-        ar = _greedy(model, dict(method="ar"), prompt)
-        assert len(ar) == 20
-        for name, spec in SPECS.items():
-            assert _greedy(model, spec, prompt) == ar, (weights, name, prompt)
+    assert_methods_equal_ar(model, PROMPTS, label=weights)
 
 
 def _fused_step_equals_the_torch_step(ex) -> None:
@@ -248,4 +214,5 @@ def test_a_gemma3_gguf_file_loads_as_its_dequantized_weights(head_dim, tmp_path,
     with torch.inference_mode():
         got, want = model.decoder(ids)[0], ref.eval()(ids).logits[0]
     assert _rel(got, want) < 1e-4
-    assert _greedy(model, SPECS["prompt-lookup"], GGUF_PROMPT) == _greedy(model, dict(method="ar"), GGUF_PROMPT)
+    ar = greedy_ids(model, dict(method="ar"), GGUF_PROMPT)
+    assert greedy_ids(model, ARCH_SPECS["prompt-lookup"], GGUF_PROMPT) == ar

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import word_tokenizer
+from helpers import DELETE, edit_config, word_tokenizer
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -126,16 +126,6 @@ def test_missing_fields_take_transformers_defaults(family, cls):
     assert ours.tie_word_embeddings == ref.tie_word_embeddings
 
 
-def _edit_config(path, **changes):
-    d = json.loads((path / "config.json").read_text())
-    for k, v in changes.items():
-        if v is _DELETE:
-            d.pop(k, None)
-        else:
-            d[k] = v
-    (path / "config.json").write_text(json.dumps(d))
-
-
 def _edit_weights(path, drop=(), add=None, change=None):
     f = path / "model.safetensors"
     state = load_file(str(f))
@@ -147,30 +137,29 @@ def _edit_weights(path, drop=(), add=None, change=None):
     save_file(state, str(f))
 
 
-_DELETE = object()
 REFUSED = {
-    "model_type": (lambda p: _edit_config(p, model_type="gpt2"), "model_type='gpt2'"),
-    "architecture": (lambda p: _edit_config(p, architectures=["LlamaForSequenceClassification"]),
+    "model_type": (lambda p: edit_config(p, model_type="gpt2"), "model_type='gpt2'"),
+    "architecture": (lambda p: edit_config(p, architectures=["LlamaForSequenceClassification"]),
                      "LlamaForSequenceClassification"),
-    "unknown-field": (lambda p: _edit_config(p, attn_logit_softcapping=30.0), "attn_logit_softcapping"),
-    "quantized": (lambda p: _edit_config(p, quantization_config={"quant_method": "gptq"}), "quantization_config"),
-    "rope-yarn": (lambda p: _edit_config(p, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+    "unknown-field": (lambda p: edit_config(p, attn_logit_softcapping=30.0), "attn_logit_softcapping"),
+    "quantized": (lambda p: edit_config(p, quantization_config={"quant_method": "gptq"}), "quantization_config"),
+    "rope-yarn": (lambda p: edit_config(p, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
                   "rope_type='yarn'"),
-    "rope-extra-key": (lambda p: _edit_config(p, rope_parameters={"rope_type": "linear", "factor": 2.0, "beta": 3}),
+    "rope-extra-key": (lambda p: edit_config(p, rope_parameters={"rope_type": "linear", "factor": 2.0, "beta": 3}),
                        "beta"),
-    "partial-rotary": (lambda p: _edit_config(p, partial_rotary_factor=0.5), "partial_rotary_factor"),
-    "activation": (lambda p: _edit_config(p, hidden_act="gelu"), "hidden_act='gelu'"),
-    "required-field": (lambda p: _edit_config(p, hidden_size=_DELETE), "hidden_size"),
-    "encoder-decoder": (lambda p: _edit_config(p, is_encoder_decoder=True), "is_encoder_decoder"),
+    "partial-rotary": (lambda p: edit_config(p, partial_rotary_factor=0.5), "partial_rotary_factor"),
+    "activation": (lambda p: edit_config(p, hidden_act="gelu"), "hidden_act='gelu'"),
+    "required-field": (lambda p: edit_config(p, hidden_size=DELETE), "hidden_size"),
+    "encoder-decoder": (lambda p: edit_config(p, is_encoder_decoder=True), "is_encoder_decoder"),
     "bad-json": (lambda p: (p / "config.json").write_text("{not json"), "not valid JSON"),
     "missing-weight": (lambda p: _edit_weights(p, drop=["model.layers.1.mlp.up_proj.weight"]),
                        "missing weight(s) model.layers.1.mlp.up_proj.weight"),
     "unexpected-weight": (lambda p: _edit_weights(p, add={"model.layers.0.mlp.gate_proj.bias": torch.zeros(96)}),
                           "unexpected weight(s) model.layers.0.mlp.gate_proj.bias"),
-    "bias-not-in-config": (lambda p: _edit_config(p, attention_bias=False), "unexpected weight(s)"),
-    "tied-head-differs": (lambda p: (_edit_config(p, tie_word_embeddings=True), _edit_weights(p, change=["lm_head.weight"])),
+    "bias-not-in-config": (lambda p: edit_config(p, attention_bias=False), "unexpected weight(s)"),
+    "tied-head-differs": (lambda p: (edit_config(p, tie_word_embeddings=True), _edit_weights(p, change=["lm_head.weight"])),
                           "lm_head.weight differs"),
-    "wrong-shape": (lambda p: _edit_config(p, intermediate_size=128), "shape"),
+    "wrong-shape": (lambda p: edit_config(p, intermediate_size=128), "shape"),
 }
 
 

@@ -15,53 +15,36 @@ import copy
 
 import pytest
 import torch
-from helpers import word_tokenizer
+from helpers import (ARCH_SPECS, assert_hf_dir_round_trips, assert_methods_equal_ar, greedy_ids, load_hf_dir_in,
+                     random_hf_model, save_with_word_tokenizer)
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from speculant import GenerationConfig, build_generator
 from speculant.errors import SpeculantError
 from speculant.models.config import ModelConfig
-from speculant.models.loading import load_hf_dir, ours_to_hf_state, save_hf_dir
+from speculant.models.loading import load_hf_dir, ours_to_hf_state
 from speculant.runtime.executor import executor_of, why_not_fused
-from speculant.runtime.formats import apply_weight_format, format_available
+from speculant.runtime.formats import format_available
 
 VOCAB = 100
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6)
 PROMPTS = ([3, 17, 42, 8, 25, 60, 1], [7, 8, 9, 10] * 4, [11, 12, 13, 14, 15, 16, 11, 12, 13])
-SPECS = {"early-exit": dict(method="early-exit", exit_layer=1, num_speculations=3),
-         "prompt-lookup": dict(method="prompt-lookup", num_speculations=4),
-         "rsd-s": dict(method="rsd-s", exit_layer=1, beam_width=3, draft_length=3),
-         "draft-model": dict(method="draft-model", draft_model="truncated:1", num_speculations=3)}
 
 
 def _hf_model(tie: bool = False, seed: int = 0) -> Qwen3ForCausalLM:
     """A random tiny Qwen3 with peaky distributions and q/k norm weights away from 1 (so that they matter)."""
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**SHAPE, tie_word_embeddings=tie)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0, 0.5 if "embed" in name else 0.25)
-    return model
+    return random_hf_model(Qwen3ForCausalLM, Qwen3Config(**SHAPE, tie_word_embeddings=tie), seed, (0.5, 1.5), 0.5)
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("qwen3")
-    _hf_model().save_pretrained(d)
-    word_tokenizer(VOCAB).save_pretrained(d)
-    return d
+    return save_with_word_tokenizer(_hf_model(), tmp_path_factory.mktemp("qwen3"))
 
 
 @pytest.mark.parametrize("tie", (False, True))
 def test_fp32_logits_match_transformers_and_the_hf_directory_round_trips(tie, tmp_path):
     ref = _hf_model(tie=tie, seed=int(tie))
-    ref.save_pretrained(tmp_path / "hf")
-    word_tokenizer(VOCAB).save_pretrained(tmp_path / "hf")
-    ours = load_hf_dir(tmp_path / "hf")
+    ours = load_hf_dir(save_with_word_tokenizer(ref, tmp_path / "hf"))
     cfg = ours.config
     assert cfg.model_type == "qwen3" and cfg.qk_norm and cfg.head_dim == 32 and not cfg.qkv_bias
     assert cfg.tie_word_embeddings == tie
@@ -77,29 +60,14 @@ def test_fp32_logits_match_transformers_and_the_hf_directory_round_trips(tie, tm
     with torch.inference_mode():
         assert float((plain(ids)[0] - want).abs().max() / want.abs().max()) > 1e-2
     # our directory is read by transformers as the same model, and by us again bit for bit
-    save_hf_dir(ours, tmp_path / "ours")
-    back = Qwen3ForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
-    with torch.inference_mode():
-        assert torch.equal(back(ids).logits[0], want)
-    again = load_hf_dir(tmp_path / "ours")
-    assert again.config == cfg
-    mine, theirs = ours_to_hf_state(ours.decoder), ours_to_hf_state(again.decoder)
-    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    mine = assert_hf_dir_round_trips(ours, Qwen3ForCausalLM, ids, want, tmp_path / "ours")
     assert "model.layers.1.self_attn.k_norm.weight" in mine
-
-
-def _greedy(model, spec: dict, prompt: list[int]) -> list[int]:
-    return build_generator(model, **spec).generate(prompt, GenerationConfig(max_new_tokens=20)).token_ids
 
 
 @pytest.mark.parametrize("weights", ("fp32", "w4a8"))
 def test_greedy_methods_equal_ar(weights, hf_dir):
-    if not format_available(weights):
-        pytest.skip(f"our {weights} kernels do not build on this machine")
-    model = load_hf_dir(hf_dir)
+    model = load_hf_dir_in(hf_dir, weights)
     if weights != "fp32":
-        apply_weight_format(model.decoder, weights)
-        model.weights = weights
         # w4a8 runs the fused C step, q/k norms included, close to the torch step on the same weights
         ex = executor_of(model)
         assert ex.fused_layers() is not None, why_not_fused(model.decoder, ex.kv_dtype)
@@ -111,11 +79,7 @@ def test_greedy_methods_equal_ar(weights, hf_dir):
             torch_step = ex(ids, None, None, ex.new_cache(16), 0)
             ex.use_fused, ex.fused_prompt_tokens = True, 0
         torch.testing.assert_close(fused, torch_step, rtol=1e-4, atol=1e-4)   # 4.7 apart without the C norms
-    for prompt in PROMPTS:
-        ar = _greedy(model, dict(method="ar"), prompt)
-        assert len(ar) == 20
-        for name, spec in SPECS.items():
-            assert _greedy(model, spec, prompt) == ar, (weights, name, prompt)
+    assert_methods_equal_ar(model, PROMPTS, label=weights)
 
 
 def _unavailable() -> str:
@@ -194,6 +158,6 @@ def test_a_qwen3_q4_0_gguf_runs_w4a8_on_its_own_codes_through_the_fused_step(tmp
     b = np.asarray(t.data).reshape(t.data.shape[0], -1, 18)[..., 2:]
     file_codes = np.concatenate([b & 15, b >> 4], -1).reshape(t.data.shape[0], -1)
     assert torch.equal(codes, torch.from_numpy(file_codes.astype(np.uint8)))   # HF row order as stored
-    ar = _greedy(model, dict(method="ar"), GGUF_PROMPT)
-    assert _greedy(model, SPECS["prompt-lookup"], GGUF_PROMPT) == ar
-    assert _greedy(model, SPECS["early-exit"], GGUF_PROMPT) == ar
+    ar = greedy_ids(model, dict(method="ar"), GGUF_PROMPT)
+    assert greedy_ids(model, ARCH_SPECS["prompt-lookup"], GGUF_PROMPT) == ar
+    assert greedy_ids(model, ARCH_SPECS["early-exit"], GGUF_PROMPT) == ar

@@ -14,30 +14,24 @@ import httpx
 import torch
 import openai
 import pytest
-from helpers import tiny_model
-from serving_helpers import ServerThread, parse_metrics, serve_engine
+from serving_helpers import ServerThread, chat_tiny_model, parse_metrics, serve_engine, served_tiny_model
+from serving_helpers import openai_client as client
 
 from speculant import GenerationConfig, SamplingConfig, build_generator
 from speculant.engine.methods import MethodSpec
 from speculant.kernels import build
-from speculant.models.loading import save_hf_dir
 from speculant.runtime.formats import apply_weight_format
-from speculant.runtime.loader import load_model
 from speculant.runtime.executor import executor_of
 
 # self-speculative trees, batched verification; `always`: the server's sampled sequences draft every round, as the
 # one-sequence generator does with --speculation always (its `cost` rounds would draw in another order)
 SPEC = MethodSpec(method="rsd-c", exit_layer=2, branching="2,2", speculation="always")
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """A tiny random model saved as an HF directory and loaded the way `speculant serve --model DIR` loads it."""
-    tiny = tiny_model(seed=11, scale=2.5, vocab=64, layers=4, ctx=1024)
-    tiny.tokenizer.chat_template = CHAT_TEMPLATE
-    path = save_hf_dir(tiny, tmp_path_factory.mktemp("serve_hf"))
-    return load_model(str(path), weights="auto", compile=False)
+    return served_tiny_model(tmp_path_factory.mktemp("serve_hf"), layers=4)
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +40,6 @@ def server(model):
     # and the tests below check the speculative counters and batched speculative rounds)
     with ServerThread(serve_engine(model, SPEC, max_batch=8, speculation="always")) as s:
         yield s
-
-
-def client(server, **kw) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60, **kw)
 
 
 def alone(model, prompt: str, max_tokens: int, method="ar", sampling=None, stop=()) -> str:
@@ -187,8 +177,7 @@ def test_chats_sharing_a_prefix_reuse_its_kv_and_keep_their_output(method):
     """With prompts on the fused step (w4a8), later chats prefill only what follows the prefix they share with
     earlier ones (``prefix_cache_hits`` counts the reused tokens) and still return what each returns alone; with
     ``ar`` a finished request's answer is cached too (for a next turn)."""
-    tiny = tiny_model(seed=11, scale=2.5, vocab=64, layers=4, ctx=1024)
-    tiny.tokenizer.chat_template = CHAT_TEMPLATE
+    tiny = chat_tiny_model(layers=4)
     apply_weight_format(tiny.decoder, "w4a8")
     executor_of(tiny).fused_prompt_tokens = 256
     system = "t1 t2 t3 t4 t5 t6 t7 t8"
@@ -232,7 +221,7 @@ def test_queue_full_is_429_and_shutdown_is_503(model):
     # the scheduler is not started, so requests stay queued: max_queue=1 holds one, the next is refused
     engine = serve_engine(model, SPEC, max_batch=1, max_queue=1)
     with ServerThread(engine, start_scheduler=False) as s:
-        c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        c = client(s)
 
         async def run():
             ac = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -259,7 +248,7 @@ def test_queue_full_is_429_and_shutdown_is_503(model):
 def test_disconnect_mid_stream_frees_the_slot(model):
     engine = serve_engine(model, SPEC, max_batch=1)
     with ServerThread(engine) as s:
-        c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        c = client(s)
         stream = c.completions.create(model="tiny", prompt="t1 t2", max_tokens=1000, temperature=0, stream=True)
         next(iter(stream))
         stream.close()                                       # the client goes away after its first chunk

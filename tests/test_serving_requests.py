@@ -14,40 +14,32 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import one_line_error, tiny_model, word_tokenizer
-from serving_helpers import ServerThread, parse_metrics, serve_engine
+from helpers import one_line_error, word_tokenizer
+from serving_helpers import CHAT_TEMPLATE, ServerThread, parse_metrics, serve_engine, served_tiny_model
+from serving_helpers import openai_client as client
 
 from speculant import GenerationConfig, SpeculantError, build_generator
 from speculant.engine.batch import BatchedGenerator
 from speculant.engine.methods import MethodSpec
 from speculant.engine.prompts import check_prompt_ids, encode_prompt
-from speculant.models.loading import LoadedModel, save_hf_dir
-from speculant.runtime.loader import load_model
+from speculant.models.loading import LoadedModel
 from speculant.serving import fields as F
 from speculant.serving import protocol as P
 from speculant.serving.app import ServingEngine
 
 AR = MethodSpec(method="ar")
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 MSG = [{"role": "user", "content": "t1 t2 t3"}]
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    tiny = tiny_model(seed=11, scale=2.5, vocab=64, layers=2, ctx=1024)
-    tiny.tokenizer.chat_template = CHAT_TEMPLATE
-    path = save_hf_dir(tiny, tmp_path_factory.mktemp("serve_fields"))
-    return load_model(str(path), weights="auto", compile=False)
+    return served_tiny_model(tmp_path_factory.mktemp("serve_fields"), layers=2)
 
 
 @pytest.fixture(scope="module")
 def server(model):
     with ServerThread(serve_engine(model, AR, max_batch=4, speculation="always")) as s:
         yield s
-
-
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
 def post(server, path: str, body: dict | bytes) -> httpx.Response:

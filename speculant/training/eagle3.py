@@ -29,65 +29,45 @@ from ..drafters.eagle3_head import Eagle3Head, check_aux_layer_ids, default_aux_
     save_eagle3
 from ..errors import SpeculantError, check_range
 from ..models.llama import layer_output
-from .head import corpus_list, default_cache_dir, load_split, sequences
-from .losses import topk_distill_loss
-from .run import RunConfig, check_positions, optimize, read_checkpoint, seeded
+from .distributed import SINGLE, Dist, check_batch, full_states, load_full_states, main_first, save_on_main, wrap_ddp
+from .head import HeadData, HeadRunConfig, draw_windows, head_data, head_train_loop, window_batch, window_targets
+from .losses import distill_totals, topk_distill_loss
+from .run import read_checkpoint, seeded
 
 
 @dataclass(frozen=True)
-class Eagle3Config(RunConfig):
-    """Settings of ``--recipe eagle3`` (flags ``--head-batch``, ``--head-seq-len``, ``--draft-vocab``, ``--topk``,
-    ``--hard-weight``, ``--positions``, ``--cache-dir``, ``--max-train-tokens``, ``--aux-layers``, ``--ttt-steps``,
-    ``--ttt-decay``; :class:`RunConfig` has the common ones).
+class Eagle3Config(HeadRunConfig):
+    """Settings of ``--recipe eagle3`` (flags ``--aux-layers``, ``--ttt-steps``, ``--ttt-decay``;
+    :class:`~speculant.training.head.HeadRunConfig` has the ones shared with ``draft-head``).
 
     Attributes:
         aux_layers: the 3 hidden-state boundaries (``k``: entering target layer ``k``) the head reads; ``None``:
             :func:`~speculant.drafters.eagle3_head.default_aux_layer_ids`.  Written into the head's config.
         ttt_steps: training-time-test steps (1: the target's states only).
         ttt_decay: weight ``decay^s`` of step ``s``'s loss (the EAGLE-3 reference's 0.8).
-        batch_seqs, seq_len, draft_vocab, topk, hard_weight, positions, cache_dir, max_train_tokens, command: as
-            :class:`speculant.training.head.DraftHeadConfig`'s.
 
     Raises:
         SpeculantError: a value out of range (one line naming it and what is allowed).
     """
 
-    checkpoint_every: int = 100
-    eval_every: int = 100
     aux_layers: tuple[int, ...] | None = None
     ttt_steps: int = 3
     ttt_decay: float = 0.8
-    batch_seqs: int = 8
-    seq_len: int = 256
-    draft_vocab: int = 16384
-    topk: int = 32
-    hard_weight: float = 0.5
-    positions: str = "all"
-    cache_dir: str | None = None
-    max_train_tokens: int | None = None
-    command: str = ""
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("batch_seqs", "seq_len", "topk"):
-            check_range(name, getattr(self, name), 1)
-        check_range("draft_vocab", self.draft_vocab, 0)
         check_range("ttt_steps", self.ttt_steps, 1, 8)
         check_range("ttt_decay", self.ttt_decay, 0.0, 1.0)
-        check_positions(self.positions)
         if self.aux_layers is not None:              # the range is checked against the target when it loads
             check_aux_layer_ids(list(self.aux_layers), max(max(self.aux_layers, default=1), 1))
 
     @classmethod
     def from_args(cls, args) -> "Eagle3Config":
         """From ``speculant train``'s parsed flags (:func:`speculant.training.train.add_train_args`)."""
-        from .train import _int_list, command_line
+        from .train import _int_list
         aux = _int_list("--aux-layers", args.aux_layers) if args.aux_layers else None
-        return cls(**RunConfig.args_of(args, lr=1e-3), aux_layers=aux, ttt_steps=args.ttt_steps,
-                   ttt_decay=args.ttt_decay, batch_seqs=args.head_batch, seq_len=args.head_seq_len,
-                   draft_vocab=args.draft_vocab, topk=args.topk, hard_weight=args.hard_weight,
-                   positions=args.positions, cache_dir=args.cache_dir, max_train_tokens=args.max_train_tokens,
-                   command=command_line())
+        return cls(**HeadRunConfig.head_args_of(args), aux_layers=aux, ttt_steps=args.ttt_steps,
+                   ttt_decay=args.ttt_decay)
 
     def settings(self, aux: list[int]) -> dict:
         """What a checkpoint must match to be resumed."""
@@ -129,27 +109,49 @@ def ttt_forward(head: Eagle3Head, x: torch.Tensor, tokens: torch.Tensor, positio
     return outs
 
 
-def window_batch(f: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, spans):
-    """As :func:`speculant.training.head.window_batch` (entries ``a .. a+T-1`` read ``(g_a, x_{a+1})``)."""
-    from .head import window_batch as windows
-    return windows(f, ids, weight, spans)
+class TTTLogits(torch.nn.Module):
+    """The head's logits at every TTT step as one module's forward, so that DistributedDataParallel (which reduces
+    the gradients of what ran through its wrapper's forward) can wrap the training computation."""
+
+    def __init__(self, head: Eagle3Head):
+        super().__init__()
+        self.head = head
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                masks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``[n_s, V']`` logits of TTT step ``s`` at the entries ``masks[s]`` (bool ``[B, T]``), from the target's
+        states ``x`` ``[B, T, 3D]`` (:func:`ttt_forward`)."""
+        outs = ttt_forward(self.head, x, tokens, positions, len(masks))
+        return [self.head.logits(out[m]) for out, m in zip(outs, masks)]
 
 
-def eagle3_loss(head: Eagle3Head, f: torch.Tensor, ids: torch.Tensor, t_map: torch.Tensor, t_logp: torch.Tensor,
-                weight: torch.Tensor, spans, steps: int, decay: float, hard_weight: float) -> tuple[torch.Tensor, dict]:
-    """The TTT loss of a batch of windows (module docstring); returns ``(loss, {"p0": step-0 loss, ...})``."""
-    x, tok, pos, nxt, mask = window_batch(f, ids, weight, spans)
-    outs = ttt_forward(head, x.float(), tok, pos, steps)
-    total, norm, parts = 0.0, 0.0, {}
-    for s, out in enumerate(outs):
+def eagle3_loss(net: torch.nn.Module, f: torch.Tensor, ids: torch.Tensor, t_map: torch.Tensor, t_logp: torch.Tensor,
+                weight: torch.Tensor, spans, steps: int, decay: float, hard_weight: float,
+                share: slice | None = None) -> tuple[torch.Tensor, dict]:
+    """The TTT loss of a batch of windows ``spans`` (module docstring); returns ``(loss, {"p0": step-0 loss, ...})``
+    (the parts as detached scalar tensors, for the TTT steps the batch has entries of).
+
+    ``net``: a :class:`TTTLogits` (or it under DistributedDataParallel).  ``share``: the rows of ``spans`` (the global
+    batch) this rank trains on (data parallelism, :mod:`.distributed`); each step's loss is then this share of the
+    global batch's (sums divided by the global batch's counts), so the shares add up to the loss of one process on
+    the whole batch.  ``None``: every row.
+    """
+    x, tok, pos, nxt, mask = window_batch(f, ids, weight, spans[share or slice(None)])
+    masks = []
+    for s in range(steps):
         m = mask.clone()
         m[:, :s] = False                         # entries without a step-s parent
-        if not m.any():
+        masks.append(m)
+    logits = net(x.float(), tok, pos, masks)
+    total, norm, parts = logits[0].sum() * 0.0, 0.0, {}       # a share with no counted entry still backpropagates
+    for s, (lg, m) in enumerate(zip(logits, masks)):
+        totals = distill_totals(t_map[window_targets(spans, weight, s)])
+        if not totals[0]:                        # the global batch has no step-s entry
             continue
         target = nxt[m]
-        loss = topk_distill_loss(head.logits(out[m]), t_map[target], t_logp[target], hard_weight)
+        loss = topk_distill_loss(lg, t_map[target], t_logp[target], hard_weight, totals)
         total, norm = total + decay ** s * loss, norm + decay ** s
-        parts[f"p{s}"] = loss.item()
+        parts[f"p{s}"] = loss.detach()
     return total / max(norm, 1e-12), parts
 
 
@@ -178,114 +180,101 @@ def evaluate_eagle3(head: Eagle3Head, f: torch.Tensor, ids: torch.Tensor, t_idx:
     return {"top1": by_step[0], "top1_by_step": by_step, "positions": counts[0]}
 
 
-@dataclass
-class _Data:
-    """The recipe's tensors: features (``train``/``heldout``, :func:`~speculant.training.head.load_split`), head
-    inputs ``f_train``/``f_heldout`` ``[N, 3D]``, which positions count (``weight [N]``), sequences ``[S, 2]``
-    (training: of 2 or more positions), the draft vocabulary and the teacher's ids in it ``t_map [N, k]``."""
+def _resume(ckpt: Path, cfg: Eagle3Config, aux: list[int], head: Eagle3Head, named, opt, gen) -> tuple[int, list, int]:
+    """Load ``ckpt`` (written with any world size) into the head, optimizer and generator; returns ``(step, history,
+    positions seen)``.
 
-    train: dict
-    heldout: dict
-    f_train: torch.Tensor
-    f_heldout: torch.Tensor
-    weight: torch.Tensor
-    seqs: torch.Tensor
-    heldout_seqs: torch.Tensor
-    vocab_ids: torch.Tensor | None
-    t_map: torch.Tensor
-
-
-def _data(model, corpora: list[str], cfg: Eagle3Config, aux: list[int]) -> _Data:
-    from .train import remap, select_vocab
-    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
-    V = model.config.vocab_size
-    tr = load_split(model, corpora, "train", cfg.topk, cache_dir, cfg.max_train_tokens, cfg.progress, aux)
-    ho = load_split(model, corpora, "heldout", cfg.topk, cache_dir, None, cfg.progress, aux)
-    weight = tr["response"] if cfg.positions == "response" else torch.ones_like(tr["response"])
-    seqs = sequences(tr["seq"])
-    vocab_ids = None
-    if cfg.draft_vocab and cfg.draft_vocab < V:
-        vocab_ids = select_vocab(tr["t_idx"], tr["t_logp"], cfg.draft_vocab, V, model.eos_token_ids)
-    return _Data(tr, ho, aux_features(tr, aux), aux_features(ho, aux), weight, seqs[seqs[:, 1] >= 2],
-                 sequences(ho["seq"]), vocab_ids, remap(tr["t_idx"], vocab_ids, V))
+    Raises:
+        SpeculantError: ``ckpt`` missing, or of another recipe or settings.
+    """
+    st = read_checkpoint(ckpt)
+    if st.get("recipe") != "eagle3" or st["settings"] != cfg.settings(aux):
+        raise SpeculantError(f"checkpoint {str(ckpt)!r} is for {st.get('recipe')} {st.get('settings')}; "
+                             f"allowed: recipe eagle3 with {cfg.settings(aux)}")
+    head.load_state_dict(st["head"])
+    if st.get("format") == "full-state":          # optimizer state by parameter name
+        load_full_states(named, opt, st["head"], st["opt"])
+    else:                                         # written before the recipe ran under torchrun: by index
+        opt.load_state_dict(st["opt"])
+    gen.set_state(st["gen"])
+    return st["step"], st["history"], st["seen"]
 
 
-def _windows(seqs: torch.Tensor, lengths: torch.Tensor, cfg: Eagle3Config, gen) -> list[tuple[int, int, int]]:
-    from .head import _windows as windows
-    return windows(seqs, lengths, cfg, gen)
-
-
-def train_eagle3(model, corpora: list[str], out: str, config: Eagle3Config = Eagle3Config()) -> dict:
+def train_eagle3(model, corpora: list[str], out: str, config: Eagle3Config = Eagle3Config(),
+                 dist: Dist = SINGLE) -> dict:
     """Train an EAGLE-3 head (recipe ``eagle3``); writes ``out/`` (the head in the engine layout, ``README.md``,
     ``metrics.json``, ``checkpoint.pt``).
 
     Args:
         corpora: make-data JSONL paths (train and held-out splits).
+        dist: this process' rank in a data-parallel run (:mod:`.distributed`): rank 0 caches the features, the TTT
+            computation (:class:`TTTLogits`) trains under DistributedDataParallel on each rank's share of every
+            global batch, rank 0 evaluates and writes the checkpoints (by parameter name) and the head.
     Returns:
-        metrics (held-out top-1 per TTT step before and after, the losses, throughput).
+        metrics (held-out top-1 per TTT step before and after, the losses, throughput); on ranks other than 0 only
+        ``rank`` and ``steps_done``.
     Raises:
-        SpeculantError: bad auxiliary ids, no records of a split, or ``resume`` without a compatible checkpoint.
+        SpeculantError: bad auxiliary ids, no records of a split, ``resume`` without a compatible checkpoint, or fewer
+            windows per step than processes.
     """
     cfg, out = config, Path(out)
+    check_batch("head_batch", cfg.batch_seqs, dist)
     L = model.decoder.num_layers
     aux = check_aux_layer_ids(list(cfg.aux_layers), L) if cfg.aux_layers else default_aux_layer_ids(L)
     out.mkdir(parents=True, exist_ok=True)
     gen = seeded(cfg.seed)
-    data = _data(model, corpora, cfg, aux)
+    data = main_first(dist, lambda: head_data(model, corpora, cfg, lambda f: aux_features(f, aux), aux))
     head = new_eagle3(model, aux, data.vocab_ids).train()
-    params = [p for p in head.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in head.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    ckpt, history, last = out / "checkpoint.pt", [], {"loss": float("nan"), "parts": {}, "seen": 0}
-    start = 0
-    if cfg.resume:
-        st = read_checkpoint(ckpt)
-        if st.get("recipe") != "eagle3" or st["settings"] != cfg.settings(aux):
-            raise SpeculantError(f"checkpoint {str(ckpt)!r} is for {st.get('recipe')} {st.get('settings')}; "
-                                 f"allowed: recipe eagle3 with {cfg.settings(aux)}")
-        head.load_state_dict(st["head"])
-        opt.load_state_dict(st["opt"])
-        gen.set_state(st["gen"])
-        start, history, last["seen"] = st["step"], st["history"], st["seen"]
+    ckpt, last = out / "checkpoint.pt", {"loss": torch.tensor(float("nan")), "parts": {}}
+    start, history, last["seen"] = _resume(ckpt, cfg, aux, head, named, opt, gen) if cfg.resume else (0, [], 0)
+    net = wrap_ddp(TTTLogits(head), dist)
     ho = data.heldout
 
     def evaluate(h):
         return evaluate_eagle3(h, data.f_heldout, ho["ids"], ho["t_idx"], ho["response"], data.heldout_seqs,
                                cfg.eval_tokens, cfg.ttt_steps)
 
-    if start == 0:
+    def record(done):
+        history.append({"step": done, "train_positions": last["seen"], "loss": last["loss"].item(), **last["parts"],
+                        "eval": evaluate(head)})
+
+    if start == 0 and dist.main:
         history.append({"step": 0, "train_positions": 0, "eval": evaluate(head)})
     lengths = (data.seqs[:, 1] - 1).double()
 
     def checkpoint(step):
-        torch.save({"recipe": "eagle3", "settings": cfg.settings(aux), "head": head.state_dict(),
-                    "opt": opt.state_dict(), "gen": gen.get_state(), "step": step, "history": history,
-                    "seen": last["seen"]}, ckpt)
+        save_on_main(dist, lambda: {"recipe": "eagle3", "format": "full-state", "settings": cfg.settings(aux),
+                                    "head": head.state_dict(), "opt": full_states(named, opt)[1], "gen": gen.get_state(),
+                                    "step": step, "history": history, "seen": last["seen"]}, ckpt)
 
     def batch_loss(step):
-        spans = _windows(data.seqs, lengths, cfg, gen)
-        loss, parts = eagle3_loss(head, data.f_train, data.train["ids"], data.t_map, data.train["t_logp"],
-                                  data.weight, spans, cfg.ttt_steps, cfg.ttt_decay, cfg.hard_weight)
+        spans = draw_windows(data.seqs, lengths, cfg, gen)
+        loss, parts = eagle3_loss(net, data.f_train, data.train["ids"], data.t_map, data.train["t_logp"],
+                                  data.weight, spans, cfg.ttt_steps, cfg.ttt_decay, cfg.hard_weight,
+                                  dist.share(len(spans)))
+        sums = dist.all_sum(torch.stack(list(parts.values()))).tolist() if parts else []
         positions = sum(t for _, _, t in spans)
-        last.update(loss=loss.item(), parts=parts, seen=last["seen"] + positions)
+        last.update(parts=dict(zip(parts, sums)), seen=last["seen"] + positions)
         return loss, positions
 
-    def after_step(done, loss):
-        if done == 1:
-            history[0]["first_loss"] = loss.item()
-        if done % cfg.eval_every == 0 or done == cfg.steps:
-            history.append({"step": done, "train_positions": last["seen"], "loss": last["loss"],
-                            **last["parts"], "eval": evaluate(head)})
-
-    done, _, secs = optimize(cfg, opt, params, start, "train eagle3", batch_loss, after_step, checkpoint,
-                             unit="pos_s")
-    checkpoint(done)
+    done, secs = head_train_loop(cfg, dist, opt, params, start, "train eagle3", batch_loss, record, checkpoint,
+                                 history, last)
+    if not dist.main:
+        return {"rank": dist.rank, "steps_done": done}
     head.eval()
-    metrics = {"recipe": "eagle3", **cfg.settings(aux), "ttt_steps": cfg.ttt_steps, "ttt_decay": cfg.ttt_decay,
-               "corpora": [str(c) for c in corpora], "topk": cfg.topk, "lr": cfg.lr, "seed": cfg.seed,
-               "steps_done": done, "train_positions": int(data.train["tokens"]), "positions_seen": last["seen"],
-               "parameters": sum(p.numel() for p in params), "train_seconds": secs,
-               "first_loss": history[0].get("first_loss"), "last_loss": last["loss"], "history": history}
-    return _save(model, head, out, metrics, evaluate, cfg.command)
+    return _save(model, head, out, _metrics(cfg, aux, corpora, data, params, history, last, done, secs), evaluate,
+                 cfg.command)
+
+
+def _metrics(cfg: Eagle3Config, aux: list[int], corpora, data: HeadData, params, history, last, done, secs) -> dict:
+    return {"recipe": "eagle3", **cfg.settings(aux), "ttt_steps": cfg.ttt_steps, "ttt_decay": cfg.ttt_decay,
+            "corpora": [str(c) for c in corpora], "topk": cfg.topk, "lr": cfg.lr, "seed": cfg.seed,
+            "steps_done": done, "train_positions": int(data.train["tokens"]), "positions_seen": last["seen"],
+            "parameters": sum(p.numel() for p in params), "train_seconds": secs,
+            "first_loss": history[0].get("first_loss"), "last_loss": last["loss"].item(), "history": history}
 
 
 def _save(model, head: Eagle3Head, out: Path, metrics: dict, evaluate, command: str) -> dict:
@@ -318,11 +307,3 @@ in the layout vLLM and SGLang load (`LlamaForCausalLMEagle3`).  The target is fr
 {command}
 ```
 """
-
-
-def eagle3_from_args(args) -> dict:
-    """``speculant train --recipe eagle3``: the config from the flags (checked before the model loads), then the
-    recipe."""
-    from ..models.loading import read_checkpoint as read_model
-    cfg = Eagle3Config.from_args(args)
-    return train_eagle3(read_model(args.model, args.dtype), corpus_list(args.corpus), args.out, cfg)

@@ -124,10 +124,11 @@ def window_batch(f: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, spans
     return inputs, tokens, positions, nxt, mask
 
 
-def _targets(spans, weight: torch.Tensor, skip_first: bool) -> torch.Tensor:
-    """Global indices of the counted next-positions of ``spans`` (entries ``a+1 .. a+t``; ``skip_first``: from
-    ``a+2``), in span order: the regression and teacher targets of :func:`head_loss`."""
-    idx = torch.cat([torch.arange(a + 1 + skip_first, a + t + 1) for _, a, t in spans])
+def window_targets(spans, weight: torch.Tensor, skip: int = 0) -> torch.Tensor:
+    """int64 ``[n]``: global indices of the counted next-positions of windows ``spans`` (``a+1 .. a+t``, the first
+    ``skip`` entries of each window left out), in span order: the regression and teacher targets of a global batch
+    (:func:`head_loss`; the TTT steps of :func:`speculant.training.eagle3.eagle3_loss`)."""
+    idx = torch.cat([torch.arange(a + 1 + skip, a + t + 1) for _, a, t in spans])
     return idx[weight[idx]]
 
 
@@ -164,7 +165,7 @@ def head_loss(head: DraftHead, f: torch.Tensor, ids: torch.Tensor, t_map: torch.
     v = p = 0.0
     for out, m, skip_first in passes:
         target = nxt[m]
-        totals = distill_totals(t_map[_targets(spans, weight, skip_first)])
+        totals = distill_totals(t_map[window_targets(spans, weight, skip_first)])
         reg = F.smooth_l1_loss(out[m], f[target].float(), reduction="sum") / max(totals[0] * f.shape[1], 1)
         v = v + reg / len(passes)
         p = p + topk_distill_loss(inner.logits(out[m]), t_map[target], t_logp[target], hard_weight,
@@ -308,20 +309,17 @@ Decoding results (block efficiency, speed) are in BENCHMARKS.md ("Draft head (EA
 
 
 @dataclass(frozen=True)
-class DraftHeadConfig(RunConfig):
-    """Settings of ``--recipe draft-head`` (the flags of the same names, ``--head-batch``/``--head-seq-len`` for
-    ``batch_seqs``/``seq_len``, ``--feature-noise`` for ``noise``; :class:`RunConfig` has the common ones).
+class HeadRunConfig(RunConfig):
+    """Settings shared by the feature-level head recipes (``draft-head``: :class:`DraftHeadConfig`, ``eagle3``:
+    :class:`~speculant.training.eagle3.Eagle3Config`); flags ``--head-batch``/``--head-seq-len`` for
+    ``batch_seqs``/``seq_len``, the others of the same names; :class:`RunConfig` has the common ones.
 
     Attributes:
-        batch_seqs, seq_len: windows per step and entries per window [positions].
+        batch_seqs, seq_len: windows per step (the global batch) and entries per window [positions].
         draft_vocab: draft vocabulary size (0: the full vocabulary).
         topk: teacher top-k log-probs cached per position.
-        feature: target feature the head reads, ``post-norm`` or ``pre-norm``; init: ``random`` or ``last-layer``.
-        v_weight, p_weight, hard_weight: weights of the feature regression, the distribution loss, and the hard
-            cross-entropy inside it (:func:`head_loss`).
-        noise: uniform input-feature noise, width in units of the features' RMS (EAGLE's augmentation).
+        hard_weight: weight of the hard cross-entropy on the teacher's argmax inside the distribution loss.
         positions: train on ``all`` positions or ``response`` positions only.
-        unroll: 1, or 2 for the second, self-fed pass of :func:`head_loss`.
         cache_dir: feature cache (``None``: :func:`default_cache_dir`).
         max_train_tokens: training positions cached at most (``None``: every train split).
         command: the command line the model card records.
@@ -336,14 +334,8 @@ class DraftHeadConfig(RunConfig):
     seq_len: int = 256
     draft_vocab: int = 16384
     topk: int = 32
-    feature: str = "post-norm"
-    init: str = "random"
-    v_weight: float = 1.0
-    p_weight: float = 1.0
     hard_weight: float = 0.5
-    noise: float = 0.0
     positions: str = "all"
-    unroll: int = 1
     cache_dir: str | None = None
     max_train_tokens: int | None = None
     command: str = ""
@@ -353,18 +345,50 @@ class DraftHeadConfig(RunConfig):
         for name in ("batch_seqs", "seq_len", "topk"):
             check_range(name, getattr(self, name), 1)
         check_range("draft_vocab", self.draft_vocab, 0)
-        check_range("unroll", self.unroll, 1, 2)
         check_positions(self.positions)
+
+    @staticmethod
+    def head_args_of(args) -> dict:
+        """The common and the shared head fields from ``speculant train``'s parsed flags
+        (:func:`speculant.training.train.add_train_args`)."""
+        from .train import command_line
+        return dict(RunConfig.args_of(args, lr=1e-3), batch_seqs=args.head_batch, seq_len=args.head_seq_len,
+                    draft_vocab=args.draft_vocab, topk=args.topk, hard_weight=args.hard_weight,
+                    positions=args.positions, cache_dir=args.cache_dir, max_train_tokens=args.max_train_tokens,
+                    command=command_line())
+
+
+@dataclass(frozen=True)
+class DraftHeadConfig(HeadRunConfig):
+    """Settings of ``--recipe draft-head`` (the flags of the same names, ``--feature-noise`` for ``noise``;
+    :class:`HeadRunConfig` has the ones shared with ``eagle3``).
+
+    Attributes:
+        feature: target feature the head reads, ``post-norm`` or ``pre-norm``; init: ``random`` or ``last-layer``.
+        v_weight, p_weight: weights of the feature regression and the distribution loss (:func:`head_loss`).
+        noise: uniform input-feature noise, width in units of the features' RMS (EAGLE's augmentation).
+        unroll: 1, or 2 for the second, self-fed pass of :func:`head_loss`.
+
+    Raises:
+        SpeculantError: a value out of range (one line naming it and what is allowed).
+    """
+
+    feature: str = "post-norm"
+    init: str = "random"
+    v_weight: float = 1.0
+    p_weight: float = 1.0
+    noise: float = 0.0
+    unroll: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_range("unroll", self.unroll, 1, 2)
 
     @classmethod
     def from_args(cls, args) -> DraftHeadConfig:
         """From ``speculant train``'s parsed flags (:func:`speculant.training.train.add_train_args`)."""
-        from .train import command_line
-        return cls(**RunConfig.args_of(args, lr=1e-3), batch_seqs=args.head_batch, seq_len=args.head_seq_len,
-                   draft_vocab=args.draft_vocab, topk=args.topk, feature=args.feature, init=args.init,
-                   v_weight=args.v_weight, p_weight=args.p_weight, hard_weight=args.hard_weight,
-                   noise=args.feature_noise, positions=args.positions, unroll=args.unroll, cache_dir=args.cache_dir,
-                   max_train_tokens=args.max_train_tokens, command=command_line())
+        return cls(**HeadRunConfig.head_args_of(args), feature=args.feature, init=args.init, v_weight=args.v_weight,
+                   p_weight=args.p_weight, noise=args.feature_noise, unroll=args.unroll)
 
     def settings(self) -> dict:
         """What a checkpoint must match to be resumed."""
@@ -372,10 +396,11 @@ class DraftHeadConfig(RunConfig):
 
 
 @dataclass
-class _HeadData:
-    """The draft-head recipe's tensors: features (``train``/``heldout``: :func:`load_split`), head inputs
-    ``f_train``/``f_heldout`` ``[N, D]``, which positions count (``weight [N]``), sequences ``[S, 2]`` (training: of
-    2 or more positions), the teacher's ids in the draft vocabulary ``t_map [N, k]``."""
+class HeadData:
+    """The tensors of a feature-level head recipe (``draft-head``, ``eagle3``): features (``train``/``heldout``:
+    :func:`load_split`), head inputs ``f_train``/``f_heldout`` ``[N, D']``, which positions count (``weight [N]``),
+    sequences ``[S, 2]`` (training: of 2 or more positions), the draft vocabulary ``vocab_ids [V']`` (``None``: the
+    full vocabulary) and the teacher's ids in it ``t_map [N, k]`` (-1 outside)."""
 
     train: dict
     heldout: dict
@@ -388,20 +413,29 @@ class _HeadData:
     t_map: torch.Tensor
 
 
-def _head_data(model, corpora: list[str], cfg: DraftHeadConfig) -> _HeadData:
-    from .train import remap, select_vocab
+def head_data(model, corpora: list[str], cfg, inputs, layers: list[int] | None = None) -> HeadData:
+    """Load (caching on first use) both splits' target features over ``corpora`` and derive a head's training tensors.
 
+    Args:
+        cfg: the recipe's config (:class:`DraftHeadConfig` or :class:`~speculant.training.eagle3.Eagle3Config`:
+            ``cache_dir``, ``topk``, ``max_train_tokens``, ``progress``, ``positions``, ``draft_vocab``).
+        inputs: ``features -> [N, D']``, what the head reads from a split's cached features.
+        layers: the hidden states cached (:func:`load_split`; default the last layer's output).
+    Raises:
+        SpeculantError: no records of a split.
+    """
+    from .train import remap, select_vocab
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
     V = model.config.vocab_size
-    tr = load_split(model, corpora, "train", cfg.topk, cache_dir, cfg.max_train_tokens, cfg.progress)
-    ho = load_split(model, corpora, "heldout", cfg.topk, cache_dir, None, cfg.progress)
+    tr = load_split(model, corpora, "train", cfg.topk, cache_dir, cfg.max_train_tokens, cfg.progress, layers)
+    ho = load_split(model, corpora, "heldout", cfg.topk, cache_dir, None, cfg.progress, layers)
     weight = tr["response"] if cfg.positions == "response" else torch.ones_like(tr["response"])
     seqs = sequences(tr["seq"])
     vocab_ids = None
     if cfg.draft_vocab and cfg.draft_vocab < V:
         vocab_ids = select_vocab(tr["t_idx"], tr["t_logp"], cfg.draft_vocab, V, model.eos_token_ids)
-    return _HeadData(tr, ho, head_inputs(model, tr, cfg.feature), head_inputs(model, ho, cfg.feature), weight,
-                     seqs[seqs[:, 1] >= 2], sequences(ho["seq"]), vocab_ids, remap(tr["t_idx"], vocab_ids, V))
+    return HeadData(tr, ho, inputs(tr), inputs(ho), weight, seqs[seqs[:, 1] >= 2], sequences(ho["seq"]), vocab_ids,
+                    remap(tr["t_idx"], vocab_ids, V))
 
 
 def _resume_head(ckpt: Path, cfg: DraftHeadConfig, head, opt, gen) -> tuple[int, list, int]:
@@ -416,9 +450,10 @@ def _resume_head(ckpt: Path, cfg: DraftHeadConfig, head, opt, gen) -> tuple[int,
     return st["step"], st["history"], st["seen"]
 
 
-def _windows(seqs: torch.Tensor, lengths: torch.Tensor, cfg: DraftHeadConfig, gen) -> list[tuple[int, int, int]]:
-    """``batch_seqs`` windows ``(sequence start, first entry, entries)``: sequences drawn by length, a window of up
-    to ``seq_len`` entries at a uniform offset in each."""
+def draw_windows(seqs: torch.Tensor, lengths: torch.Tensor, cfg, gen) -> list[tuple[int, int, int]]:
+    """``cfg.batch_seqs`` windows ``(sequence start, first entry, entries)`` (the global batch): sequences ``[S, 2]``
+    drawn with probability proportional to ``lengths [S]`` (their entries), a window of up to ``cfg.seq_len`` entries
+    at a uniform offset in each, all from ``gen``."""
     pick = torch.multinomial(lengths, cfg.batch_seqs, replacement=True, generator=gen)
     spans = []
     for s, length in seqs[pick].tolist():
@@ -450,7 +485,7 @@ def train_draft_head(model, corpora: list[str], out: str, config: DraftHeadConfi
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     gen = seeded(cfg.seed)
-    data = main_first(dist, lambda: _head_data(model, corpora, cfg))
+    data = main_first(dist, lambda: head_data(model, corpora, cfg, lambda f: head_inputs(model, f, cfg.feature)))
     head = new_head(model, data.vocab_ids, cfg.feature, cfg.init)
     noise_width = cfg.noise * float(data.f_train[:20000].float().pow(2).mean().sqrt())
     params = [p for p in head.parameters() if p.requires_grad]
@@ -480,7 +515,7 @@ def train_draft_head(model, corpora: list[str], out: str, config: DraftHeadConfi
     lengths = (data.seqs[:, 1] - 1).double()
 
     def batch_loss(step):
-        spans = _windows(data.seqs, lengths, cfg, gen)
+        spans = draw_windows(data.seqs, lengths, cfg, gen)
         loss, parts = head_loss(net, data.f_train, data.train["ids"], data.t_map, data.train["t_logp"], data.weight,
                                 spans, cfg.v_weight, cfg.p_weight, cfg.hard_weight, noise_width, gen, cfg.unroll,
                                 dist.share(len(spans)))
@@ -489,19 +524,9 @@ def train_draft_head(model, corpora: list[str], out: str, config: DraftHeadConfi
         last.update(v=v, p=p, seen=last["seen"] + positions)
         return loss, positions
 
-    def after_step(done, loss):
-        last["loss"] = loss
-        if done == 1 and dist.main:
-            history[0]["first_loss"] = loss.item()
-        if (done % cfg.eval_every == 0 or done == cfg.steps) and dist.main:
-            record(done)
-
     head.train()
-    done, _, secs = optimize(cfg, opt, params, start, "train draft-head", batch_loss, after_step, checkpoint,
-                             unit="pos_s", dist=dist)
-    if dist.main and history[-1]["step"] != done:
-        record(done)
-    checkpoint(done)
+    done, secs = head_train_loop(cfg, dist, opt, params, start, "train draft-head", batch_loss, record, checkpoint,
+                                 history, last)
     if not dist.main:
         return {"rank": dist.rank, "steps_done": done}
     head.eval()
@@ -509,7 +534,27 @@ def train_draft_head(model, corpora: list[str], out: str, config: DraftHeadConfi
     return _save_head_and_card(model, head, out, cfg, metrics, evaluate)
 
 
-def _head_metrics(cfg: DraftHeadConfig, corpora, data: _HeadData, params, history, last, done, secs,
+def head_train_loop(cfg: HeadRunConfig, dist: Dist, opt, params: list, start: int, desc: str, batch_loss, record,
+                    checkpoint, history: list, last: dict) -> tuple[int, float]:
+    """:func:`~speculant.training.run.optimize` as the head recipes run it: ``last["loss"]`` set to each step's global
+    loss, ``history[0]["first_loss"]`` after step 1, ``record(done)`` (rank 0: evaluate, append to ``history``) every
+    ``cfg.eval_every`` steps and at the end, then a last ``checkpoint(done)``.  Returns ``(steps done, seconds)``."""
+    def after_step(done, loss):
+        last["loss"] = loss
+        if done == 1 and dist.main:
+            history[0]["first_loss"] = loss.item()
+        if (done % cfg.eval_every == 0 or done == cfg.steps) and dist.main:
+            record(done)
+
+    done, _, secs = optimize(cfg, opt, params, start, desc, batch_loss, after_step, checkpoint, unit="pos_s",
+                             dist=dist)
+    if dist.main and history[-1]["step"] != done:
+        record(done)
+    checkpoint(done)
+    return done, secs
+
+
+def _head_metrics(cfg: DraftHeadConfig, corpora, data: HeadData, params, history, last, done, secs,
                   vocab_size: int) -> dict:
     tr, seen = data.train, last["seen"]
     return {"recipe": "draft-head", **cfg.settings(), "corpora": [str(c) for c in corpora], "topk": cfg.topk,

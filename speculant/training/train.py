@@ -18,8 +18,6 @@ All recipes: seeds, tqdm with training tokens/s, a checkpoint in ``--out`` every
 
 from __future__ import annotations
 
-import os
-
 import json
 import math
 from dataclasses import dataclass
@@ -702,14 +700,10 @@ def train_from_args(args) -> dict:
     from .head import DraftHeadConfig, corpus_list, train_draft_head
     if args.recipe not in RECIPES:
         raise SpeculantError(f"recipe={args.recipe!r} is unknown; allowed: {', '.join(RECIPES)}")
-    if args.recipe == "eagle3":
-        from .eagle3 import eagle3_from_args
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise SpeculantError(f"recipe='eagle3' runs in one process for now (WORLD_SIZE={os.environ['WORLD_SIZE']}); "
-                                 "run it without torchrun, or use --recipe draft-head")
-        return eagle3_from_args(args)
-    if args.recipe == "draft-head":
-        config, recipe = DraftHeadConfig.from_args(args), train_draft_head
+    if args.recipe in ("draft-head", "eagle3"):
+        from .eagle3 import Eagle3Config, train_eagle3
+        config, recipe = ((DraftHeadConfig.from_args(args), train_draft_head) if args.recipe == "draft-head" else
+                          (Eagle3Config.from_args(args), train_eagle3))
         corpus = corpus_list(args.corpus)
     else:
         config = (ExitAdapterConfig if args.recipe == "exit-adapter" else LayerSkipConfig).from_args(args)
