@@ -890,8 +890,10 @@ def load_tokenizer(path: str | Path):
     """The tokenizer of the HF-format directory ``path``, as ``AutoTokenizer`` would load it.
 
     When ``tokenizer_config.json`` names the generic fast class (``TokenizersBackend`` in transformers 5,
-    ``PreTrainedTokenizerFast``), that class is loaded directly: the same object ``AutoTokenizer`` returns,
-    without importing its model-class registry (~1 s of a warm start).
+    ``PreTrainedTokenizerFast``) and holds nothing that changes its backend, the tokenizer is a
+    :class:`~speculant.models.tokenizer.FastTokenizer` (the same ids, texts and chat prompts, without importing
+    transformers: ~1 s of a later load); otherwise that class is loaded directly: the same object ``AutoTokenizer``
+    returns, without importing its model-class registry.
 
     Raises:
         OSError, ValueError: missing or unreadable tokenizer files (from transformers).
@@ -902,6 +904,10 @@ def load_tokenizer(path: str | Path):
     except (OSError, ValueError):
         cls = None
     if cls in GENERIC_FAST_TOKENIZERS and (path / "tokenizer.json").is_file():
+        from .tokenizer import open_fast
+        fast = open_fast(path)
+        if fast is not None:
+            return fast
         from transformers import PreTrainedTokenizerFast
         return PreTrainedTokenizerFast.from_pretrained(str(path))
     from transformers import AutoTokenizer

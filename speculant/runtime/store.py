@@ -45,22 +45,55 @@ def save_packed(decoder: LlamaDecoder, path: Path) -> Path:
     return path
 
 
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+"""safetensors dtype names -> torch dtypes (the safetensors format's table)."""
+
+
+def read_safetensors(path: Path, header_only: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(metadata, tensors)`` of the safetensors file ``path`` (format: an 8-byte little-endian header length, a
+    JSON header of ``name -> {dtype, shape, data_offsets}`` and ``__metadata__``, then the data).  Each tensor is
+    read (``readinto``, one sequential pass) into its own torch allocation: aligned for our kernels (torch's int8
+    kernel crashed on a tensor at an unaligned file offset) and without the page faults of first touching a mapped
+    file (copying mapped tensors took seconds for SmolLM2's 210 MB).  ``header_only``: no tensors read.
+
+    Raises:
+        OSError: unreadable file; ValueError: a malformed header, an unknown dtype or a short file.
+    """
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 2 <= size <= 100_000_000:
+            raise ValueError(f"{path}: bad safetensors header length {size}")
+        header = json.loads(f.read(size))
+        meta = header.pop("__metadata__", None) or {}
+        if header_only:
+            return meta, {}
+        state, base = {}, 8 + size
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            start, end = info["data_offsets"]
+            t = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
+            if t.numel() * t.element_size() != end - start:
+                raise ValueError(f"{path}: tensor {name} holds {end - start} bytes for shape {info['shape']}")
+            if end > start:
+                f.seek(base + start)
+                if f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy())) != end - start:
+                    raise ValueError(f"{path}: file ends inside tensor {name}")
+            state[name] = t
+    return meta, state
+
+
 def load_packed(path: Path, cfg: ModelConfig) -> LlamaDecoder | None:
     """The packed decoder stored at ``path``, or ``None`` when absent, unreadable or made for another config."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
     path = Path(path)
     if not path.is_file():
         return None
     try:
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
+        meta, _ = read_safetensors(path, header_only=True)
         if meta.get("schema") != SCHEMA or json.loads(meta["config"]) != json.loads(json.dumps(cfg.to_hf_dict())):
             return None
         modules = json.loads(meta["modules"])
-        # torch's int8 kernel crashed on a tensor at an unaligned safetensors offset: copy those
-        state = {k: v if v.data_ptr() % 64 == 0 else v.clone() for k, v in load_file(str(path)).items()}
+        _, state = read_safetensors(path)
     except (OSError, ValueError, KeyError):
         return None
     with torch.device("meta"):
@@ -71,7 +104,7 @@ def load_packed(path: Path, cfg: ModelConfig) -> LlamaDecoder | None:
         buffers = {k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")}
         setattr(parent, attr, PACKED_CLASSES[cls_name].empty(in_f, out_f, buffers))
     dec.load_state_dict(state, strict=True, assign=True)
-    dec.set_rope_tables()
+    # the RoPE tables are real already: LlamaDecoder computes them on the CPU even on the meta device
     dec.layer_token_counts = [0] * cfg.num_hidden_layers
     dec.weight_format = meta["format"]
     return dec.eval().requires_grad_(False)

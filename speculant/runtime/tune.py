@@ -6,16 +6,18 @@ token-identical to autoregressive decoding only if a projection gives each row t
 it runs alone (a decoding step) or inside a block (a verification).  So :func:`measure`:
 
 1. packs the projections of a sample of the layers (:func:`sample_layers`: up to :data:`SAMPLE_LAYERS`, evenly
-   spaced, the first and last included) and the LM head in every weight format that runs here
+   spaced, the first and last included) and the LM head's first rows in every weight format that runs here
    (:mod:`speculant.runtime.formats`; ``w4a8`` needs AVX2 and a C compiler): every layer runs the same kernels
    on the same shapes, and packing all formats of the whole model at once would need ~1 GB more memory;
 2. checks each format's kernel for batch invariance: rows of a 2..16-row product must equal, bit for
    bit, the same rows computed one at a time (for ``fp32``, each route: plain ``F.linear``,
    ``(W x^T)^T`` for 2..16 rows, a one-row product padded to two columns); and records up to which of
    32 and 64 rows that still holds (the blocks of a batch of sequences, ``speculant serve``);
-3. times one pass over the sampled layers and, separately, the LM head for 1, 2, 4, 5, 8 and 16 rows, formats
+3. times one pass over the sampled layers and, separately, the LM head's sample (its first rows, at most
+   :data:`HEAD_SAMPLE_BYTES` in float32: :func:`head_sample`) for 1, 2, 4, 5, 8 and 16 rows, formats
    interleaved (so each format's weights come from DRAM, as in decoding), and reports a pass over the whole model:
-   the sampled layers' time scaled by ``layers / sampled layers`` plus the LM head's, best of the repeats (the
+   the sampled layers' time scaled by ``layers / sampled layers`` plus the head sample's scaled by
+   ``vocabulary / sampled rows``, best of the repeats (the
    minimum is the figure least disturbed by other work on a shared machine); a variant that failed the
    invariance check is timed once after the warm-up (it is never the default; the figure ranks it in the table);
 4. times the chosen format's one-row pass (the same whole-model estimate) with 1..N torch threads, each timed pass
@@ -258,9 +260,10 @@ def set_routes(modules, routes: Routes) -> None:
             m.routes = routes
 
 
-def _time_pass(modules, inputs, routes: Routes | None, scale: float = 1.0) -> float:
+def _time_pass(modules, inputs, routes: Routes | None, scale: float = 1.0, head_scale: float = 1.0) -> float:
     """Seconds of a pass over ``modules`` (the LM head last) with the layers' part multiplied by ``scale``
-    (layers of the model per layer in ``modules``): the whole model's pass estimated from a sample of its layers."""
+    (layers of the model per layer in ``modules``) and the head's by ``head_scale`` (the head's rows per row of
+    its sample, :func:`head_sample`): the whole model's pass estimated from a sample of its layers."""
     if routes is not None:
         set_routes(modules, routes)
     t = time.perf_counter()
@@ -268,7 +271,29 @@ def _time_pass(modules, inputs, routes: Routes | None, scale: float = 1.0) -> fl
     t_head = time.perf_counter()
     _pass(modules[-1:], inputs)
     end = time.perf_counter()
-    return (t_head - t) * scale + (end - t_head)
+    return (t_head - t) * scale + (end - t_head) * head_scale
+
+
+HEAD_SAMPLE_BYTES = 64 << 20
+"""float32 bytes of the LM head's rows :func:`measure` packs and times (:func:`head_sample`): at least DRAM-sized
+on the CPUs we run on (a sample smaller than the last-level cache would be timed from it), and a small part of
+a large vocabulary's head (Gemma 3's 262144 x 640 is 671 MB: every format's copy of it held at once, plus a
+float32 temporary while each is packed, was ~1.1 GB of a first load's peak memory)."""
+
+
+def head_sample(head: nn.Module, max_bytes: int = HEAD_SAMPLE_BYTES) -> tuple[nn.Module, float]:
+    """``(sample, scale)``: a float32 projection of the first rows of ``head`` (``[O, I]``; a view, no copy) with at
+    most ``max_bytes`` of weights, and ``O / rows`` (the head's time is that of its rows: each is one dot product
+    over the same input); ``(head, 1.0)`` when the whole head is that small."""
+    rows = max(1, min(head.out_features, max_bytes // (4 * head.in_features)))
+    if rows == head.out_features:
+        return head, 1.0
+    with torch.device("meta"):
+        sample = DecodeLinear(head.in_features, rows, bias=head.bias is not None)
+    sample.weight = nn.Parameter(head.weight.detach()[:rows], requires_grad=False)
+    if head.bias is not None:
+        sample.bias = nn.Parameter(head.bias.detach()[:rows], requires_grad=False)
+    return sample, head.out_features / rows
 
 
 def batch_invariant(modules: list[nn.Module], rows=ROWS, seed: int = 0) -> bool:
@@ -313,7 +338,8 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
     """Measure the kernel table on this machine for ``decoder`` (float32 :class:`DecodeLinear` projections).
 
     Takes ~5-20 s for SmolLM2-135M on 2 cores (progress on ``log``, default stderr).  Only the layers of
-    :func:`sample_layers` and the LM head are packed (all formats held at once for them, ~0.25 GB for SmolLM2);
+    :func:`sample_layers` and the LM head's first rows (:func:`head_sample`) are packed (all formats held at once
+    for them);
     the table's figures are whole-model passes estimated from them (step 3 of the module docstring).
     """
     log = log or sys.stderr
@@ -325,7 +351,8 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
         raise ValueError("measure() needs a float32 model (load it with weights='fp32')")
     layers = sample_layers(len(decoder.layers))
     scale = len(decoder.layers) / len(layers)
-    base = [_get(decoder.layers[i], p) for i in layers for p in PROJECTIONS] + [decoder.lm_head_proj]
+    head, head_scale = head_sample(decoder.lm_head_proj)
+    base = [_get(decoder.layers[i], p) for i in layers for p in PROJECTIONS] + [head]
     print(f"speculant: measuring kernels on this machine (once per machine; {len(layers)} of "
           f"{len(decoder.layers)} layers and the LM head, {threads} thread{'s' if threads != 1 else ''}) ...",
           file=log, flush=True)
@@ -359,7 +386,7 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
                 for fmt, route, mods, routes in order:
                     if rep > 1 and not sample[(fmt, route)]:
                         continue                  # never a default: one timed pass ranks it (saves ~7 s)
-                    ms = _time_pass(mods, inputs, routes, scale) * 1e3
+                    ms = _time_pass(mods, inputs, routes, scale, head_scale) * 1e3
                     if rep:                                   # the first round warms up
                         times[(fmt, route)][r].append(ms)
         table = [{"format": fmt, "route": route,
@@ -382,7 +409,7 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
                 _pass(fmt_mods, inputs)
                 for _ in range(repeats):
                     _pass(evict, inputs)          # the sample is smaller than the model: evict it from the caches
-                    thread_ms.setdefault(str(n), []).append(_time_pass(fmt_mods, inputs, None, scale) * 1e3)
+                    thread_ms.setdefault(str(n), []).append(_time_pass(fmt_mods, inputs, None, scale, head_scale) * 1e3)
         thread_ms = {n: round(min(v), 3) for n, v in thread_ms.items()}
         best_threads = keep_default_threads(thread_ms, threads)
         torch.set_num_threads(best_threads)

@@ -32,17 +32,25 @@ _TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _ll_tokenizer(tokenizer, vocab_size: int | None, eos_token_ids):
-    """The llguidance tokenizer of an HF fast tokenizer (building it costs ~0.5 s: kept per tokenizer object)."""
+    """The llguidance tokenizer of an HF fast tokenizer or a :class:`~speculant.models.tokenizer.FastTokenizer`
+    (its ``tokenizers`` backend serialized, as ``llguidance.hf.from_tokenizer`` does for transformers' tokenizers,
+    without importing transformers); building it costs ~0.5 s: kept per tokenizer object."""
     import llguidance
-    import llguidance.hf
+
+    from ..models.tokenizer import FastTokenizer
     if isinstance(tokenizer, llguidance.LLTokenizer):
         return tokenizer
     key = (vocab_size, tuple(eos_token_ids or ()))
     per_tok = _TOKENIZERS.setdefault(tokenizer, {})
     if key not in per_tok:
+        eos = list(eos_token_ids) if eos_token_ids else None
         try:
-            per_tok[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                        eos_token=list(eos_token_ids) if eos_token_ids else None)
+            if isinstance(tokenizer, FastTokenizer):    # its backend has no padding or truncation (open_fast)
+                per_tok[key] = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
+                                                      eos_token=eos if eos is not None else tokenizer.eos_token_id)
+            else:
+                import llguidance.hf
+                per_tok[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
         except (ValueError, TypeError) as e:
             raise SpeculantError(f"tokenizer {type(tokenizer).__name__} is unsupported for structured output "
                                  f"({str(e).splitlines()[0]}); allowed: a fast (tokenizers-backed) tokenizer") from None

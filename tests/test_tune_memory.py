@@ -1,0 +1,36 @@
+"""The tuner packs a sample of the LM head, not the whole head, in every format (speculant.runtime.tune.head_sample):
+a large vocabulary's head in every format at once was most of a first load's peak memory."""
+
+import torch
+
+from helpers import tiny_model
+from speculant.models.linear import DecodeLinear
+from speculant.runtime import tune
+
+
+def test_head_sample_is_a_view_of_the_first_rows_with_its_scale():
+    head = DecodeLinear(64, 1000, bias=False)
+    sample, scale = tune.head_sample(head, max_bytes=64 * 4 * 250)
+    assert sample.out_features == 250 and sample.in_features == 64 and scale == 1000 / 250
+    assert sample.weight.data_ptr() == head.weight.data_ptr()            # a view: no copy
+    x = torch.randn(3, 64)
+    assert torch.equal(sample(x), head(x)[:, :250])
+    whole, one = tune.head_sample(head, max_bytes=64 * 4 * 1000)
+    assert whole is head and one == 1.0
+
+
+def test_measure_times_the_head_sample_and_scales_it(monkeypatch):
+    model = tiny_model(seed=1)
+    decoder = model.decoder
+    head = decoder.lm_head_proj
+    seen = []
+    real = tune.head_sample
+    monkeypatch.setattr(tune, "head_sample", lambda h: seen.append(real(h, max_bytes=4 * h.in_features * 16)) or seen[-1])
+    calls = []
+    time_pass = tune._time_pass
+    monkeypatch.setattr(tune, "_time_pass", lambda *a, **k: calls.append(a[4:] + tuple(k.values())) or time_pass(*a, **k))
+    result = tune.measure(decoder, 1, repeats=1, log=open("/dev/null", "w"))
+    sample, scale = seen[0]
+    assert sample.out_features == 16 and scale == head.out_features / 16
+    assert calls and all(c[-1] == scale for c in calls)                  # every timed pass scales the head's part
+    assert decoder.lm_head_proj is head and result.weights in tune.FORMATS
