@@ -8,7 +8,7 @@ rows, one row; then the greedy draft distribution, the softmax over the draft vo
 and its argmax), median of ``--repeats``.  ``--interleave``: a target step before each head step, so the head's
 weights are read from memory as in decoding (the target's stream flushes the caches) rather than from cache.
 
-    python benchmarks/draft_head_cost.py [--head default] [--context 300] [--repeats 200]
+    python benchmarks/draft_head_cost.py [--head default] [--context 300] [--repeats 200] [--interleave] [--threads N]
 """
 from __future__ import annotations
 
@@ -38,8 +38,11 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--interleave", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="threads (0: the tuned count)")
     args = ap.parse_args()
     model = load_model(args.model)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dec, n, d = model.executor, args.context, model.config.hidden_size      # the runtime's route
     cache = dec.new_cache(n + 8)
     dec.run_layers(torch.randn(1, n, d), 0, dec.num_layers, torch.arange(n), None, cache, 0)

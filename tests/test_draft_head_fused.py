@@ -148,3 +148,4 @@ def test_greedy_with_the_fused_head_matches_ar_and_the_torch_head(model, spec, t
     for (tok1, tree1, l1), (tok2, tree2, l2) in zip(*runs):
         assert (tok1, tree1) == (tok2, tree2)
         torch.testing.assert_close(l1, l2, **TOL)
+
