@@ -4,6 +4,8 @@ to from scratch; greedy decoding with the fused head token-identical to ``ar``; 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from helpers import on_fused_step, tiny_model
@@ -108,6 +110,8 @@ def test_fallback_and_errors(model):
     head.use_fused = False
     assert head.fused(torch.float32) is None
     head.use_fused = True
+    copied = copy.deepcopy(head)                 # the copy builds its own (the pointers are this head's)
+    assert copied.fused(torch.float32) not in (None, fused)
     cache = head.new_cache(4)
     x = torch.zeros(1, D)
     with pytest.raises(IndexError, match="tokens"):

@@ -175,12 +175,18 @@ class DraftHead(nn.Module):
         projections are replaced."""
         if not self.use_fused:
             return None
-        key = (cache_dtype, id(self.fc), id(self.layer.self_attn.qkv_proj), id(self._lm_head_rows[0]))
+        key = (cache_dtype, id(self.fc), id(self.layer.self_attn.qkv_proj), id(self._lm_head_rows[0]),
+               id(self.embed_weight))
         if self._fused is None or self._fused[0] != key:
             buffers = fused_head_buffers(self)
             ok = not isinstance(buffers, str) and fused_head_why_not(self, cache_dtype) is None
             self._fused = (key, FusedDraftHead(buffers, cache_dtype, getattr(self.fc, "prefetch", 0)) if ok else None)
         return self._fused[1]
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_fused"] = None          # pointers into this process's tensors: rebuilt on first use
+        return state
 
     def step(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              attention_mask: torch.Tensor | None, cache: KVCache, cache_position: int,
