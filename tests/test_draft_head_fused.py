@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import on_fused_step, tiny_model
 
-from speculant import GenerationConfig, build_generator
+from speculant import GenerationConfig, SamplingConfig, build_generator
 from speculant.drafters.draft_head import DraftHead, fused_head_why_not, new_head, save_head
 from speculant.kernels import build
 from speculant.kernels.draft_head_step import FusedDraftHead
@@ -124,13 +124,17 @@ def test_fallback_and_errors(model):
 
 @pytest.mark.parametrize("spec", [dict(method="eagle", num_speculations=4), dict(method="rsd-c", branching="3,2,1"),
                                   dict(method="specinfer", branching="2,2")], ids=["eagle", "rsd-c", "specinfer"])
-def test_greedy_with_the_fused_head_matches_ar_and_the_torch_head(model, spec, tmp_path, monkeypatch):
-    """Greedy decoding with a w8a8 head on the fused route: token-identical to ``ar``; each draft's logits equal the
-    torch head's within rounding (the same trees drafted)."""
+@pytest.mark.parametrize("controls", [False, True], ids=["plain", "penalties"])
+def test_greedy_with_the_fused_head_matches_ar_and_the_torch_head(model, spec, controls, tmp_path, monkeypatch):
+    """Greedy decoding with a w8a8 head on the fused route, with and without per-position controls (penalties and
+    logit bias: the full-vocabulary route of the draft distribution): token-identical to ``ar``; each draft's logits
+    equal the torch head's within rounding (the same trees drafted)."""
     import speculant.drafters.draft_head as draft_head
     monkeypatch.setattr(draft_head, "head_weight_format", lambda m, head: "w8a8")
     save_head(packed_head(model, "pre-norm", fmt="fp32", seed=4), tmp_path / "h")
-    prompt, cfg = [3, 17, 42, 8, 25, 60, 1, 33, 12], GenerationConfig(max_new_tokens=30)
+    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.3, logit_bias={4: 1.5, 7: -3.0}) if controls \
+        else SamplingConfig()
+    prompt, cfg = [3, 17, 42, 8, 25, 60, 1, 33, 12], GenerationConfig(max_new_tokens=30, sampling=sampling)
     ar = build_generator(model, method="ar").generate(prompt, cfg).token_ids
     runs = []
     for use_fused in (True, False):
