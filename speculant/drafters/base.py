@@ -327,6 +327,14 @@ class ModelDrafterBase(Drafter[MS]):
         """Draft logits ``[F, V]`` for block entries ``first_entry .. N`` (the frontier, all of depth ``depth``)."""
         raise NotImplementedError
 
+    def frontier_distribution(self, state: DecodingState[MS], tree: DraftTree, first_entry: int, depth: int,
+                              paths: list[tuple[int, ...]] | None) -> torch.Tensor:
+        """Draft probabilities ``[F, V]`` of the frontier: :func:`draft_distribution` of :meth:`frontier_logits`
+        (``paths``: the frontier's drafted tokens where controls are active, else ``None``).  A drafter with a
+        cheaper route to the same distribution overrides it."""
+        logits = self.frontier_logits(state, tree, first_entry, depth)
+        return draft_distribution(logits, state.sampling, state.controls, paths)
+
     def draft(self, state, builder, generator, max_nodes, max_depth):
         """Depth by depth: one :meth:`frontier_logits` call per depth, the builder picks the children.  With a
         ``state.draft_stop`` rule (a cost-aware policy), a depth whose best path confidence (the product of the
@@ -341,12 +349,11 @@ class ModelDrafterBase(Drafter[MS]):
         frontier, confidence = [-1], {-1: 1.0}
         for depth in range(1, max_depth + 1):
             first_entry = frontier[0] + 1
-            logits = self.frontier_logits(state, tree, first_entry, depth - 1)
-            state.draft_forwards += 1
-            ds.processed = len(tree) + 1
             controlled = state.controls is not None and state.controls.active
             paths = frontier_paths(tree, frontier) if controlled else None
-            q = draft_distribution(logits, state.sampling, state.controls, paths)
+            q = self.frontier_distribution(state, tree, first_entry, depth - 1, paths)
+            state.draft_forwards += 1
+            ds.processed = len(tree) + 1
             if not state.sampling.greedy:
                 for node, row in zip(frontier, q):
                     tree.set_draft_probs(node, row)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import SpeculantError
+from ..kernels.draft_head_step import FusedDraftHead
 from ..models.config import ModelConfig
 from ..models.kv_cache import KVCache
 from ..models.linear import DecodeLinear
@@ -101,6 +102,8 @@ class DraftHead(nn.Module):
         self._lm_head_rows = (lm_head_rows,)
         self.register_buffer("vocab_ids", None if vocab_ids is None else vocab_ids.long().clone(), persistent=False)
         self.weight_format = "fp32"                         # of fc and the layer's projections (:meth:`pack`)
+        self.use_fused = True           # :meth:`step` through the fused C forward where it applies (:meth:`fused`)
+        self._fused = None              # (key it was built for, FusedDraftHead or None)
         self.out_norm = None
         if config["feature"] == "pre-norm":
             self.out_norm = RMSNorm(d, cfg.rms_norm_eps).requires_grad_(False)
@@ -164,6 +167,44 @@ class DraftHead(nn.Module):
         q, k, v = attention_inputs(self.layer, x, cos, sin)
         return layer_output(self.layer, x, attend(q, k, v, mask, is_causal, cache, 0, cache_position))
 
+    def fused(self, cache_dtype: torch.dtype) -> FusedDraftHead | None:
+        """The head's forward as one C call over a ``cache_dtype`` KV cache
+        (:class:`~speculant.kernels.draft_head_step.FusedDraftHead`), or ``None`` where it does not apply:
+        :attr:`use_fused` False, projections or LM-head rows not w4a8/w8a8, a non-float32 head, or kernels that
+        do not build (:func:`fused_head_why_not` says why).  Built at the first call and again when the
+        projections are replaced."""
+        if not self.use_fused:
+            return None
+        key = (cache_dtype, id(self.fc), id(self.layer.self_attn.qkv_proj), id(self._lm_head_rows[0]),
+               id(self.embed_weight))
+        if self._fused is None or self._fused[0] != key:
+            buffers = fused_head_buffers(self)
+            ok = not isinstance(buffers, str) and fused_head_why_not(self, cache_dtype) is None
+            self._fused = (key, FusedDraftHead(buffers, cache_dtype, getattr(self.fc, "prefetch", 0)) if ok else None)
+        return self._fused[1]
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_fused"] = None          # pointers into this process's tensors: rebuilt on first use
+        return state
+
+    def step(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+             attention_mask: torch.Tensor | None, cache: KVCache, cache_position: int,
+             logit_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` and :meth:`logits` of one sequence's rows, in one C call where :meth:`fused` applies
+        (else the torch modules): ``features`` ``[T, D]``, ``tokens`` ``[T]``, ``positions`` ``[T]``,
+        ``attention_mask`` bool ``[T, cache_position + T]`` or ``None`` (causal).
+
+        Returns:
+            ``(predicted features [T, D], fp32 draft-vocabulary logits [L, V'] of the last L = logit_rows rows)``
+            (``None``: all ``T``).
+        """
+        fused = self.fused(cache.dtype)
+        if fused is not None:
+            out, logits = fused.forward(features, tokens, positions, cache, cache_position, attention_mask, logit_rows)
+            return out.to(features.dtype), logits
+        return torch_step(self, features, tokens, positions, attention_mask, cache, cache_position, logit_rows)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Predicted features ``[..., D]`` -> fp32 logits ``[..., V']`` over the draft vocabulary."""
         if self.out_norm is not None:
@@ -193,6 +234,50 @@ class DraftHead(nn.Module):
         """Bytes of weights one head forward reads (fc, layer, LM-head rows; the embedding row is ignored)."""
         from ..runtime.formats import weight_bytes
         return weight_bytes(self) + weight_bytes(self._lm_head_rows[0])
+
+
+def torch_step(head: nn.Module, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+               attention_mask: torch.Tensor | None, cache: KVCache, cache_position: int,
+               logit_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`DraftHead.step` through the torch modules of ``head`` (its ``forward`` and ``logits``; an EAGLE-3
+    head's too): ``(predicted features [T, D], fp32 draft-vocabulary logits [L, V'] of the last L rows)``."""
+    out = head(features[None], tokens[None], positions, attention_mask, cache, cache_position)[0]
+    return out, head.logits(out[out.shape[0] - (out.shape[0] if logit_rows is None else logit_rows):])
+
+
+def fused_head_buffers(head: DraftHead):
+    """``head``'s buffers for :class:`~speculant.kernels.draft_head_step.FusedDraftHead`, or why not (a float32
+    projection or LM-head rows: only w4a8/w8a8 run there)."""
+    from ..kernels.decode_step import LayerBuffers, ModelBuffers
+    from ..kernels.draft_head_step import DraftHeadBuffers
+    from ..runtime.executor import _projection_buffers
+    layer = head.layer
+    modules = (head.fc, layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+               layer.mlp.down_proj, head._lm_head_rows[0])
+    projections = [_projection_buffers(m) for m in modules]
+    if any(p is None for p in projections):
+        return f"draft head has a projection that is not w4a8/w8a8 (weights {head.weight_format})"
+    if head.dtype != torch.float32:
+        return f"draft head in {head.dtype}; allowed: float32"
+    c = head.config
+    post = layer.post_attention_layernorm.weight.detach().float().contiguous()
+    model = ModelBuffers(c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
+                         c["intermediate_size"], float(c["rms_norm_eps"]),
+                         [LayerBuffers(None, post, *projections[1:5])], head.rope_cos.float().contiguous(),
+                         head.rope_sin.float().contiguous(), post, float(c["rms_norm_eps"]))
+    out_norm = None if head.out_norm is None else head.out_norm.weight.detach().float().contiguous()
+    return DraftHeadBuffers(model, projections[0], projections[5], head.embed_weight.contiguous(), out_norm,
+                            float(head.out_norm.eps) if head.out_norm is not None else 1e-6)
+
+
+def fused_head_why_not(head: DraftHead, cache_dtype: torch.dtype) -> str | None:
+    """Why ``head`` cannot run as one C call over a ``cache_dtype`` KV cache, or ``None``."""
+    from ..kernels import build
+    from ..kernels.draft_head_step import why_not_head
+    if not build.available():
+        return f"the kernels {build.unavailable_reason()}"
+    buffers = fused_head_buffers(head)
+    return buffers if isinstance(buffers, str) else why_not_head(buffers, cache_dtype)
 
 
 def _lm_head_rows(decoder, vocab_ids: torch.Tensor | None) -> nn.Module:

@@ -88,6 +88,24 @@ class DraftHeadDrafter(ModelDrafterBase[HeadState]):
 
     # ---------------------------------------------------------------- drafting
     def frontier_logits(self, state: DecodingState, tree, first_entry: int, depth: int) -> torch.Tensor:
+        logits = self.draft_vocab_logits(state, tree, first_entry, depth)
+        return full_vocab_logits(logits, self.head.vocab_ids, state.target.config.vocab_size)
+
+    def frontier_distribution(self, state: DecodingState, tree, first_entry: int, depth: int, paths) -> torch.Tensor:
+        """Under greedy decoding without controls, the softmax over the draft vocabulary's ``V'`` logits placed in a
+        zero ``[F, V]``: the softmax of the ``-inf``-filled full row without a pass over ``V`` entries (else the
+        base class's route)."""
+        vocab_ids = self.head.vocab_ids
+        if vocab_ids is None or not state.sampling.greedy or paths is not None:
+            return super().frontier_distribution(state, tree, first_entry, depth, paths)
+        logits = self.draft_vocab_logits(state, tree, first_entry, depth)
+        q = logits.new_zeros(logits.shape[0], state.target.config.vocab_size)
+        return q.index_copy_(1, vocab_ids, torch.softmax(logits, -1))
+
+    def draft_vocab_logits(self, state: DecodingState, tree, first_entry: int, depth: int) -> torch.Tensor:
+        """The head's fp32 logits ``[F, V']`` over its draft vocabulary (``vocab_ids``) for block entries
+        ``first_entry .. N`` (the frontier, depth ``depth``): the catch-up of committed entries first when
+        ``first_entry == 0``, then one head call over the frontier (:meth:`DraftHead.step`)."""
         st, head = state.drafter_state, self.head
         n = state.n
         if first_entry == 0:
@@ -95,21 +113,21 @@ class DraftHeadDrafter(ModelDrafterBase[HeadState]):
                 raise SpeculantError("the eagle drafter needs its own prefill (Drafter.prefill) before drafting")
             # catch up: entries m .. n-1 read the target features of positions m .. n-1 (the last: the root's parent)
             m = st.cache.length
-            feats = st.pending[None].to(head.dtype)
-            toks = torch.tensor([state.tokens[m + 1:n + 1]], dtype=torch.long)
-            out = head(feats, toks, torch.arange(m, n), None, st.cache, m)[0, -1:]
+            toks = torch.tensor(state.tokens[m + 1:n + 1], dtype=torch.long)
+            out, logits = head.step(st.pending.to(head.dtype), toks, torch.arange(m, n), None, st.cache, m, 1)
             st.cache.crop(n)
             st.pending = st.pending[:0]
-            st.predicted = [out]
+            st.predicted = [out[-1:]]
         else:
             nodes = range(first_entry - 1, len(tree))
-            feats = torch.cat([st.predicted[tree.parents[k] + 1] for k in nodes])[None]
-            toks = torch.tensor([[tree.tokens[k] for k in nodes]], dtype=torch.long)
+            parents = tree.parents
+            feats = torch.cat([st.predicted[parents[k] + 1] for k in nodes])
+            toks = torch.tensor(tree.tokens[first_entry - 1:], dtype=torch.long)
             positions = torch.full((len(nodes),), n + depth - 1, dtype=torch.long)
             mask = None
             if not tree.is_chain:
                 anc = tree.ancestor_mask()[first_entry:, 1:]            # frontier rows x drafted nodes
                 mask = torch.cat([torch.ones(len(nodes), n, dtype=torch.bool), anc], dim=1)
-            out = head(feats, toks, positions, mask, st.cache, n + first_entry - 1)[0]
+            out, logits = head.step(feats, toks, positions, mask, st.cache, n + first_entry - 1)
             st.predicted.extend(out[i:i + 1] for i in range(len(nodes)))
-        return full_vocab_logits(head.logits(out), head.vocab_ids, state.target.config.vocab_size)
+        return logits

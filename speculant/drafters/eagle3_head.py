@@ -217,6 +217,15 @@ class Eagle3Head(nn.Module):
         """Pre-norm outputs ``[..., D]`` -> fp32 logits ``[..., V']`` over the draft vocabulary."""
         return self.lm_head(self.norm(hidden)).float()
 
+    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+             attention_mask: torch.Tensor | None, cache: KVCache, cache_position: int,
+             logit_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` and :meth:`logits` of one sequence's rows (``hidden`` ``[T, 3D]`` or ``[T, D]``, ``tokens``
+        ``[T]``; the drafter's interface, :meth:`speculant.drafters.draft_head.DraftHead.step`), through the torch
+        modules: ``(pre-norm outputs [T, D], fp32 draft-vocabulary logits [L, V'] of the last L = logit_rows rows)``."""
+        from .draft_head import torch_step
+        return torch_step(self, hidden, tokens, positions, attention_mask, cache, cache_position, logit_rows)
+
     def new_cache(self, max_length: int) -> KVCache:
         """A KV cache of ``max_length`` slots for the head's one layer."""
         attn = self.layer.self_attn

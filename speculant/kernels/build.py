@@ -333,6 +333,9 @@ def load_variant(isa: str, cc: str | None = None) -> ctypes.CDLL:
     lib.spec_run_layers.restype = ctypes.c_int
     lib.spec_decode_layers.argtypes = [p, i, i, i, i, i, p, p, i, i, p, p, p, p, p, i, p, p, p]
     lib.spec_decode_layers.restype = ctypes.c_int
+    lib.spec_draft_head.argtypes = [p, p, p, p, ctypes.c_float, i, p, p, i, p, i, i, p, p, i, i, p, p, p, i, p, i, p,
+                                    p]
+    lib.spec_draft_head.restype = ctypes.c_int
     lib.spec_rms_norm.argtypes = [p, p, i, i, ctypes.c_float, p]
     lib.spec_rms_norm.restype = None
     return lib

@@ -48,7 +48,7 @@ typedef struct spec_projection {
 } spec_projection;
 
 typedef struct {
-    const float *input_norm, *post_norm;   /* RMSNorm weights [D] */
+    const float *input_norm, *post_norm;   /* RMSNorm weights [D]; input_norm NULL: none (an EAGLE head's layer) */
     spec_projection qkv, o, gate_up, down;
     const float *q_norm, *k_norm;          /* per-head RMSNorm weights [head_dim] of q and k (Qwen3), or NULL */
     const float *attn_out_norm, *mlp_out_norm;  /* Gemma 3's norms [D] of the attention's and MLP's outputs before
@@ -229,7 +229,8 @@ int spec_run_layers(const spec_model *m, int64_t first, int64_t last, int64_t ns
     float *k = kv, *v = kv + R * HKV * Dh, *xs = xd ? xd + R * (widest_in / 32) : 0;
     for (int64_t l = first; l < last && status == 0; l++) {
         const spec_layer *L = m->layers + l;
-        rms_norm(x, L->input_norm, R, D, m->eps, h);
+        if (L->input_norm) rms_norm(x, L->input_norm, R, D, m->eps, h);
+        else memcpy(h, x, sizeof(float) * (size_t)(R * D));     /* no input norm: an EAGLE head's layer */
         if (project(&L->qkv, h, R, xq, xd, xs, wide, m->weight_prefetch)) { status = -1; break; }
         split_heads(m, L, wide, R, L->local ? cos_local : cos, L->local ? sin_local : sin, q, k, v);
         status = spec_attention_ragged(nseq, rows, start, smax, kc, vc, lstride, l, L->local ? local_mask : mask,
@@ -309,5 +310,52 @@ int spec_decode_layers(const spec_model *m, int64_t first, int64_t last, int64_t
     free(cs);
     free(causal);
     free(windowed);
+    return status;
+}
+
+/* The EAGLE draft head's forward (Li et al. 2024, Sec. 3; drafters/draft_head.py) for R rows in one call: row r reads
+ * the embedding row tokens[r] of embed [V, D] and its feature features [R, D] (float32), and
+ *   x = [embed[tokens[r]]; features[r]] Wfc^T + bfc;  f^ = layer 0 of m over x (spec_decode_layers: its input norm
+ *   NULL, KV to slots start .. start + R - 1, mask [R, start + R] or causal, RoPE rows positions[r]);
+ *   logits = (out_norm ? rms_norm(f^) * out_norm : f^) Wlm^T  (the draft vocabulary's LM-head rows)
+ * into features_out [R, D] (f^) and logits [L, lm->out_features] of the last L = lm_rows rows (0 <= L <= R; a
+ * catch-up over many rows needs the last one's only).  Every operation is per row, as in the layers.
+ * Returns spec_decode_layers' status (0; -1 no workspace; -2 position outside the tables; -3 bad kv_bytes), or -5
+ * for a token outside 0 .. vocab-1 or lm_rows outside 0 .. R (nothing written then). */
+int spec_draft_head(const spec_model *m, const spec_projection *fc, const spec_projection *lm, const float *out_norm,
+                    float out_eps, int64_t R, const int64_t *tokens, const float *embed, int64_t vocab,
+                    const float *features, int64_t start, int64_t smax, void *kc, void *vc, int64_t lstride,
+                    int64_t kv_bytes, const uint8_t *mask, const float *rope_cos, const float *rope_sin,
+                    int64_t rope_len, const int64_t *positions, int64_t lm_rows, float *features_out,
+                    float *logits) {
+    const int64_t D = m->hidden, K = 2 * D;
+    if (R == 0) return 0;
+    if (lm_rows < 0 || lm_rows > R) return -5;
+    for (int64_t r = 0; r < R; r++)
+        if (tokens[r] < 0 || tokens[r] >= vocab) return -5;
+    float *xin = malloc(sizeof(float) * (size_t)(R * K));
+    float *x = malloc(sizeof(float) * (size_t)(R * D));
+    int8_t *xq = malloc((size_t)(R * K));
+    float *xd = malloc(sizeof(float) * (size_t)(2 * R * (K / 32)));
+    int status = (xin && x && xq && xd) ? 0 : -1;
+    if (status == 0) {
+        for (int64_t r = 0; r < R; r++) {
+            memcpy(xin + r * K, embed + tokens[r] * D, sizeof(float) * (size_t)D);
+            memcpy(xin + r * K + D, features + r * D, sizeof(float) * (size_t)D);
+        }
+        status = project(fc, xin, R, xq, xd, xd + R * (K / 32), x, m->weight_prefetch);
+    }
+    if (status == 0)
+        status = spec_decode_layers(m, 0, 1, R, start, smax, kc, vc, lstride, kv_bytes, mask, x, features_out,
+                                    rope_cos, rope_sin, rope_len, positions, 0, 0);
+    if (status == 0) {
+        const float *h = features_out + (R - lm_rows) * D;
+        if (out_norm && lm_rows) {
+            rms_norm(h, out_norm, lm_rows, D, out_eps, x);
+            h = x;
+        }
+        if (lm_rows) status = project(lm, h, lm_rows, xq, xd, xd + lm_rows * (K / 32), logits, m->weight_prefetch);
+    }
+    free(xin); free(x); free(xq); free(xd);
     return status;
 }

@@ -100,14 +100,14 @@ class ProjectionBuffers:
 
 @dataclass(frozen=True)
 class LayerBuffers:
-    """One decoder layer's buffers: the two RMSNorm scales ``[D]`` float32 (``input_norm`` before attention,
-    ``post_norm`` before the MLP), the four projections, the per-head q/k RMSNorm scales ``[Dh]`` float32 of a model
+    """One decoder layer's buffers: the two RMSNorm scales ``[D]`` float32 (``input_norm`` before attention, ``None``
+    for a layer without it: an EAGLE draft head's, :class:`FusedDraftHead`; ``post_norm`` before the MLP), the four projections, the per-head q/k RMSNorm scales ``[Dh]`` float32 of a model
     that has them (Qwen3, Gemma 3; applied after the q/k/v projection, before RoPE) or ``None``, Gemma 3's sandwich
     norms' scales ``[D]`` float32 (``attn_out_norm`` on the attention's output projection, ``mlp_out_norm`` on the
     MLP's output, each before its residual add) or ``None``, and ``local``: a sliding-window layer (its own RoPE
     tables and windowed masks).  Every scale is the one multiplied in (Gemma's ``1 + weight``, not its weight)."""
 
-    input_norm: torch.Tensor
+    input_norm: torch.Tensor | None
     post_norm: torch.Tensor
     qkv: ProjectionBuffers
     o: ProjectionBuffers
@@ -217,7 +217,8 @@ class FusedLayers:
         layers = (_Layer * len(model.layers))()
         self._keep: list = []           # the stacks' arrays of parts, which the layers point into
         for i, layer in enumerate(model.layers):
-            layers[i] = _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
+            layers[i] = _Layer(0 if layer.input_norm is None else layer.input_norm.data_ptr(),
+                               layer.post_norm.data_ptr(),
                                *(p.struct(self._keep) for p in (layer.qkv, layer.o, layer.gate_up, layer.down)),
                                *(0 if w is None else w.data_ptr() for w in (layer.q_norm, layer.k_norm,
                                                                             layer.attn_out_norm, layer.mlp_out_norm)),
