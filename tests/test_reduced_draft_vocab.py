@@ -90,7 +90,7 @@ def test_draft_rows_on_the_wrong_tokens_fail(model, law, monkeypatch):
 @pytest.mark.parametrize("name", list(SPECS))
 def test_greedy_reduced_vocabulary_equals_ar(model, name):
     cfg = GenerationConfig(max_new_tokens=24)
-    prompt = [1, 2, 3, 4, 0, 2]
+    prompt = [1, 2, 3, 0, 0, 2]
     want = build_generator(model, method="ar").generate(prompt, cfg).token_ids
     gen = generator(model, **SPECS[name])
     res = gen.generate(prompt, cfg)

@@ -379,16 +379,13 @@ class ModelDrafterBase(Drafter[MS]):
                 if state.draft_stop(depth, depth_confidence(confidence, frontier, q, kids)):
                     break
                 paths = [[confidence[node] * float(row[t]) for t in toks] for node, row, toks in zip(frontier, q, kids)]
-            new, full = [], False
-            for i, (node, toks) in enumerate(zip(frontier, vocabulary_tokens(kids, ids))):
-                for j, tok in enumerate(toks):
-                    if len(tree) >= max_nodes:
-                        full = True
-                        break
-                    new.append(tree.add(node, tok))
-                    if state.draft_stop is not None:
-                        confidence[new[-1]] = paths[i][j]
-            if not new or full:
+            parents = [node for node, toks in zip(frontier, kids) for _ in toks]
+            room = max_nodes - len(tree)
+            tokens = [t for toks in vocabulary_tokens(kids, ids) for t in toks][:room]
+            new = tree.add_children(parents[:room], tokens)
+            if state.draft_stop is not None:
+                confidence.update(zip(new, [c for row in paths for c in row]))
+            if not new or len(parents) > room:
                 break
             frontier = new
         return tree
