@@ -378,13 +378,14 @@ class ModelDrafterBase(Drafter[MS]):
             if state.draft_stop is not None:
                 if state.draft_stop(depth, depth_confidence(confidence, frontier, q, kids)):
                     break
-                paths = [[confidence[node] * float(row[t]) for t in toks] for node, row, toks in zip(frontier, q, kids)]
-            parents = [node for node, toks in zip(frontier, kids) for _ in toks]
+            rows = [f for f, toks in enumerate(kids) for _ in toks]
+            parents = [frontier[f] for f in rows]
             room = max_nodes - len(tree)
             tokens = [t for toks in vocabulary_tokens(kids, ids) for t in toks][:room]
             new = tree.add_children(parents[:room], tokens)
-            if state.draft_stop is not None:
-                confidence.update(zip(new, [c for row in paths for c in row]))
+            if state.draft_stop is not None and new:            # a path's confidence: its parent's times q(child)
+                cols = [t for toks in kids for t in toks][:room]
+                confidence.update(zip(new, (confidence[p] * c for p, c in zip(parents, q[rows[:room], cols].tolist()))))
             if not new or len(parents) > room:
                 break
             frontier = new

@@ -20,7 +20,7 @@ class DraftTree:
     """A growing tree of drafted tokens.
 
     The ancestor mask, the depths (RoPE positions), the children table and whether the tree is a chain are
-    kept up to date by :meth:`add` (one row each per node, in buffers that double when full), so the
+    kept up to date by :meth:`add` and :meth:`add_children` (one row each per node, in buffers that double when full), so the
     drafters' per-depth masks and the verification's tables are slices, not rebuilt from the parents.
 
     Attributes:
