@@ -16,7 +16,7 @@ from speculant.drafters.base import full_vocab_logits
 from speculant.drafters.early_exit import EarlyExitDrafter
 from speculant.trees.tree import DraftTree
 
-RUNS = 2_000
+RUNS = 1_500
 PROMPT = [1, 2, 3, 1, 2]
 SAMPLING = dict(temperature=1.3, top_k=3)
 VOCAB = 4
