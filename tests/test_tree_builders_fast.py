@@ -9,11 +9,9 @@ DraftTree's incrementally grown masks equal the ones rebuilt from the parents.
 
 import itertools
 
-import pytest
 import torch
 from stats_helpers import chi_square
 
-from speculant.errors import SpeculantError
 from speculant.sampling import gumbel
 from speculant.trees import StochasticBeamBuilder
 from speculant.trees.tree import DraftTree
@@ -144,20 +142,3 @@ def test_incremental_masks_equal_the_rebuilt_ones():
     for entry, kids in enumerate(tree.children):
         assert table[entry][:len(kids)].tolist() == kids and (table[entry][len(kids):] == -1).all()
 
-
-def test_add_children_equals_adding_one_by_one():
-    g = torch.Generator().manual_seed(3)
-    one, many = DraftTree(capacity=2), DraftTree(capacity=2)
-    frontier = [-1]
-    for depth in range(4):
-        parents = [p for p in frontier for _ in range(int(torch.randint(0, 3, (1,), generator=g)))]
-        tokens = torch.randint(0, 100, (len(parents),), generator=g).tolist()
-        want = [one.add(p, t) for p, t in zip(parents, tokens)]
-        assert many.add_children(parents, tokens) == want
-        frontier = want or frontier
-    assert (many.tokens, many.parents, many.depths, many.children) == (one.tokens, one.parents, one.depths, one.children)
-    assert torch.equal(many.ancestor_mask(), one.ancestor_mask()) and many.is_chain == one.is_chain
-    assert torch.equal(many.children_table(), one.children_table())
-    assert torch.equal(many.block_positions(5), one.block_positions(5))
-    with pytest.raises(SpeculantError, match="parents"):
-        many.add_children([len(many)], [1])

@@ -382,7 +382,7 @@ class ModelDrafterBase(Drafter[MS]):
             parents = [frontier[f] for f in rows]
             room = max_nodes - len(tree)
             tokens = [t for toks in vocabulary_tokens(kids, ids) for t in toks][:room]
-            new = tree.add_children(parents[:room], tokens)
+            new = [tree.add(p, t) for p, t in zip(parents, tokens)]     # per node: cheaper than batched writes here
             if state.draft_stop is not None and new:            # a path's confidence: its parent's times q(child)
                 cols = [t for toks in kids for t in toks][:room]
                 confidence.update(zip(new, (confidence[p] * c for p, c in zip(parents, q[rows[:room], cols].tolist()))))

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import SpeculantError
-
 
 class DraftTree:
     """A growing tree of drafted tokens.
 
     The ancestor mask, the depths (RoPE positions), the children table and whether the tree is a chain are
-    kept up to date by :meth:`add` and :meth:`add_children` (one row each per node, in buffers that double when full), so the
+    kept up to date by :meth:`add` (one row each per node, in buffers that double when full), so the
     drafters' per-depth masks and the verification's tables are slices, not rebuilt from the parents.
 
     Attributes:
@@ -92,41 +90,6 @@ class DraftTree:
         self._anc[row, row] = True
         self._depth[row] = depth
         return idx
-
-    def add_children(self, parents: list[int], tokens: list[int]) -> list[int]:
-        """Append nodes ``tokens[i]`` as children of ``parents[i]`` (-1 = root), as :meth:`add` one by one would (each
-        parent's new children after its earlier ones, in the order given), with the tensors written in a few
-        calls for all of them; returns the new node indices.
-
-        Raises:
-            SpeculantError: a parent that is not an existing node (or -1), or lists of different lengths.
-        """
-        first, count = len(self.tokens), len(tokens)
-        if len(parents) != count or any(not -1 <= p < first for p in parents):
-            raise SpeculantError(f"parents={parents} for {count} tokens; allowed: one existing node (-1..{first - 1}) "
-                                 "per token")
-        if count == 0:
-            return []
-        new = list(range(first, first + count))
-        slots = []
-        for idx, parent in zip(new, parents):
-            siblings = self.children[parent + 1]
-            slots.append(len(siblings))
-            siblings.append(idx)
-            self.children.append([])
-            self._chain = self._chain and parent == idx - 1
-            self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
-        self.tokens.extend(int(t) for t in tokens)
-        self.parents.extend(parents)
-        self._width = max(self._width, max(slots) + 1)
-        self._grow(first + count + 1, self._width)
-        rows = torch.arange(first + 1, first + count + 1)
-        entries = torch.tensor(parents) + 1
-        self._anc[rows] = self._anc[entries]
-        self._anc[rows, rows] = True
-        self._depth[rows] = torch.tensor(self.depths[first:])
-        self._kids[entries, torch.tensor(slots)] = rows - 1
-        return new
 
     def set_draft_probs(self, node: int, q: torch.Tensor, vocab_ids: torch.Tensor | None = None,
                         vocab_size: int | None = None) -> None:

@@ -68,32 +68,6 @@ def remove_token(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 RowSource = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
 
 
-def scaled_residual(r: torch.Tensor, s: torch.Tensor, q: torch.Tensor, z: torch.Tensor,
-                    rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`residual` on unnormalised rows, for the rows ``rejected`` ``[B]`` (bool; the others unchanged).
-
-    The target is ``r / s`` and the proposal ``q / z`` (``r``, ``q`` ``[B, V]`` float32; ``s``, ``z`` ``[B]``
-    float64; ``z = 0``: an empty proposal).  ``norm(max(0, r / s - q / z)) = r' / s'`` with
-    ``r' = max(0, r - (s / z) q)`` and ``s' = sum(r')``: two elementwise passes and one sum, no division over the
-    vocabulary.  A row whose residual has no mass keeps ``r`` (as :func:`residual`).  Returns ``(r', s')``.
-    """
-    c = torch.where(rejected & (z > 0), s / z.clamp_min(1e-300), 0.0).float()
-    new = torch.addcmul(r, c[:, None], q, value=-1.0).clamp_min_(0.0)
-    total = new.sum(-1, dtype=torch.float64)
-    keep = rejected & (total > 0)
-    return torch.where(keep[:, None], new, r), torch.where(keep, total, s)
-
-
-def scaled_remove_token(q: torch.Tensor, z: torch.Tensor, x: torch.Tensor,
-                        rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`remove_token` on an unnormalised proposal ``q / z`` (``q`` ``[B, V]``, ``z`` ``[B]`` float64): token
-    ``x`` ``[B]`` gets 0 in the rows ``rejected`` and its mass leaves ``z``; no pass over the vocabulary but the
-    copy of ``q`` (never written in place: it may be the tree's own row).  Returns ``(q', z')``."""
-    qx = q.gather(1, x[:, None])
-    q = q.scatter(1, x[:, None], torch.where(rejected[:, None], 0.0, qx))
-    return q, torch.where(rejected, (z - qx[:, 0].double()).clamp_min(0.0), z)
-
-
 def recursive_rejection_sampling_batch(tokens: torch.Tensor, children: torch.Tensor, q: RowSource,
                                        p: RowSource, generator: torch.Generator | None = None,
                                        without_replacement: bool = True):
@@ -108,8 +82,6 @@ def recursive_rejection_sampling_batch(tokens: torch.Tensor, children: torch.Ten
     residual; after an accepted leaf, a bonus token is drawn from the target.
     A chain with ``q`` the draft distribution is Leviathan et al.'s Alg. 1; with
     ``q = one_hot(x)`` (prompt lookup) x is accepted with probability ``p(x)``.
-    ``r_j`` and ``Q_j`` are kept unnormalised with their masses (:func:`scaled_residual`,
-    :func:`scaled_remove_token`): a rejection costs three passes over the vocabulary and a copy.
 
     Args:
         tokens: drafted tokens ``[B, N]`` (node i = block entry i + 1).
@@ -133,8 +105,6 @@ def recursive_rejection_sampling_batch(tokens: torch.Tensor, children: torch.Ten
     while True:
         r = p(entry) if callable(p) else p[rows, entry]
         big_q = q(entry) if callable(q) else q[rows, entry]
-        s = torch.ones(b, dtype=torch.float64)                               # r / s: the target left
-        z = big_q.sum(-1).double()                                           # big_q / z: the proposal
         kids = children[rows, entry]
         accepted = torch.full((b,), -1, dtype=torch.long)
         trying = active
@@ -144,15 +114,15 @@ def recursive_rejection_sampling_batch(tokens: torch.Tensor, children: torch.Ten
             if not bool(trying.any()):
                 break
             x = tokens[rows, child.clamp_min(0)]
-            qx = big_q.gather(1, x[:, None])[:, 0].double() / z.clamp_min(1e-300)
-            rx = r.gather(1, x[:, None])[:, 0].double() / s
+            qx = big_q.gather(1, x[:, None])[:, 0]
+            rx = r.gather(1, x[:, None])[:, 0]
             u = torch.rand(b, generator=generator)
             ok = trying & (qx > 0) & (u * qx < rx)
             accepted = torch.where(ok, child, accepted)
             trying = trying & ~ok
-            r, s = scaled_residual(r, s, big_q, z, trying)
+            r = torch.where(trying[:, None], residual(r, big_q), r)
             if without_replacement:
-                big_q, z = scaled_remove_token(big_q, z, x, trying)
+                big_q = torch.where(trying[:, None], remove_token(big_q, x), big_q)
         done = active & (accepted < 0)
         if bool(done.any()):
             token[done] = sample_categorical(r[done], generator)[:, 0]
