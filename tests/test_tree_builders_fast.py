@@ -9,7 +9,6 @@ DraftTree's incrementally grown masks equal the ones rebuilt from the parents.
 
 import itertools
 
-import pytest
 import torch
 from stats_helpers import chi_square
 
@@ -32,11 +31,10 @@ def plackett_luce(probs: list[float], k: int) -> dict[tuple, float]:
 PROBS = [0.05, 0.0, 0.4, 0.2, 0.3, 0.05]
 
 
-@pytest.mark.parametrize("block", [4, 256])
-def test_sample_without_replacement_is_plackett_luce(block):
+def test_sample_without_replacement_is_plackett_luce():
     n = 60_000
     probs = torch.tensor(PROBS).expand(n, -1).contiguous()
-    toks, left = gumbel.sample_without_replacement(probs, 3, torch.Generator().manual_seed(block), block=block)
+    toks, left = gumbel.sample_without_replacement(probs, 3, torch.Generator().manual_seed(4))
     assert toks.shape == (n, 3) and torch.allclose(left[:, 0], torch.ones(n, dtype=torch.float64))
     stat, threshold = chi_square([tuple(r) for r in toks.tolist()], plackett_luce(PROBS, 3))
     assert stat < threshold, (stat, threshold)
@@ -52,12 +50,23 @@ def test_with_replacement_is_not_plackett_luce():
     assert stat > threshold
 
 
+def test_sharpened_draws_fail_the_same_test(monkeypatch):
+    """A broken successive sampler whose draws follow the squared weights (a temperature slip) is caught."""
+    draw = gumbel.inverse_cdf_draw
+    monkeypatch.setattr(gumbel, "inverse_cdf_draw", lambda w, u: draw(w * w, u))
+    n = 60_000
+    toks, _ = gumbel.sample_without_replacement(torch.tensor(PROBS).expand(n, -1).contiguous(), 3,
+                                                torch.Generator().manual_seed(4))
+    stat, threshold = chi_square([tuple(r) for r in toks.tolist()], plackett_luce(PROBS, 3))
+    assert stat > threshold
+
+
 def test_support_rules():
     """k' = fewest positive tokens (as gumbel_top_k); with pad, -1 once a row has none left."""
     probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.2, 0.3, 0.1, 0.4]])
-    toks, _ = gumbel.sample_without_replacement(probs, 3, None, block=2)
+    toks, _ = gumbel.sample_without_replacement(probs, 3, None)
     assert toks.shape == (2, 2) and set(toks[0].tolist()) == {0, 1}
-    toks, left = gumbel.sample_without_replacement(probs, 3, None, block=2, pad=True)
+    toks, left = gumbel.sample_without_replacement(probs, 3, None, pad=True)
     assert toks.shape == (2, 3) and toks[0, 2] == -1 and left[0, 2] == 0 and len(set(toks[1].tolist())) == 3
 
 
@@ -132,3 +141,4 @@ def test_incremental_masks_equal_the_rebuilt_ones():
     table = tree.children_table()
     for entry, kids in enumerate(tree.children):
         assert table[entry][:len(kids)].tolist() == kids and (table[entry][len(kids):] == -1).all()
+

@@ -281,6 +281,19 @@ def allowed_children(q: torch.Tensor, kids: list[list[int]]) -> list[list[int]]:
     return [[t for t in toks if float(q[f, t]) > 0.0] for f, toks in enumerate(kids)]
 
 
+def vocabulary_tokens(kids: list[list[int]], vocab_ids: torch.Tensor | None) -> list[list[int]]:
+    """Children given as columns of a reduced draft vocabulary -> token ids ``vocab_ids[column]`` (identity when
+    ``vocab_ids`` is ``None``); one indexing call for the whole frontier."""
+    if vocab_ids is None:
+        return kids
+    flat = vocab_ids[[t for toks in kids for t in toks]].tolist()
+    out, i = [], 0
+    for toks in kids:
+        out.append(flat[i:i + len(toks)])
+        i += len(toks)
+    return out
+
+
 def frontier_paths(tree: DraftTree, frontier: list[int]) -> list[tuple[int, ...]]:
     """The drafted tokens from the root down to each frontier node (``-1`` = the root: ``()``)."""
     return [tuple(tree.tokens[i] for i in tree.path_to(node)) if node >= 0 else () for node in frontier]
@@ -327,19 +340,18 @@ class ModelDrafterBase(Drafter[MS]):
         """Draft logits ``[F, V]`` for block entries ``first_entry .. N`` (the frontier, all of depth ``depth``)."""
         raise NotImplementedError
 
-    def frontier_distribution(self, state: DecodingState[MS], tree: DraftTree, first_entry: int, depth: int,
-                              paths: list[tuple[int, ...]] | None) -> torch.Tensor:
-        """Draft probabilities ``[F, V]`` of the frontier: :func:`draft_distribution` of :meth:`frontier_logits`
-        (``paths``: the frontier's drafted tokens where controls are active, else ``None``).  A drafter with a
-        cheaper route to the same distribution overrides it."""
-        logits = self.frontier_logits(state, tree, first_entry, depth)
-        return draft_distribution(logits, state.sampling, state.controls, paths)
+    def frontier_draft_logits(self, state: DecodingState[MS], tree: DraftTree, first_entry: int,
+                              depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What :meth:`draft` reads: ``(logits [F, V'], vocab_ids [V'])`` over a reduced draft vocabulary (token ids,
+        ``-inf`` elsewhere), or ``(logits [F, V], None)``; by default :meth:`frontier_logits` over the full one.  A
+        drafter with a reduced head overrides it, so that drafting samples over ``V'`` tokens only."""
+        return self.frontier_logits(state, tree, first_entry, depth), None
 
     def draft(self, state, builder, generator, max_nodes, max_depth):
-        """Depth by depth: one :meth:`frontier_logits` call per depth, the builder picks the children.  With a
-        ``state.draft_stop`` rule (a cost-aware policy), a depth whose best path confidence (the product of the
-        draft probabilities of the path's tokens and of the top token at this depth, EAGLE-2's value of a node) the
-        rule refuses ends the tree before it."""
+        """Depth by depth: one :meth:`frontier_draft_logits` call per depth, the builder picks the children (over the
+        draft's own vocabulary: a reduced one is mapped to token ids after).  With a ``state.draft_stop`` rule (a
+        cost-aware policy), a depth whose best path confidence (the product of the draft probabilities of the path's
+        tokens and of the top token at this depth, EAGLE-2's value of a node) the rule refuses ends the tree before it."""
         tree = DraftTree()
         ds = state.drafter_state
         ds.processed = 0
@@ -347,33 +359,34 @@ class ModelDrafterBase(Drafter[MS]):
             return tree
         builder.reset()
         frontier, confidence = [-1], {-1: 1.0}
+        controlled = state.controls is not None and state.controls.active
+        vocab = state.target.config.vocab_size
         for depth in range(1, max_depth + 1):
-            first_entry = frontier[0] + 1
-            controlled = state.controls is not None and state.controls.active
-            paths = frontier_paths(tree, frontier) if controlled else None
-            q = self.frontier_distribution(state, tree, first_entry, depth - 1, paths)
+            logits, ids = self.frontier_draft_logits(state, tree, frontier[0] + 1, depth - 1)
             state.draft_forwards += 1
             ds.processed = len(tree) + 1
+            if controlled and ids is not None:             # the controls process full-vocabulary rows
+                logits, ids = full_vocab_logits(logits, ids, vocab), None
+            q = draft_distribution(logits, state.sampling, state.controls,
+                                   frontier_paths(tree, frontier) if controlled else None)
             if not state.sampling.greedy:
                 for node, row in zip(frontier, q):
-                    tree.set_draft_probs(node, row)
+                    tree.set_draft_probs(node, row, ids, vocab)
             kids = builder.expand(depth, q, state.sampling.greedy, generator)
             if controlled:
                 kids = allowed_children(q, kids)
             if state.draft_stop is not None:
                 if state.draft_stop(depth, depth_confidence(confidence, frontier, q, kids)):
                     break
-                paths = [[confidence[node] * float(row[t]) for t in toks] for node, row, toks in zip(frontier, q, kids)]
-            new, full = [], False
-            for i, (node, toks) in enumerate(zip(frontier, kids)):
-                for j, tok in enumerate(toks):
-                    if len(tree) >= max_nodes:
-                        full = True
-                        break
-                    new.append(tree.add(node, tok))
-                    if state.draft_stop is not None:
-                        confidence[new[-1]] = paths[i][j]
-            if not new or full:
+            rows = [f for f, toks in enumerate(kids) for _ in toks]
+            parents = [frontier[f] for f in rows]
+            room = max_nodes - len(tree)
+            tokens = [t for toks in vocabulary_tokens(kids, ids) for t in toks][:room]
+            new = [tree.add(p, t) for p, t in zip(parents, tokens)]     # per node: cheaper than batched writes here
+            if state.draft_stop is not None and new:            # a path's confidence: its parent's times q(child)
+                cols = [t for toks in kids for t in toks][:room]
+                confidence.update(zip(new, (confidence[p] * c for p, c in zip(parents, q[rows[:room], cols].tolist()))))
+            if not new or len(parents) > room:
                 break
             frontier = new
         return tree

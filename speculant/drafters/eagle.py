@@ -91,16 +91,10 @@ class DraftHeadDrafter(ModelDrafterBase[HeadState]):
         logits = self.draft_vocab_logits(state, tree, first_entry, depth)
         return full_vocab_logits(logits, self.head.vocab_ids, state.target.config.vocab_size)
 
-    def frontier_distribution(self, state: DecodingState, tree, first_entry: int, depth: int, paths) -> torch.Tensor:
-        """Under greedy decoding without controls, the softmax over the draft vocabulary's ``V'`` logits placed in a
-        zero ``[F, V]``: the softmax of the ``-inf``-filled full row without a pass over ``V`` entries (else the
-        base class's route)."""
-        vocab_ids = self.head.vocab_ids
-        if vocab_ids is None or not state.sampling.greedy or paths is not None:
-            return super().frontier_distribution(state, tree, first_entry, depth, paths)
-        logits = self.draft_vocab_logits(state, tree, first_entry, depth)
-        q = logits.new_zeros(logits.shape[0], state.target.config.vocab_size)
-        return q.index_copy_(1, vocab_ids, torch.softmax(logits, -1))
+    def frontier_draft_logits(self, state: DecodingState, tree, first_entry: int, depth: int):
+        """``(logits [F, V'], vocab_ids)`` over the head's draft vocabulary (``(logits [F, V], None)`` for a head
+        over the whole vocabulary): drafting softmaxes and samples over ``V'`` tokens only."""
+        return self.draft_vocab_logits(state, tree, first_entry, depth), self.head.vocab_ids
 
     def draft_vocab_logits(self, state: DecodingState, tree, first_entry: int, depth: int) -> torch.Tensor:
         """The head's fp32 logits ``[F, V']`` over its draft vocabulary (``vocab_ids``) for block entries

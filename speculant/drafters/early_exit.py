@@ -23,7 +23,8 @@ import torch
 
 from ..errors import SpeculantError
 from ..trees.tree import DraftTree
-from .base import DecodingState, DrafterCapabilities, ModelDrafterBase, ModelDraftState, VerificationInput
+from .base import (DecodingState, DrafterCapabilities, ModelDrafterBase, ModelDraftState, VerificationInput,
+                   full_vocab_logits)
 
 
 @dataclass
@@ -80,10 +81,16 @@ class EarlyExitDrafter(ModelDrafterBase[EarlyExitState]):
         return h
 
     def frontier_logits(self, state, tree, first_entry, depth):
+        return full_vocab_logits(*self.frontier_draft_logits(state, tree, first_entry, depth),
+                                 state.target.config.vocab_size)
+
+    def frontier_draft_logits(self, state, tree, first_entry, depth):
+        """Over an exit adapter's reduced vocabulary where it has one (``(logits [F, V'], vocab_ids [V'])``)."""
         if first_entry == 0:
             state.drafter_state.exit_queries = []
-        h = self._run_prefix(state, tree, first_entry)
-        return self._exit_logits(state, h[0])
+        h = self._run_prefix(state, tree, first_entry)[0]
+        reduced = getattr(self.exit_head, "reduced", None)
+        return reduced(h) if reduced is not None else (self._exit_logits(state, h), None)
 
     def draft(self, state, builder, generator, max_nodes, max_depth):
         """The tree (:meth:`ModelDrafterBase.draft`), then layers < E over the block entries drafting did not run

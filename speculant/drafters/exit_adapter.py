@@ -146,7 +146,12 @@ class ExitHead:
         self.vocab_size = vocab_size
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return full_vocab_logits(self.adapter(h), self.adapter.vocab_ids, self.vocab_size)
+        return full_vocab_logits(*self.reduced(h), self.vocab_size)
+
+    def reduced(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(logits [..., V'], vocab_ids [V'])`` over the adapter's own vocabulary (``vocab_ids`` ``None``: the
+        full one), so that drafting samples over ``V'`` tokens only (:meth:`ModelDrafterBase.frontier_draft_logits`)."""
+        return self.adapter(h), self.adapter.vocab_ids
 
 
 def available_adapters(model_name: str) -> list[str]:

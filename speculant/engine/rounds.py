@@ -90,6 +90,17 @@ def draft_limits(state: DecodingState, builder: TreeBuilder | None, budget: int,
     return max_nodes, max_depth
 
 
+class RowArgmax:
+    """``target_argmax[entry]`` for :func:`greedy_accept`: the argmax of ``logits`` ``[N + 1, V]`` row ``entry``, computed
+    when the rule visits it (a tree's rule visits one row per accepted depth, not its ``N + 1``)."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+
+    def __getitem__(self, entry: int) -> int:
+        return int(self.logits[entry].argmax())
+
+
 def accept_and_commit(state: DecodingState, drafter: Drafter, builder: TreeBuilder | None, tree: DraftTree,
                       logits: torch.Tensor, generator: torch.Generator | None, without_replacement: bool,
                       remaining: int, eos: set[int], stats: GenerationStats,
@@ -109,7 +120,9 @@ def accept_and_commit(state: DecodingState, drafter: Drafter, builder: TreeBuild
         path, token = controlled_accept(controls, tree, logits, sampling, generator, without_replacement,
                                         verification)
     elif sampling.greedy:
-        path, token = greedy_accept(tree, logits.argmax(-1).tolist() if target_argmax is None else target_argmax)
+        if target_argmax is None:
+            target_argmax = logits.argmax(-1).tolist() if tree.is_chain else RowArgmax(logits)
+        path, token = greedy_accept(tree, target_argmax)
     else:
         path, token = sampling_accept(tree, lambda entry: logits_to_probs(logits[entry], sampling), generator,
                                       without_replacement, verification)

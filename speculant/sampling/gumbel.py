@@ -1,8 +1,8 @@
 """Sampling without replacement with Gumbel perturbations.
 
 * Successive sampling without replacement (:func:`sample_without_replacement`) and top-down truncated
-  Gumbels (:func:`truncated_gumbel_below`): the same laws as the two below, with one reduction over the
-  vocabulary instead of per-token logarithms and random numbers; the tree builders use these.
+  Gumbels (:func:`truncated_gumbel_below`): the same laws as the two below, with one cumulative sum per draw
+  instead of per-token logarithms and random numbers; the tree builders use these.
 * Gumbel-Top-k (Vieira 2014; Kool et al. 2019, Sec. 2): the k largest of
   ``log q + G`` (G i.i.d. standard Gumbel) are k draws from ``q`` without
   replacement, in their sampling order.
@@ -44,19 +44,25 @@ def truncated_gumbel(scores: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
     return bound - torch.clamp_min(v, 0) - torch.log1p(torch.exp(-v.abs()))
 
 
-BLOCK = 256
-"""Tokens per block of the two-level inverse CDF of :func:`sample_without_replacement`."""
+def inverse_cdf_draw(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One categorical draw per row of ``weights`` ``[R, V]`` (>= 0, need not be normalised) from uniforms ``u``
+    ``[R]`` in [0, 1): the token whose interval of the float64 cumulative sum holds ``u * total`` (a token of weight
+    0 has an empty interval).  Returns ``(tokens [R], total [R] float64)``; a row of total 0 gives token ``V - 1``."""
+    cum = weights.cumsum(-1, dtype=torch.float64)
+    total = cum[:, -1].clamp_min(0.0)
+    t = torch.minimum(u * total, total * (1 - 1e-12))
+    return torch.searchsorted(cum, t[:, None], right=True)[:, 0].clamp_max(weights.shape[-1] - 1), total
 
 
 def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator | None,
-                               block: int = BLOCK, pad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                               pad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``k`` tokens drawn from each row of ``probs`` ``[R, V]`` without replacement, in sampling order.
 
     Successive sampling: draw j is a categorical draw from the tokens not drawn yet, in proportion to
     ``probs``; the ordered sample has the law of Gumbel-Top-k (Plackett-Luce; Kool et al. 2019, Sec. 2),
-    for any support.  Each draw is a two-level inverse CDF: the row's block masses (one reduction over
-    the vocabulary per call, the only full-vocabulary pass), then the tokens of the chosen block; a drawn
-    token's block mass is recomputed from its block without it.  Masses are float64.
+    for any support.  Each draw is an inverse CDF over a float64 cumulative sum of the row with the tokens
+    drawn so far set to 0 (a drawn or zero-probability token has an empty interval, so it is never drawn):
+    per draw one cumulative sum and a few ``[R]`` operations, no logarithm or random number per token.
 
     Returns:
         ``tokens`` ``[R, k']`` int64 and ``remaining`` ``[R, k']`` float64, the mass left before each
@@ -65,35 +71,19 @@ def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Gen
         once a row has none left.
     """
     r, v = probs.shape
-    nb = -(-v // block)
-    padded = probs if nb * block == v else torch.nn.functional.pad(probs, (0, nb * block - v))
-    blocks = padded.view(r, nb, block)
-    mass = blocks.sum(-1, dtype=torch.float64)                               # [R, nb]
-    rows = torch.arange(r)
-    tokens, remaining = [], []
-    for _ in range(k):
-        total = mass.sum(-1)
-        live = total > 0
-        if not bool(live.any() if pad else live.all()):
-            break
-        cum = mass.cumsum(-1)
-        t = torch.rand(r, generator=generator, dtype=torch.float64) * total
-        b = torch.searchsorted(cum, torch.minimum(t, cum[:, -1] * (1 - 1e-12))[:, None], right=True)[:, 0]
-        b = b.clamp_max(nb - 1)
-        within = blocks[rows, b].double()                                    # [R, block]
-        for prev in tokens:                                                  # drawn tokens of this block: gone
-            same = (prev // block) == b
-            within[rows[same], prev[same] % block] = 0.0
-        offset = (t - (cum[rows, b] - mass[rows, b])).clamp_min(0.0)
-        cw = within.cumsum(-1)
-        i = torch.searchsorted(cw, torch.minimum(offset, cw[:, -1] * (1 - 1e-12))[:, None], right=True)[:, 0]
-        i = i.clamp_max(block - 1)
-        within[rows, i] = 0.0
-        mass[rows, b] = within.sum(-1)
-        tokens.append(torch.where(live, b * block + i, -1))
-        remaining.append(total.clamp_min(0.0))
-    if not tokens:
+    positive = (probs > 0).sum(-1)
+    k = min(k, int(positive.max() if pad else positive.min()))
+    if k <= 0:
         return torch.empty(r, 0, dtype=torch.long), torch.empty(r, 0, dtype=torch.float64)
+    left = probs.clone()
+    u = torch.rand(r, k, generator=generator, dtype=torch.float64)
+    tokens, remaining = [], []
+    for j in range(k):
+        x, total = inverse_cdf_draw(left, u[:, j])
+        if j + 1 < k:
+            left.scatter_(1, x[:, None], 0.0)
+        tokens.append(torch.where(total > 0, x, -1))
+        remaining.append(total)
     return torch.stack(tokens, 1), torch.stack(remaining, 1)
 
 

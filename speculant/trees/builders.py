@@ -205,7 +205,7 @@ class StochasticBeamBuilder(TreeBuilder):
         their top-down truncated Gumbel scores (the best child scores the parent's score T, the next the
         Gumbel of the mass left truncated at the previous score; Kool et al. 2019, Alg. 1 with Appendix B),
         the same law as perturbing all V children; under greedy decoding the W most likely.  No pass over
-        the vocabulary but one reduction per parent (:func:`~speculant.sampling.gumbel.sample_without_replacement`).
+        the vocabulary but one cumulative sum per draw (:func:`~speculant.sampling.gumbel.sample_without_replacement`).
         """
         b, f, v = q.shape
         if self._log_p.shape[0] != b:

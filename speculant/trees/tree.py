@@ -26,8 +26,9 @@ class DraftTree:
         parents: parent of each node, ``N`` ints; -1 is the root.
         depths: depth of each node (root children have depth 1), ``N`` ints.
         children: ``N + 1`` lists; entry ``0`` the root's children, entry ``i+1`` node i's.
-        draft_probs: ``{block index: q [V]}``, the draft distribution each expanded
-            node's children were sampled from (block index 0 = root).  Empty under greedy decoding.
+        draft_probs: ``{block index: q}``, the draft distribution each expanded node's children were sampled
+            from (block index 0 = root): ``[V]``, or ``[V']`` over a reduced draft vocabulary (then
+            :meth:`draft_row` gives the ``[V]`` row).  Empty under greedy decoding.
     """
 
     def __init__(self, capacity: int = 16):
@@ -36,6 +37,7 @@ class DraftTree:
         self.depths: list[int] = []
         self.children: list[list[int]] = [[]]
         self.draft_probs: dict[int, torch.Tensor] = {}
+        self._draft_vocab: dict[int, tuple[torch.Tensor, int]] = {}            # entry -> (vocab_ids [V'], V)
         self._chain = True
         self._width = 1                                                          # most children of an entry
         self._anc = torch.zeros(capacity + 1, capacity + 1, dtype=torch.bool)   # [entry, entry] ancestor-or-self
@@ -89,9 +91,32 @@ class DraftTree:
         self._depth[row] = depth
         return idx
 
-    def set_draft_probs(self, node: int, q: torch.Tensor) -> None:
-        """Record the draft distribution ``q`` ``[V]`` of ``node`` (-1 = root)."""
+    def set_draft_probs(self, node: int, q: torch.Tensor, vocab_ids: torch.Tensor | None = None,
+                        vocab_size: int | None = None) -> None:
+        """Record the draft distribution of ``node`` (-1 = root): ``q`` ``[V]``, or ``q`` ``[V']`` over the token ids
+        ``vocab_ids`` ``[V']`` of a vocabulary of ``vocab_size`` tokens (zero outside them), expanded to ``[V]`` only
+        when :meth:`draft_row` reads it (the acceptance rules read the root's and the accepted nodes' rows only)."""
         self.draft_probs[node + 1] = q
+        if vocab_ids is not None:
+            self._draft_vocab[node + 1] = (vocab_ids, int(vocab_size))
+
+    def draft_row(self, entry: int) -> torch.Tensor | None:
+        """Draft distribution ``[V]`` block entry ``entry``'s children were sampled from (``None``: not recorded)."""
+        q = self.draft_probs.get(entry)
+        sparse = self._draft_vocab.pop(entry, None)
+        if q is not None and sparse is not None:
+            ids, vocab = sparse
+            q = q.new_zeros(vocab).index_copy_(0, ids, q)
+            self.draft_probs[entry] = q
+        return q
+
+    @property
+    def draft_vocab_size(self) -> int | None:
+        """``V`` of the recorded draft distributions (``None`` when none is recorded)."""
+        if not self.draft_probs:
+            return None
+        entry, q = next(iter(self.draft_probs.items()))
+        return self._draft_vocab[entry][1] if entry in self._draft_vocab else q.shape[-1]
 
     def block_tokens(self, root_token: int) -> torch.Tensor:
         """Ids ``[N + 1]`` of the verification block: root then the drafted nodes."""

@@ -146,10 +146,10 @@ def recursive_rejection_sampling(tree: DraftTree, p: torch.Tensor | Callable[[in
             each accepted node), so a large tree never needs ``[N + 1, V]`` probabilities.
     Returns (accepted node indices, emitted token).
     """
-    vocab = next(iter(tree.draft_probs.values())).shape[-1] if tree.draft_probs else None
+    vocab = tree.draft_vocab_size
 
     def q_row(entry: torch.Tensor) -> torch.Tensor:
-        row = tree.draft_probs.get(int(entry[0]))
+        row = tree.draft_row(int(entry[0]))
         return row[None] if row is not None else torch.zeros(1, vocab or 1)
 
     p_rows = (lambda entry: p(int(entry[0]))[None]) if callable(p) else p[None]

@@ -231,10 +231,10 @@ def traversal_verification_batch(tokens: torch.Tensor, children: torch.Tensor, q
 
 def _single(fn, tree: DraftTree, p, generator, **kw) -> tuple[list[int], int]:
     """Run a batch rule on one :class:`DraftTree` (rows by callables, as :func:`rules.recursive_rejection_sampling`)."""
-    vocab = next(iter(tree.draft_probs.values())).shape[-1] if tree.draft_probs else 1
+    vocab = tree.draft_vocab_size or 1
 
     def q_row(entry: torch.Tensor) -> torch.Tensor:
-        row = tree.draft_probs.get(int(entry[0]))
+        row = tree.draft_row(int(entry[0]))
         return row[None] if row is not None else torch.zeros(1, vocab)
 
     p_rows = (lambda entry: p(int(entry[0]))[None]) if callable(p) else p[None]
