@@ -62,14 +62,14 @@ def test_drafts_equal_the_head_run_over_the_whole_sequence(model):
     head = random_head(model, feature="pre-norm", seed=3)
     drafter = DraftHeadDrafter(head)
     seen = []
-    inner = drafter.frontier_logits
+    inner = drafter.draft_vocab_logits                    # what drafting reads: logits over the draft vocabulary
 
     def spy(state, tree, first_entry, depth):
         out = inner(state, tree, first_entry, depth)
         seen.append((list(state.tokens), list(tree.tokens), list(tree.parents), first_entry, out))
         return out
 
-    drafter.frontier_logits = spy
+    drafter.draft_vocab_logits = spy
     from speculant.engine.generator import SpeculativeGenerator
     from speculant.trees.builders import ConstantBranchingBuilder
     gen = SpeculativeGenerator(model, drafter, ConstantBranchingBuilder("2,2"))
