@@ -9,9 +9,10 @@ import copy
 import pytest
 import torch
 from helpers import on_fused_step, tiny_model
+from test_draft_head import random_head
 
 from speculant import GenerationConfig, SamplingConfig, build_generator
-from speculant.drafters.draft_head import DraftHead, fused_head_why_not, new_head, save_head
+from speculant.drafters.draft_head import DraftHead, fused_head_why_not, save_head
 from speculant.kernels import build
 from speculant.kernels.draft_head_step import FusedDraftHead
 
@@ -26,13 +27,7 @@ def model():
 
 
 def packed_head(m, feature="post-norm", vocab_ids=torch.arange(0, V, 2), fmt="w8a8", seed=1) -> DraftHead:
-    torch.manual_seed(seed)
-    head = new_head(m, vocab_ids, feature, "random")
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.requires_grad and p.dim() > 1:
-                p.normal_(0, 0.2)
-    return head.eval().requires_grad_(False).pack(fmt)
+    return random_head(m, vocab_ids, feature, seed).pack(fmt)
 
 
 def both(head, *args, **kw):
