@@ -128,9 +128,10 @@ def test_always_right_cheap_drafter_drafts_the_full_depth(model, ar_ids):
     toks, stats = run(gen)
     assert toks == ar_ids
     assert stats.ar_rounds == 0
-    # every round drafted min(K, tokens still to emit - 1)
+    # every round drafted: the first one depth 1 (no acceptance known yet), the others min(K, tokens still to emit - 1)
     assert stats.drafted_tokens == stats.accepted_tokens == len(toks) - 1 - stats.rounds
-    assert stats.drafted_at_depth[k - 1] == stats.rounds - (1 if (len(toks) - 1) % (k + 1) else 0)
+    assert stats.drafted_at_depth[0] == stats.rounds
+    assert stats.drafted_at_depth[k - 1] == stats.rounds - 1 - (1 if (len(toks) - 3) % (k + 1) else 0)
 
 
 def test_never_right_drafter_stops_drafting(model):
@@ -332,6 +333,8 @@ def test_exploring_probes_at_depth_one_and_backs_off():
     from speculant.engine.goodput import SequenceSpeculation
     s = SequenceSpeculation(SWITCHING)
     chain = lambda d: d                                            # noqa: E731  (a chain: d nodes at depth d)
+    assert s.depth(4, chain) == 1                                  # the first round: depth 1, nothing known yet
+    assert SequenceSpeculation(NEVER_PAYS).depth(4, chain) == 0    # ... where some depth could pay
     for _ in range(10):                                            # learn that the first depth fails
         s.observe(s.depth(4, chain) or 4, 0)
     gaps, without = [], 0
