@@ -123,6 +123,8 @@ def accept_and_commit(state: DecodingState, drafter: Drafter, builder: TreeBuild
         if target_argmax is None:
             target_argmax = logits.argmax(-1).tolist() if tree.is_chain else RowArgmax(logits)
         path, token = greedy_accept(tree, target_argmax)
+    elif len(tree) == 0:         # an ar round: every rule reduces to one draw from the target (the same draw)
+        path, token = [], pick_token(logits[0], sampling, generator)
     else:
         path, token = sampling_accept(tree, lambda entry: logits_to_probs(logits[entry], sampling), generator,
                                       without_replacement, verification)
