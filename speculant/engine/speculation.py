@@ -134,6 +134,7 @@ def measure_draft_seconds(model, drafter, builder: TreeBuilder, tokens: int = CA
     pattern = torch.randint(vocab, (24,), generator=torch.Generator().manual_seed(7)).tolist()
     gen = SpeculativeGenerator(model, drafter, builder)
     sampling = SamplingConfig(temperature=1.0, seed=7) if sampled else SamplingConfig()
+    draw = draw_seconds(vocab, sampling) if sampled else 0.0       # an ar round's acceptance: one draw
     best, spent = float("inf"), 0.0
     for rep in range(repeats + 1):
         stats = GenerationStats()
@@ -144,7 +145,7 @@ def measure_draft_seconds(model, drafter, builder: TreeBuilder, tokens: int = CA
             pass
         calls = stats.draft_forwards or sum(stats.drafted_at_depth)
         if rep and calls:                                            # the first is a warm-up
-            extra = stats.accept_seconds - stats.rounds * draw_seconds(vocab, sampling) if sampled else 0.0
+            extra = stats.accept_seconds - stats.rounds * draw if sampled else 0.0
             best = min(best, (stats.draft_seconds + max(extra, 0.0)) / calls)
         spent += (time.perf_counter() - t0) if rep else 0.0
         if spent >= budget:
