@@ -213,7 +213,8 @@ def test_training_lowers_loss_raises_agreement_and_drafts_better(tmp_path):
 def test_smollm2_with_the_shipped_head_matches_ar(monkeypatch):
     """The shipped `default` head on the real model: 40 greedy tokens identical to AR for the chain and an
     RSD-S tree, and its drafts are accepted often (the artefact is trained, not random); the same for the chain with
-    the head in w8a8 drafting as one C call (speculant/kernels/draft_head_step.py).  Every round drafts
+    the head in w8a8 drafting as one C call (speculant/kernels/draft_head_step.py) on the target in w4a8 (whose LM-head
+    rows it reads).  Every round drafts
     (``speculation="always"``): under ``cost`` a loaded machine may measure drafts as not paying and draft none,
     and no draft-cost calibration runs."""
     import speculant.drafters.draft_head as draft_head
@@ -229,10 +230,13 @@ def test_smollm2_with_the_shipped_head_matches_ar(monkeypatch):
     tree = build_generator(model, method="rsd-s", beam_width=2, draft_length=4, draft_head="default",
                            speculation="always")
     assert tree.generate(ids, cfg).token_ids == ar
-    if build.available():
+    if build.available():       # the fused head needs w8a8 LM-head rows: a w4a8 target, whatever the tune chose
         monkeypatch.setattr(draft_head, "head_weight_format", lambda m, head: "w8a8")
-        fused = build_generator(model, method="eagle", num_speculations=4, speculation="always")
-        assert fused.drafter.head.fused(torch.float32) is not None
+        w4a8 = load_model("smollm2-135m", weights="w4a8")
+        ar = build_generator(w4a8, method="ar").generate(ids, cfg).token_ids
+        fused = build_generator(w4a8, method="eagle", num_speculations=4, speculation="always")
+        head = fused.drafter.head
+        assert head.fused(torch.float32) is not None, draft_head.fused_head_why_not(head, torch.float32)
         out = fused.generate(ids, cfg)
         assert out.token_ids == ar and out.stats.acceptance_by_position[0] > 0.15, out.stats.acceptance_by_position
 
