@@ -45,7 +45,8 @@ Steps 6-10 are :func:`complete_for_fused`, run on an executor of the packed mode
 calls it once).  The executor is then built from the result (:meth:`~speculant.runtime.executor.Executor.from_tune`);
 nothing here changes a model or an executor.
 
-The default weight format is the fastest one-row pass among the batch-invariant formats.  The result is
+The weight format is :func:`choose_format`'s: ``w4a8`` where our kernels run, unless another batch-invariant
+format's one-row pass wins by more than the noise without losing the verification pass.  The result is
 stored as JSON under ``$SPECULANT_CACHE/tune/`` keyed by CPU model and flags, torch version, thread
 count and the model's projection shapes, and reused; ``speculant tune`` measures again and prints the
 table.  Nothing is chosen from anyone's machine but the one it runs on.
@@ -396,7 +397,7 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
         fp32_rows = [row for row in table if row["format"] == "fp32"]
         fp32_pick = min(fp32_rows, key=lambda row: (not row["batch_invariant"], row["ms"]["1"] + row["ms"]["5"]))
         candidates = [row for row in table if row["format"] != "fp32" or row is fp32_pick]
-        best = min(candidates, key=lambda row: (not row["batch_invariant"], row["ms"]["1"]))
+        best = choose_format(candidates)
         fmt_mods = next(m for f, rt, m, _ in variants if f == best["format"] and (f != "fp32" or rt == fp32_pick["route"]))
         evict = next(m for f, _, m, _ in variants if f != best["format"])   # another format's weights
         set_routes(fmt_mods, FP32_ROUTES[fp32_pick["route"]])
@@ -455,6 +456,32 @@ def measure_stored_weights(decoder, codes, candidates, fp32_route: str = "linear
     finally:
         set_routes(base, DEFAULT_ROUTES)
     return {f: round(v, 3) for f, v in best.items()}
+
+
+DEFAULT_FORMATS = ("w4a8", "int8")
+"""The weight format :func:`choose_format` keeps unless another wins by more than the noise: the first of these
+that the table has and that is batch-invariant (``w4a8``: our kernels, which also run the fused step)."""
+VERIFY_ROWS = "5"
+"""Rows of the verification pass (a 4-token draft's block) at which a challenger to the default format must not
+be slower by more than the noise (:func:`choose_format`)."""
+
+
+def choose_format(table: list[dict], noise: float = CHOICE_NOISE) -> dict:
+    """The row of the tuner's table (one per format: ``{"format", "ms": {rows: ms}, "batch_invariant"}``) whose
+    format the model loads in.  Only batch-invariant formats are candidates (greedy speculation's exactness rests on
+    it), then :data:`DEFAULT_FORMATS`' first one is kept unless another's one-row pass is faster by more than
+    ``noise`` (a fraction) and its :data:`VERIFY_ROWS`-row pass is not slower by more than ``noise``: the choice
+    changes both decoding and verification, and the logits, so a pass timed on a loaded machine (a parallel build,
+    a test worker) must not flip it.  Without a default, the fastest one-row pass (batch-invariant first)."""
+    candidates = [row for row in table if row["batch_invariant"]] or table
+    default = next((row for f in DEFAULT_FORMATS for row in candidates if row["format"] == f), None)
+    fastest = min(candidates, key=lambda row: row["ms"]["1"])
+    if default is None:
+        return fastest
+    best = min((row for row in candidates if row["ms"]["1"] < default["ms"]["1"] * (1 - noise)
+                and row["ms"].get(VERIFY_ROWS, 0.0) <= default["ms"].get(VERIFY_ROWS, 0.0) * (1 + noise)),
+               key=lambda row: row["ms"]["1"], default=None)
+    return best or default
 
 
 def keep_default_format(ms: dict, default: str, noise: float = CHOICE_NOISE) -> str:
