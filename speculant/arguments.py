@@ -37,8 +37,8 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="known model name, GGUF file (PATH.gguf) or HF-format directory")
     p.add_argument("--weights", default="auto",
-                   help="weight format of the projections: auto (default: the fastest batch-invariant format "
-                        "measured on this machine), fp32, bf16, int8, int4 (the GGUF's own 4-bit codes), "
+                   help="weight format of the projections: auto (default: w4a8 where our kernels run, unless "
+                        "another batch-invariant format is measured faster here by more than the noise), fp32, bf16, int8, int4 (the GGUF's own 4-bit codes), "
                         "w4a8 (the same codes on int8 activations, our AVX2 kernel)")
     p.add_argument("--no-compile", action="store_true",
                    help="run the decoder eagerly (no torch.compile); also SPECULANT_COMPILE=0")

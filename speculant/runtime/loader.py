@@ -201,8 +201,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
 
     Args:
         weights: a weight format (``fp32``, ``bf16``, ``int8``, ``int4``, ``w4a8``; see
-            :mod:`speculant.runtime.formats`) or ``auto``: the fastest batch-invariant format measured
-            on this machine (:mod:`speculant.runtime.tune`, cached after the first load); for a GGUF file holding
+            :mod:`speculant.runtime.formats`) or ``auto``: ``w4a8`` where our kernels run unless another batch-invariant
+            format is measured faster on this machine (:func:`tune.choose_format`) (:mod:`speculant.runtime.tune`, cached after the first load); for a GGUF file holding
             types torch's packed formats would requantize, the faster (measured here, once, on the file's own
             codes: :func:`tune.measure_stored_weights`) of ``w4a8`` and ``fp32`` where they all run as stored on our
             kernels (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and the kernels run here, ``w4a8`` unless ``fp32`` is faster by

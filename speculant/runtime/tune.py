@@ -110,7 +110,7 @@ class TuneResult:
 
     Attributes:
         key: what the measurement is valid for (CPU model, flags digest, torch version, threads, model shapes).
-        weights: the default weight format (fastest batch-invariant one-row pass).
+        weights: the default weight format (:func:`choose_format`).
         fp32_route: name of the float32 route chosen (a key of :data:`FP32_ROUTES`).
         threads: torch threads chosen: the count measured with (all the cores torch uses by default) unless another
             was faster by more than :data:`CHOICE_NOISE`, on the fused step's decode loop where the model has one
