@@ -15,8 +15,9 @@ Not a test.  Steps, as a llama.cpp user would take them:
 5. per prompt (Spec-Bench format, ``--limit`` per category): greedy completions of our prompt ids in both servers and
    in ours (``ar``, and ``eagle`` with the head, ``num_speculations=K``, every round drafting).
 
-``--shifted-control`` also converts the head with every auxiliary-layer id plus one (the wrong convention: the
-output of layer k instead of the residual entering it) and drafts with it in llama.cpp: a cross-check that can fail.
+``--controls`` also converts the head with wrong auxiliary-layer ids and drafts with them in llama.cpp, so that the
+check is seen to fail: ``ids + 1`` (the other convention: the output of layer k instead of the residual entering it)
+and ``reversed`` (the three states concatenated in the wrong order, as a mislabelled config would feed them).
 
 Prints one JSON line per prompt and a summary: acceptance (accepted / drafted tokens) in each engine, whether each
 engine's greedy output with drafting equals its own without, and how many leading tokens ours and llama.cpp's agree.
@@ -55,12 +56,16 @@ def convert(llama_src: Path, head: Path, target: Path, out: Path) -> Path:
     return out
 
 
-def shifted_export(src: Path, out: Path) -> Path:
-    """A copy of the export whose auxiliary-layer ids are each one more (the negative control)."""
+CONTROLS = {"ids + 1": lambda ids: [i + 1 for i in ids], "reversed": lambda ids: ids[::-1]}
+"""Wrong auxiliary-layer ids for the negative controls (``--controls``)."""
+
+
+def control_export(src: Path, out: Path, wrong) -> Path:
+    """A copy of the export whose auxiliary-layer ids are ``wrong(ids)`` (a negative control)."""
     import shutil
     shutil.copytree(src, out, dirs_exist_ok=True)
     conf = json.loads((out / "config.json").read_text())
-    ids = [i + 1 for i in conf["eagle_aux_hidden_state_layer_ids"]]
+    ids = wrong(conf["eagle_aux_hidden_state_layer_ids"])
     conf["eagle_aux_hidden_state_layer_ids"] = ids
     conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
     (out / "config.json").write_text(json.dumps(conf, indent=2))
@@ -86,7 +91,7 @@ def main() -> None:
     ap.add_argument("--num-speculations", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", default="llamacpp_eagle3_work")
-    ap.add_argument("--shifted-control", action="store_true")
+    ap.add_argument("--controls", action="store_true", help="also draft in llama.cpp with wrong ids (CONTROLS)")
     args = ap.parse_args()
 
     from speculant import GenerationConfig, build_generator, load_model
@@ -100,9 +105,9 @@ def main() -> None:
     export = Path(export_head(Path(args.draft_head), work / "export")["out"])
     target = target_dir(model, work / "target")
     heads = {"llama.cpp": convert(src, export, target, work / "head.gguf")}
-    if args.shifted_control:
-        heads["llama.cpp, ids + 1"] = convert(src, shifted_export(export, work / "export-shifted"), target,
-                                              work / "head-shifted.gguf")
+    for i, (name, wrong) in enumerate(CONTROLS.items() if args.controls else ()):
+        heads[f"llama.cpp, {name}"] = convert(src, control_export(export, work / f"export-control{i}", wrong), target,
+                                              work / f"head-control{i}.gguf")
     gguf = str(gguf_file_of(model.name))
     common = ["-m", gguf, "-t", str(args.threads), "-c", "4096", "--no-warmup"]
     spec = ["--spec-type", "draft-eagle3", "--spec-draft-n-max", str(args.num_speculations), "--spec-draft-n-min", "0"]

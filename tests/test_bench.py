@@ -235,3 +235,20 @@ def test_methods_in_another_runtime_are_compared_within_it(tmp_path, monkeypatch
     assert rows["ar:rt=int4-eager"]["speedup_vs_ar"] is not None
     with pytest.raises(SpeculantError, match="rt='int5' is unknown"):
         parse_methods("ar:rt=int5")
+
+
+def test_ignore_eos_times_every_method_on_max_new_tokens(tmp_path, monkeypatch):
+    """``--ignore-eos``: an output that would end at its first token (that token made the EOS) is generated to
+    ``max_new_tokens`` by ours and by transformers' baseline; without it, it ends there (the premise)."""
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["t5 t6 t7 t5 t6"]}) + "\n")
+    model = tiny_model(seed=1, scale=2.0)
+    prompts = load_prompts(str(data))
+    methods = parse_methods("ar,early-exit:E=2,K=3,hf-ar")
+    first = run_benchmark(model, prompts, methods[:1], BenchConfig(max_new_tokens=2), None, progress=False)
+    eos = first["records"][0]["token_ids"][0]
+    monkeypatch.setattr(type(model), "eos_token_ids", property(lambda self: [eos]))
+    for ignore, length in ((False, 1), (True, 9)):
+        res = run_benchmark(model, prompts, methods, BenchConfig(max_new_tokens=9, ignore_eos=ignore), None,
+                            progress=False, chat=False)
+        assert [len(r["token_ids"]) for r in res["records"]] == [length] * 3, ignore

@@ -70,6 +70,7 @@ def test_completion_request_sampling():
     # plain temperature sampling: no top-k / top-p / min-p / penalty in the chain, the run's seed
     assert s["top_k"] == 0 and s["top_p"] == 1.0 and s["min_p"] == 0.0 and s["repeat_penalty"] == 1.0
     assert s["samplers"] == ["top_k", "temperature"] and s["temperature"] == 1.0 and s["seed"] == 9
+    assert completion_request([5], 4, 1.0, seed=9, ignore_eos=True)["ignore_eos"] is True
     for bad in (([], 4, 0.0), ([1], 0, 0.0), ([1], 4, -1.0)):
         with pytest.raises(SpeculantError):
             completion_request(*bad, seed=0)

@@ -19,6 +19,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method (min/median kept)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation per method")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="every method generates --max-new-tokens tokens (EOS does not end an output): sampled runs "
+                        "then time equal work")
     p.add_argument("--exit-adapter", default=None,
                    help="trained exit adapter (name or directory) used by early-exit drafters")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -39,7 +42,7 @@ def _setup(args):
     cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     prompts = load_prompts(args.dataset, cats, args.limit)
     cfg = BenchConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats,
-                      seed=args.seed, warmup=not args.no_warmup)
+                      seed=args.seed, warmup=not args.no_warmup, ignore_eos=args.ignore_eos)
     return load_for_decoding(args), prompts, cfg
 
 

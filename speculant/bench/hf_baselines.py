@@ -132,9 +132,10 @@ class HFMethod:
         for h in self._hooks:
             h.remove()
 
-    def _kwargs(self, max_new_tokens: int, temperature: float, seed: int) -> dict:
+    def _kwargs(self, max_new_tokens: int, temperature: float, seed: int, ignore_eos: bool = False) -> dict:
         eos = self.model.eos_token_ids
-        kw = dict(max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=eos or None,
+        kw = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens if ignore_eos else 0,
+                  eos_token_id=eos or None,
                   pad_token_id=eos[0] if eos else 0, top_k=0, top_p=1.0, use_cache=True)
         if SamplingConfig(temperature).greedy:        # the same greedy threshold as our methods
             kw.update(do_sample=False, temperature=None, top_k=None, top_p=None)
@@ -154,13 +155,15 @@ class HFMethod:
                       assistant_confidence_threshold=0.0)
         return kw
 
-    def run(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> HFRun:
-        """Generate from ``prompt_ids`` (already chat-templated); times the whole ``generate`` call."""
+    def run(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+            ignore_eos: bool = False) -> HFRun:
+        """Generate from ``prompt_ids`` (already chat-templated); times the whole ``generate`` call.  ``ignore_eos``:
+        exactly ``max_new_tokens`` tokens (transformers' ``min_new_tokens``, which masks EOS until then)."""
         # assistants keep their adaptive K in their generation_config: restore it so calls are independent
         self.hf.generation_config = copy.deepcopy(self._gen_cfg)
         if self.assistant is not None:
             self.assistant.generation_config = copy.deepcopy(self._asst_cfg)
-        kw = self._kwargs(max_new_tokens, temperature, seed)
+        kw = self._kwargs(max_new_tokens, temperature, seed, ignore_eos)
         ids = torch.tensor([prompt_ids], dtype=torch.long)
         torch.manual_seed(seed)
         self.calls = self.draft_calls = 0

@@ -103,8 +103,10 @@ def server_args(gguf: str, kind: str, threads: int, context: int, num_tokens: in
     return args
 
 
-def completion_request(prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> dict:
-    """The ``/completion`` request body: our prompt ids, the token budget and the sampling of the run.
+def completion_request(prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int,
+                       ignore_eos: bool = False) -> dict:
+    """The ``/completion`` request body: our prompt ids, the token budget and the sampling of the run
+    (``ignore_eos``: llama-server's own flag, exactly ``max_new_tokens`` tokens).
 
     Raises:
         SpeculantError: an empty prompt, ``max_new_tokens`` < 1 or a negative temperature.
@@ -120,7 +122,7 @@ def completion_request(prompt_ids: list[int], max_new_tokens: int, temperature: 
             "cache_prompt": False, "return_tokens": True, "seed": int(seed),
             "temperature": float(temperature), "samplers": ["top_k", "temperature"],
             "top_k": 1 if greedy else 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0,
-            "repeat_penalty": 1.0, "ignore_eos": False}
+            "repeat_penalty": 1.0, "ignore_eos": bool(ignore_eos)}
 
 
 def parse_completion(status: int, body: dict, seconds: float) -> LlamaCppRun:
@@ -163,10 +165,12 @@ class LlamaCppMethod:
         self.server = LlamaServer(args)
         self.kind = kind
 
-    def run(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> LlamaCppRun:
-        """Generate up to ``max_new_tokens`` after ``prompt_ids`` (stops at EOS like ours)."""
+    def run(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+            ignore_eos: bool = False) -> LlamaCppRun:
+        """Generate up to ``max_new_tokens`` after ``prompt_ids`` (stops at EOS like ours; ``ignore_eos``: exactly
+        that many)."""
         from .llamacpp_server import post_json
-        request = completion_request(prompt_ids, max_new_tokens, temperature, seed)
+        request = completion_request(prompt_ids, max_new_tokens, temperature, seed, ignore_eos)
         t0 = time.perf_counter()
         try:
             status, body = post_json(self.server.port, "/completion", request)

@@ -44,13 +44,16 @@ WARMUP_TOKENS = 4
 
 @dataclass
 class BenchConfig:
-    """Settings of a benchmark run (``temperature`` 0 = greedy; ``repeats`` timed runs per prompt and method)."""
+    """Settings of a benchmark run (``temperature`` 0 = greedy; ``repeats`` timed runs per prompt and method;
+    ``ignore_eos``: every method generates ``max_new_tokens`` tokens, EOS included, so that sampled runs, whose
+    outputs end at different lengths, are timed on equal work, prefill amortized alike)."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
     repeats: int = 1
     seed: int = 0
     warmup: bool = True
+    ignore_eos: bool = False
 
     def __post_init__(self):
         check_range("max_new_tokens", self.max_new_tokens, 1)
@@ -74,7 +77,8 @@ class _Ours:
             self.cost_ratio = 0.0
 
     def run(self, ids, cfg: BenchConfig, max_new: int):
-        config = GenerationConfig(max_new_tokens=max_new, sampling=SamplingConfig(cfg.temperature, seed=cfg.seed))
+        config = GenerationConfig(max_new_tokens=max_new, sampling=SamplingConfig(cfg.temperature, seed=cfg.seed),
+                                  ignore_eos=cfg.ignore_eos)
         stats = GenerationStats()
         out: list[int] = []
         t0 = time.perf_counter()
@@ -99,7 +103,7 @@ class _HF:
         self.drafter = method.name
 
     def run(self, ids, cfg: BenchConfig, max_new: int):
-        r = self.m.run(list(ids), max_new, cfg.temperature, cfg.seed)
+        r = self.m.run(list(ids), max_new, cfg.temperature, cfg.seed, cfg.ignore_eos)
         n = len(r.token_ids)
         stats = {"new_tokens": n, "target_forwards": r.target_forwards, "draft_forwards": r.draft_forwards,
                  "block_efficiency": n / r.target_forwards if r.target_forwards else 0.0}
@@ -115,7 +119,7 @@ class _LlamaCpp:
         self.drafter = method.name
 
     def run(self, ids, cfg: BenchConfig, max_new: int):
-        r = self.m.run(list(ids), max_new, cfg.temperature, cfg.seed)
+        r = self.m.run(list(ids), max_new, cfg.temperature, cfg.seed, cfg.ignore_eos)
         return r.token_ids, r.seconds, {"new_tokens": r.new_tokens, "llamacpp_timings": r.timings}
 
 
