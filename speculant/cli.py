@@ -100,7 +100,23 @@ def cmd_export(args) -> int:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and out.resolve() != src.resolve():
         raise SpeculantError(f"--out {str(out)!r} is not empty; allowed: a new or empty directory")
-    print(json.dumps(export_head(src, out)))
+    if args.gguf:
+        from .drafters.export_gguf import check_llama_cpp_source
+        check_llama_cpp_source(args.llama_cpp)
+    created = not out.exists()
+    summary = export_head(src, out)
+    if args.gguf:
+        from .drafters.export_gguf import export_gguf
+        from .runtime.loader import load_model
+        try:
+            target = load_model(args.model, compile=False, log=sys.stderr)
+            summary["gguf"] = str(export_gguf(Path(summary["out"]), Path(target.path), args.llama_cpp))
+        except SpeculantError:
+            if created:                     # nothing half-written: the export goes with the GGUF it was for
+                import shutil
+                shutil.rmtree(out, ignore_errors=True)
+            raise
+    print(json.dumps(summary))
     return 0
 
 
@@ -148,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--draft-head", required=True, help="a shipped head name (for --model) or a head directory")
     x.add_argument("--model", default="smollm2-135m", help="the model whose shipped heads NAME is looked up in")
     x.add_argument("--out", required=True, help="output directory (new or empty)")
+    x.add_argument("--gguf", action="store_true",
+                   help="also write OUT/eagle3-head.gguf with llama.cpp's converter (EAGLE-3 heads; the target is "
+                        "--model): llama-server -m TARGET.gguf -md OUT/eagle3-head.gguf --spec-type draft-eagle3")
+    x.add_argument("--llama-cpp", default=os.environ.get("SPECULANT_LLAMA_CPP_SRC"),
+                   help="llama.cpp source tree holding convert_hf_to_gguf.py and gguf-py/ (default: "
+                        "$SPECULANT_LLAMA_CPP_SRC)")
     x.set_defaults(func=cmd_export)
 
     for register in _extensions():
