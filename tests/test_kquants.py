@@ -171,13 +171,18 @@ def test_a_mixed_k_quant_llama_runs_w4a8_on_its_stored_types_close_to_transforme
     # w4a8 (the fused step, and the torch layer step on the same projections) vs the same forward in float64 with
     # the activations quantized as our kernels do: what remains is float32 rounding (~1e-6 of the scale per
     # operation), the 1e-4 of fp32 weights.  An activation whose float32 and float64 values round to different int8
-    # codes would add one code (~1/127 of its block's range) times one weight, ~1e-4 here: none does on these seeds,
-    # and a kernel that quantized or scaled any block otherwise would exceed the bound by far
+    # codes adds one code (~1/127 of its block's range) times its weights to that row and the rows after it attend
+    # to: the fused step has none on these seeds; the torch layer step has one, in the last row of the untied file,
+    # on a Zen 5 EPYC (2.4e-3 of the scale, where the file's quantized activations move the logits by 2.3e-2), so it
+    # is allowed one row off by less than a quarter of that.  A kernel that quantized or scaled any block otherwise
+    # would move every row by far more
     err = float((ours - want).abs().max()) / scale
-    assert float((torch_step - want).abs().max()) / scale < 1e-4
+    quantization = float((plain - want).abs().max()) / scale
+    rows = (torch_step - want).abs().amax(-1) / scale
+    assert int((rows >= 1e-4).sum()) <= 1 and float(rows.max()) < quantization / 4, rows.tolist()
     assert err < 1e-4, err
     # and the quantized activations themselves move the logits by far more than that: the check above is not vacuous
-    assert float((plain - want).abs().max()) / scale > 10 * err
+    assert quantization > 10 * err
 
 
 SPECS = {"early-exit": dict(method="early-exit", exit_layer=1, num_speculations=3),

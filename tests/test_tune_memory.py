@@ -14,7 +14,9 @@ def test_head_sample_is_a_view_of_the_first_rows_with_its_scale():
     assert sample.out_features == 250 and sample.in_features == 64 and scale == 1000 / 250
     assert sample.weight.data_ptr() == head.weight.data_ptr()            # a view: no copy
     x = torch.randn(3, 64)
-    assert torch.equal(sample(x), head(x)[:, :250])
+    # the same rows (a float32 GEMM may sum in another order for 250 than for 1000 outputs: on a Zen 5 EPYC it
+    # does, so equality within rounding, not bitwise; a view of other rows would differ by O(1))
+    torch.testing.assert_close(sample(x), head(x)[:, :250], rtol=1e-6, atol=1e-6)
     whole, one = tune.head_sample(head, max_bytes=64 * 4 * 1000)
     assert whole is head and one == 1.0
 
