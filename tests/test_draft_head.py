@@ -236,6 +236,7 @@ def test_smollm2_with_the_shipped_head_matches_ar(monkeypatch):
         ar = build_generator(w4a8, method="ar").generate(ids, cfg).token_ids
         fused = build_generator(w4a8, method="eagle", num_speculations=4, speculation="always")
         head = fused.drafter.head
+        head.use_fused = True               # whatever the route's tune step measured here (tune_head_route)
         assert head.fused(torch.float32) is not None, draft_head.fused_head_why_not(head, torch.float32)
         out = fused.generate(ids, cfg)
         assert out.token_ids == ar and out.stats.acceptance_by_position[0] > 0.15, out.stats.acceptance_by_position

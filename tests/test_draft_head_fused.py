@@ -152,3 +152,28 @@ def test_greedy_with_the_fused_head_matches_ar_and_the_torch_head(model, spec, c
         assert (tok1, tree1) == (tok2, tree2)
         torch.testing.assert_close(l1, l2, **TOL)
 
+
+
+def test_the_route_is_timed_once_per_machine_kept_and_applied(model, monkeypatch):
+    """The tune step of the head's route (:func:`weights.tune_head_route`): both routes timed once per head shape
+    (real timings: both positive, ``use_fused`` restored by the measurement), the torch modules chosen only when
+    faster by more than the noise, the choice kept in the tune and read back without timing; no tune: fused kept."""
+    from speculant.drafters import weights
+    from speculant.runtime import tune
+    head = packed_head(model)
+    ms = weights.measure_head_routes(head, lambda: None, repeats=2)
+    assert set(ms) == {"fused", "torch"} and min(ms.values()) > 0 and head.use_fused
+    assert weights.tune_head_route(model, head) is True                         # a model built in memory: no tune
+    tuned = copy.copy(model)
+    tuned.tune = tune.TuneResult(key=tune.tune_key(model.decoder.config, 1), weights="w4a8", fp32_route="linear",
+                                 threads=1)
+    monkeypatch.setattr(tune, "save", lambda result: None)
+    for torch_ms, want in ((0.97, True), (0.9, False)):                          # within the noise, then a clear win
+        tuned.tune.drafter_weights.clear()
+        monkeypatch.setattr(weights, "measure_head_routes", lambda h, evict, t=torch_ms: {"fused": 1.0, "torch": t})
+        assert weights.tune_head_route(tuned, head) is want and head.use_fused is want
+    (entry,) = tuned.tune.drafter_weights.values()
+    assert entry == {"fused": False, "ms": {"fused": 1.0, "torch": 0.9}}
+    monkeypatch.setattr(weights, "measure_head_routes", lambda *a: pytest.fail("timed again"))
+    head.use_fused = True
+    assert weights.tune_head_route(tuned, head) is False                       # the kept choice, not timed again

@@ -72,3 +72,59 @@ def tune_drafter(model, kind: str, module) -> str:
     tune.save(result)
     module.pack(choice)
     return choice
+
+
+ROUTE_REPEATS = 15
+"""Timed head draft calls per route in :func:`measure_head_routes` (after one warm-up each)."""
+
+
+def measure_head_routes(head, evict, repeats: int = ROUTE_REPEATS) -> dict[str, float]:
+    """Milliseconds of one draft call of an EAGLE draft head (:class:`~speculant.drafters.draft_head.DraftHead`,
+    one row after 16 cached entries, logits of that row) through each route: ``fused`` (one C call,
+    :mod:`speculant.kernels.draft_head_step`) and ``torch`` (its modules), each call after ``evict()`` (the target's
+    LM head on one row: in decoding a target step runs between draft calls), routes alternated, best of ``repeats``.
+    ``head.use_fused`` is restored."""
+    import time
+    d, vocab = head.config["hidden_size"], head.embed_weight.shape[0]
+    g = torch.Generator().manual_seed(3)
+    before, best = head.use_fused, {"fused": float("inf"), "torch": float("inf")}
+    feature, token, position = torch.randn(1, d, generator=g), torch.randint(vocab, (1,), generator=g), torch.tensor([16])
+    try:
+        with torch.inference_mode():
+            cache = head.new_cache(32)
+            head.step(torch.randn(16, d, generator=g), torch.randint(vocab, (16,), generator=g), torch.arange(16), None,
+                      cache, 0)
+            for rep in range(repeats + 1):
+                for route in ("fused", "torch") if rep % 2 == 0 else ("torch", "fused"):
+                    head.use_fused = route == "fused"
+                    evict()
+                    t = time.perf_counter()
+                    head.step(feature.to(head.dtype), token, position, None, cache, 16, 1)
+                    if rep:
+                        best[route] = min(best[route], time.perf_counter() - t)
+    finally:
+        head.use_fused = before
+    return {route: round(s * 1e3, 4) for route, s in best.items()}
+
+
+def tune_head_route(model, head) -> bool:
+    """The tune step of an EAGLE draft head's route: where the head can draft as one C call (``head.fused``), time
+    both routes once per machine and head shape (:func:`measure_head_routes`), keep the result in ``model.tune``
+    (``drafter_weights["draft-head-route:..."]``, saved) and set ``head.use_fused``: the fused call unless the torch
+    modules were faster by more than the tuner's noise (:data:`speculant.runtime.tune.CHOICE_NOISE`); later loads
+    read the kept choice.  Without a tune (a model built in memory) the fused call is kept, measuring nothing.
+    Returns ``head.use_fused``."""
+    from ..runtime import tune
+    result = getattr(model, "tune", None)
+    if result is None or head.fused(head.dtype) is None:
+        return head.use_fused
+    c = head.config
+    key = f"draft-head-route:{c['hidden_size']}x{c['intermediate_size']}x{head._lm_head_rows[0].out_features}"
+    if key not in result.drafter_weights:
+        row = torch.zeros(1, model.decoder.config.hidden_size)
+        ms = measure_head_routes(head, lambda: model.decoder.lm_head(row))
+        fused = not ms["torch"] < ms["fused"] * (1 - tune.CHOICE_NOISE)
+        result.drafter_weights[key] = {"fused": fused, "ms": ms}
+        tune.save(result)
+    head.use_fused = bool(result.drafter_weights[key]["fused"])
+    return head.use_fused
