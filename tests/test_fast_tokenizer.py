@@ -122,3 +122,44 @@ def test_read_safetensors_equals_the_safetensors_package(tmp_path):
     (tmp_path / "short.safetensors").write_bytes(data[:-3])
     with pytest.raises(ValueError, match="ends inside"):
         read_safetensors(tmp_path / "short.safetensors")
+
+
+def _gemma_dir(tmp_path):
+    """transformers' ``GemmaTokenizer`` (which builds its own pipeline around vocabulary and merges: byte-fallback
+    BPE, spaces as ``▁``) over a small vocabulary with the 256 byte tokens, saved with a chat template."""
+    from transformers import GemmaTokenizer
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"])}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for piece in ["▁", "h", "i", "e", "l", "o", "hi", "▁hi", "ll", "he", "hell", "hello", "▁hello"]:
+        vocab.setdefault(piece, len(vocab))
+    tok = GemmaTokenizer(vocab=vocab, merges=[("h", "i"), ("▁", "hi"), ("l", "l"), ("h", "e"), ("he", "ll"),
+                                              ("hell", "o"), ("▁", "hello")])
+    tok.chat_template = TEMPLATE.replace("<|", "<").replace("|>", ">")
+    tok.save_pretrained(str(tmp_path))
+    return tmp_path
+
+
+def test_a_gemma_class_directory_loads_without_transformers_only_with_its_own_pipeline(tmp_path):
+    """``GemmaTokenizer`` sets its normalizer, pre-tokenizer, decoder and BPE options itself: a directory whose
+    ``tokenizer.json`` holds exactly those loads as :class:`FastTokenizer` with transformers' ids, texts and chat
+    prompts; one whose ``tokenizer.json`` says otherwise (here an NFKC normalizer, which the class would replace)
+    goes to transformers."""
+    from transformers import AutoTokenizer
+    path = _gemma_dir(tmp_path / "g")
+    assert json.loads((path / "tokenizer_config.json").read_text())["tokenizer_class"] == "GemmaTokenizer"
+    fast = loading.load_tokenizer(path)
+    assert isinstance(fast, FastTokenizer)
+    hf = AutoTokenizer.from_pretrained(str(path))
+    assert type(hf).__name__ == "GemmaTokenizer"
+    _assert_same(fast, hf)
+    assert fast.encode("hello hi") == hf.encode("hello hi") == [vocab_id(hf, p) for p in ("hello", "▁hi")]
+    other = shutil.copytree(path, tmp_path / "other")
+    doc = json.loads((other / "tokenizer.json").read_text())
+    doc["normalizer"] = {"type": "NFKC"}
+    (other / "tokenizer.json").write_text(json.dumps(doc))
+    assert open_fast(other) is None and type(loading.load_tokenizer(other)).__name__ == "GemmaTokenizer"
+
+
+def vocab_id(tok, piece: str) -> int:
+    return tok.convert_tokens_to_ids(piece)

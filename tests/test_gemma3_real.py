@@ -7,7 +7,7 @@ One test, so that the file is converted once (its K-quants load in ``fp32``): we
 the first 32 greedy tokens equal to transformers' Gemma 3 forward on those weights (its model built around our
 loaded state: no second read of the weights), through the text path end to end (the file has no chat template: the
 prompt is plain text to continue) with prompt-lookup drafting, whose greedy tokens are exactly autoregressive ones,
-and an answer naming Paris.
+and an answer naming Paris; its tokenizer, read without transformers, tokenizes as transformers' GemmaTokenizer.
 """
 
 from __future__ import annotations
@@ -72,6 +72,17 @@ def test_gemma3_270m_weights_greedy_tokens_and_an_answer(monkeypatch):
     del ours
     ids = model.tokenizer.encode(PROMPT)
     assert ids[0] == 2                                     # <bos>
+    # its tokenizer is read with `tokenizers` alone (GemmaTokenizer's own pipeline, models/tokenizer.py), as
+    # transformers' GemmaTokenizer of the same directory tokenizes
+    from transformers import AutoTokenizer
+
+    from speculant.models.tokenizer import FastTokenizer
+    hf = AutoTokenizer.from_pretrained(str(model.path))
+    assert isinstance(model.tokenizer, FastTokenizer) and type(hf).__name__ == "GemmaTokenizer"
+    for text in (PROMPT, "  émoji 🤖 中文\tand\n\nnewlines ", "<start_of_turn>user\nhi<end_of_turn>\n", "\x00 bytes"):
+        for special in (True, False):
+            assert model.tokenizer.encode(text, add_special_tokens=special) == hf.encode(text, add_special_tokens=special)
+        assert model.tokenizer.decode(hf.encode(text)) == hf.decode(hf.encode(text))
     with torch.inference_mode():
         want = _reference(model).generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):]
     out = build_generator(model, method="prompt-lookup", num_speculations=3).generate(

@@ -890,7 +890,9 @@ def load_tokenizer(path: str | Path):
     """The tokenizer of the HF-format directory ``path``, as ``AutoTokenizer`` would load it.
 
     When ``tokenizer_config.json`` names the generic fast class (``TokenizersBackend`` in transformers 5,
-    ``PreTrainedTokenizerFast``) and holds nothing that changes its backend, the tokenizer is a
+    ``PreTrainedTokenizerFast``), or a class that builds its own pipeline which ``tokenizer.json`` already holds
+    (:data:`~speculant.models.tokenizer.CLASS_PIPELINES`: Gemma's), and nothing that changes its backend, the
+    tokenizer is a
     :class:`~speculant.models.tokenizer.FastTokenizer` (the same ids, texts and chat prompts, without importing
     transformers: ~1 s of a later load); otherwise that class is loaded directly: the same object ``AutoTokenizer``
     returns, without importing its model-class registry.
@@ -903,11 +905,12 @@ def load_tokenizer(path: str | Path):
         cls = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError):
         cls = None
-    if cls in GENERIC_FAST_TOKENIZERS and (path / "tokenizer.json").is_file():
-        from .tokenizer import open_fast
+    from .tokenizer import CLASS_PIPELINES, open_fast
+    if (cls in GENERIC_FAST_TOKENIZERS or cls in CLASS_PIPELINES) and (path / "tokenizer.json").is_file():
         fast = open_fast(path)
         if fast is not None:
             return fast
+    if cls in GENERIC_FAST_TOKENIZERS and (path / "tokenizer.json").is_file():
         from transformers import PreTrainedTokenizerFast
         return PreTrainedTokenizerFast.from_pretrained(str(path))
     from transformers import AutoTokenizer
