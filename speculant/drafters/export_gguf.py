@@ -71,8 +71,8 @@ def export_gguf(head_dir: Path, target_dir: Path, llama_cpp: str | Path, timeout
                                  "HF-format directory with its tokenizer")
     out = head_dir / GGUF_NAME
     partial = out.with_suffix(".gguf.partial")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "gguf-py")] + [p for p in [os.environ.get(
-        "PYTHONPATH")] if p]))
+    paths = [str(root / "gguf-py"), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
     try:
         run = subprocess.run(converter_command(root, head_dir, target_dir, partial), env=env, capture_output=True,
                              text=True, timeout=timeout)
