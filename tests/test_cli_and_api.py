@@ -25,8 +25,12 @@ def test_load_hf_dir_round_trip(model_dir):
     loaded = load_model(str(model_dir), weights="fp32", compile=False)
     ref = tiny_model(seed=11, scale=2.5, vocab=64, layers=4, eos=63)
     ids = torch.tensor([[1, 2, 3, 4]])
+    got, want = loaded.decoder.state_dict(), ref.decoder.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)     # the weights, bitwise
+    # the logits within float32 rounding: the loaded model runs its float32 products on the route its tune measured
+    # fastest here, which may sum in another order than the default route of the model built in memory
     with torch.no_grad():
-        assert torch.allclose(loaded.decoder(ids), ref.decoder(ids), atol=1e-5)
+        torch.testing.assert_close(loaded.decoder(ids), ref.decoder(ids), rtol=1e-4, atol=1e-4)
     assert loaded.eos_token_ids == [63]
 
 
