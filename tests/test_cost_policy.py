@@ -317,6 +317,7 @@ def test_generate_json_reports_rounds_end_to_end(capsys, tmp_path):
     assert out["always"]["stats"]["ar_rounds"] <= 1 < out["always"]["stats"]["speculated_rounds"]
     tune = load_model(str(directory), weights="fp32", compile=False).tune
     assert "early-exit,exit_layer=2" in tune.draft_ms and tune.draft_ms["early-exit,exit_layer=2"] > 0
+    assert tune.draft_ms["early-exit,exit_layer=2 first"] > 0             # a round's first call, measured apart
     assert "early-exit,exit_layer=2 sampled" not in tune.draft_ms         # measured at the first sampled generation
     assert main(["generate", "t1 t2 t3 t4", "--model", str(directory), "--raw", "--json", "--max-new-tokens", "8",
                  "--method", "early-exit", "--exit-layer", "2", "--temperature", "1"]) == 0
@@ -355,3 +356,85 @@ def test_exploring_probes_at_depth_one_and_backs_off():
             drafted.append(d)
             s.observe(d, d)
     assert drafted[:3] == [1] * 3 and max(drafted) > 1 and len(drafted) > 100 and s.interval == 16   # drafting resumes
+
+
+def _losing_run(loss_budget, rounds=1000):
+    """A drafter whose drafts are never accepted under SWITCHING costs: returns the policy after ``rounds`` rounds,
+    the number of probes, and the loss [s] once the first rounds (which draft on the prior) stopped drafting."""
+    from speculant.engine.goodput import SequenceSpeculation
+    s = SequenceSpeculation(SWITCHING, loss_budget=loss_budget)
+    chain = lambda d: d                                            # noqa: E731
+    probes, settled = 0, None
+    for _ in range(rounds):
+        d = s.depth(4, chain)
+        probes += s._probing
+        if not d and settled is None:
+            settled = -s.saved
+        s.observe(d, 0, d, d)
+    return s, probes, settled
+
+
+def test_the_loss_budget_bounds_what_failing_probes_lose():
+    """Valued from the cost table, the probes of a drafter that is never accepted lose at most ``loss_budget`` (0.2 %) of the
+    rounds' time (plus the one probe that crossed the bound) beyond what its first rounds lost; with the bound lifted
+    the same drafter probes more and loses more (the check can fail)."""
+    s, probes, settled = _losing_run(0.002)
+    probe_loss = SWITCHING.forward_seconds[2] + SWITCHING.draft_seconds - SWITCHING.forward_seconds[1]
+    assert probes > 0 and -s.saved > settled                       # it probed, and lost
+    assert -s.saved <= settled + 0.002 * s.spent + probe_loss, (s.saved, s.spent, settled)
+    loose, loose_probes, _ = _losing_run(0.99)
+    assert loose_probes > probes and -loose.saved > settled + 0.002 * loose.spent + probe_loss
+
+
+def test_a_paying_drafter_is_not_held_back_by_the_budget(model, ar_ids):
+    """An always-right drafter saves time from its first round: the budget never stops it (all rounds draft)."""
+    gen = SpeculativeGenerator(model, OracleDrafter(PROMPT, ar_ids), ChainBuilder(4), costs=CHEAP)
+    toks, stats = run(gen)
+    assert toks == ar_ids and stats.ar_rounds == 0
+
+
+def test_an_unobserved_depth_takes_the_deepest_observed_estimate():
+    from speculant.engine.goodput import DepthAcceptance
+    a = DepthAcceptance(smoothing=0.5, prior=1.0)
+    assert a.alpha(1) == a.alpha(3) == 1.0
+    a.observe(4, 0)                                               # depth 1 rejected: depths 2.. never reached
+    assert a.alpha(1) == 0.5 and a.alpha(2) == a.alpha(4) == 0.5
+    a.observe(4, 1)                                               # depth 1 accepted, depth 2 rejected
+    assert a.alpha(1) == 0.75 and a.alpha(2) == 0.375 and a.alpha(3) == 0.375   # depth 2 started from depth 1's
+
+
+def test_a_costly_first_draft_call_is_charged_once_per_round():
+    """A round's drafting costs ``c_1 + (d - 1) c``: with a costly first call (an EAGLE head's catch-up) depth 1
+    alone does not pay where depth 3 does, which one cost per call could not express."""
+    from speculant.engine.goodput import DepthAcceptance, GoodputPolicy
+    table = CostTable({1: 1.0, 2: 1.1, 4: 1.3}, 0.05, first_draft_seconds=0.5)
+    assert table.drafting_seconds(0) == 0.0 and table.drafting_seconds(3) == pytest.approx(0.6)
+    assert CostTable({1: 1.0}, 0.05).drafting_seconds(3) == pytest.approx(0.15)
+    policy = GoodputPolicy(table.forward_seconds, warmup=0)
+    sure = DepthAcceptance(prior=0.6)
+    chain = lambda d: d                                            # noqa: E731
+    assert policy.draft_depth(1, sure, 1, chain, 0.05, first_draft_seconds=0.5) == 0
+    assert policy.draft_depth(1, sure, 3, chain, 0.05, first_draft_seconds=0.5) == 3
+    assert policy.draft_depth(1, sure, 1, chain, 0.05) == 1       # one cost per call: depth 1 pays
+    with pytest.raises(SpeculantError) as e:
+        CostTable({1: 1.0}, 0.05, first_draft_seconds=-1.0)
+    assert "first_draft_seconds=-1.0" in str(e.value)
+
+
+def test_a_depth_that_cannot_pay_is_refused_before_its_draft_call(model, ar_ids, monkeypatch):
+    """The confidence rule's ``refuses`` is asked before a depth's draft call with the best path confidence so far:
+    greedy outputs are unchanged and fewer draft calls are made than when each depth is first drafted and then
+    judged."""
+    from speculant.engine.goodput import SequenceSpeculation
+    spec = dict(method="early-exit", exit_layer=2, num_speculations=4)
+    toks, stats = run(build_generator(model, costs=SWITCHING, **spec))
+    real = SequenceSpeculation.stop_rule
+
+    def judged_after(self, nodes_at_depth):
+        rule = real(self, nodes_at_depth)
+        del rule.refuses
+        return rule
+    monkeypatch.setattr(SequenceSpeculation, "stop_rule", judged_after)
+    late_toks, late = run(build_generator(model, costs=SWITCHING, **spec))
+    assert toks == late_toks == ar_ids
+    assert stats.draft_forwards < late.draft_forwards, (stats.draft_forwards, late.draft_forwards)

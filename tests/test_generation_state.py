@@ -121,7 +121,8 @@ def _blocks(gen, prompt, cfg):
 
 def _comparable(stats):
     d = stats.to_dict()
-    for k in ("seconds", "tokens_per_second", "time_to_first_token_s", "draft_seconds", "accept_seconds"):
+    for k in ("seconds", "tokens_per_second", "time_to_first_token_s", "draft_seconds", "first_draft_seconds",
+              "accept_seconds"):
         d.pop(k)
     return d
 

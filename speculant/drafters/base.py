@@ -21,6 +21,7 @@ declaration, never which methods a class overrides.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Generic, TypeVar
 
@@ -81,6 +82,8 @@ class DecodingState(Generic[S]):
         tokens: prompt + emitted token ids; ``tokens[-1]`` is the root (slot n, not cached).
         sampling: the logits processing in force.
         draft_forwards: draft network calls so far.
+        first_draft_seconds: time of the rounds' first depth of drafting so far (its draft forward, which also
+            runs the entries committed since the last round, and the choice of its children) [s].
         layer_tokens: tokens each target layer has processed in this generation (``[L]``), counted by
             :meth:`run_layers`; the decoder's own ``layer_token_counts`` is shared by every generation.
         drafter_state: the drafter's per-generation state, returned by :meth:`Drafter.begin`.
@@ -90,6 +93,8 @@ class DecodingState(Generic[S]):
         draft_stop: set by a cost-aware policy for the round (else ``None``): ``draft_stop(depth, confidence)``
             is true when a drafter declaring ``draft_confidence`` should not add the nodes of ``depth`` whose best
             path confidence (product of draft probabilities, in [0, 1]) is ``confidence``; it then stops drafting.
+            Its optional ``refuses(depth, bound)`` is asked before a depth's draft call with the best path
+            confidence so far, and a true answer ends the tree without that call.
     """
 
     target: LlamaDecoder
@@ -97,6 +102,7 @@ class DecodingState(Generic[S]):
     tokens: list[int]
     sampling: SamplingConfig
     draft_forwards: int = 0
+    first_draft_seconds: float = 0.0
     layer_tokens: list[int] = field(default_factory=list)
     drafter_state: S | None = None
     controls: object = None
@@ -360,8 +366,13 @@ class ModelDrafterBase(Drafter[MS]):
         builder.reset()
         frontier, confidence = [-1], {-1: 1.0}
         controlled = state.controls is not None and state.controls.active
+        t0 = time.perf_counter()
         vocab = state.target.config.vocab_size
+        stop = state.draft_stop
         for depth in range(1, max_depth + 1):
+            if (depth > 1 and stop is not None and getattr(stop, "refuses", None) is not None
+                    and stop.refuses(depth, max(confidence[node] for node in frontier))):
+                break                                           # the call could not pay, whatever it drafts
             logits, ids = self.frontier_draft_logits(state, tree, frontier[0] + 1, depth - 1)
             state.draft_forwards += 1
             ds.processed = len(tree) + 1
@@ -375,15 +386,17 @@ class ModelDrafterBase(Drafter[MS]):
             kids = builder.expand(depth, q, state.sampling.greedy, generator)
             if controlled:
                 kids = allowed_children(q, kids)
-            if state.draft_stop is not None:
-                if state.draft_stop(depth, depth_confidence(confidence, frontier, q, kids)):
+            if depth == 1:                                      # the cost policy's first-call figure (calibration)
+                state.first_draft_seconds += time.perf_counter() - t0
+            if stop is not None:
+                if stop(depth, depth_confidence(confidence, frontier, q, kids)):
                     break
             rows = [f for f, toks in enumerate(kids) for _ in toks]
             parents = [frontier[f] for f in rows]
             room = max_nodes - len(tree)
             tokens = [t for toks in vocabulary_tokens(kids, ids) for t in toks][:room]
             new = [tree.add(p, t) for p, t in zip(parents, tokens)]     # per node: cheaper than batched writes here
-            if state.draft_stop is not None and new:            # a path's confidence: its parent's times q(child)
+            if stop is not None and new:                        # a path's confidence: its parent's times q(child)
                 cols = [t for toks in kids for t in toks][:room]
                 confidence.update(zip(new, (confidence[p] * c for p, c in zip(parents, q[rows[:room], cols].tolist()))))
             if not new or len(parents) > room:

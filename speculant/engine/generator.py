@@ -228,10 +228,10 @@ class SpeculativeGenerator:
         max_nodes, max_depth = draft_limits(state, builder, budget, remaining)
         if sizer is not None:
             max_depth = sizer.depth(state, max_depth)
-        t0 = time.perf_counter()
+        t0, forwards = time.perf_counter(), state.draft_forwards
         tree = self.drafter.draft(state, builder, generator, max_nodes, max_depth)
         stats.draft_seconds += time.perf_counter() - t0
-        stats.draft_forwards = state.draft_forwards
+        stats.draft_forwards, stats.first_draft_seconds = state.draft_forwards, state.first_draft_seconds
         logits = self.drafter.verify_logits(state, tree)
         stats.target_forwards += 1
         accepted, t0 = stats.accepted_tokens, time.perf_counter()
@@ -239,7 +239,8 @@ class SpeculativeGenerator:
                                   remaining, eos, stats, verification=self.verification)
         stats.accept_seconds += time.perf_counter() - t0
         if sizer is not None:
-            sizer.observe(tree.max_depth, stats.accepted_tokens - accepted)
+            calls = max(state.draft_forwards - forwards, tree.max_depth)    # prompt lookup: no forwards
+            sizer.observe(tree.max_depth, stats.accepted_tokens - accepted, len(tree), calls)
         return block
 
     # ---------------------------------------------------------------- text layer

@@ -148,19 +148,23 @@ class GoodputPolicy:
         return 0
 
     def draft_depth(self, batch: int, acceptance: "DepthAcceptance", max_depth: int, nodes_at_depth,
-                    draft_seconds_per_call: float, overhead_seconds: float = 0.0) -> int:
+                    draft_seconds_per_call: float, overhead_seconds: float = 0.0,
+                    first_draft_seconds: float | None = None) -> int:
         """The depth ``d`` in ``0 .. max_depth`` (0: an ``ar`` round) whose round of ``batch`` sequences has the most
-        expected tokens per second: ``batch * E(d) / (cost(batch * (1 + nodes_at_depth(d))) + batch * (d *
-        draft_seconds_per_call + overhead_seconds))``, ``E(d) = 1 + sum_j prod_{i<=j} alpha_i`` from the running
-        acceptance per depth (Leviathan et al. 2023, Sec. 3.1, with a measured cost per row count instead of a
-        constant ratio; SmartSpec's goodput).  Deterministic given its inputs."""
+        expected tokens per second: ``batch * E(d) / (cost(batch * (1 + nodes_at_depth(d))) + batch * (D(d) +
+        overhead_seconds))``, ``E(d) = 1 + sum_j prod_{i<=j} alpha_i`` from the running acceptance per depth
+        (Leviathan et al. 2023, Sec. 3.1, with a measured cost per row count instead of a constant ratio;
+        SmartSpec's goodput), ``D(d) = first_draft_seconds + (d - 1) * draft_seconds_per_call`` the drafting
+        (``first_draft_seconds`` defaults to ``draft_seconds_per_call``).  Deterministic given its inputs."""
         best, best_rate = 0, batch / (self.cost(batch) + batch * overhead_seconds)
+        first = draft_seconds_per_call if first_draft_seconds is None else first_draft_seconds
         reach = 1.0
         expected = 1.0
         for d in range(1, max_depth + 1):
             reach *= acceptance.alpha(d)
             expected += reach
-            seconds = self.cost(batch * (1 + nodes_at_depth(d))) + batch * (d * draft_seconds_per_call + overhead_seconds)
+            drafting = first + (d - 1) * draft_seconds_per_call
+            seconds = self.cost(batch * (1 + nodes_at_depth(d))) + batch * (drafting + overhead_seconds)
             if batch * expected / seconds > best_rate:
                 best, best_rate = d, batch * expected / seconds
         return best
@@ -192,7 +196,9 @@ class GoodputPolicy:
 class DepthAcceptance:
     """Running acceptance per depth of one generation: ``alpha_d`` = P(the depth-``d`` token is accepted | the
     path up to depth ``d - 1`` was), an exponential mean (weight ``smoothing``) over the rounds that drafted depth
-    ``d`` with ``d - 1`` accepted, starting at ``prior``.  Updated from accepted lengths only (no timing), so a
+    ``d`` with ``d - 1`` accepted, starting at ``prior``; a depth not observed yet takes the estimate of the deepest
+    one observed (acceptance seldom rises with depth: a first depth seen to fail must not leave deeper drafts
+    looking certain).  Updated from accepted lengths only (no timing), so a
     choice made from it is the same whenever the tokens are.  (A bias-corrected mean, the first observations
     weighing ``1 / (n + 1)``, was measured: it stopped prompt lookup's drafting after short runs of misses, τ 1.70 ->
     1.57 on Spec-Bench, BENCHMARKS.md AJ.)
@@ -211,13 +217,15 @@ class DepthAcceptance:
 
     def alpha(self, depth: int) -> float:
         """``alpha_depth`` (depth >= 1)."""
-        return self.alphas[depth - 1] if depth <= len(self.alphas) else self.prior
+        if depth <= len(self.alphas):
+            return self.alphas[depth - 1]
+        return self.alphas[-1] if self.alphas else self.prior
 
     def observe(self, drafted_depth: int, accepted: int) -> None:
         """A round drafted a tree of ``drafted_depth`` depths and accepted ``accepted`` tokens of it."""
         for d in range(1, min(accepted + 1, drafted_depth) + 1):
             while len(self.alphas) < d:
-                self.alphas.append(self.prior)
+                self.alphas.append(self.alpha(d))
             self.alphas[d - 1] += self.smoothing * (float(d <= accepted) - self.alphas[d - 1])
 
 
@@ -228,21 +236,36 @@ class CostTable:
 
     Attributes:
         forward_seconds: ``{rows: seconds}`` of one target forward over ``rows`` new tokens (rows >= 1).
-        draft_seconds: seconds of one draft call (one depth of drafting) [s, >= 0].
+        draft_seconds: seconds of one draft call (one depth of drafting) after a round's first [s, >= 0].
+        first_draft_seconds: seconds of a round's first draft call [s, >= 0]; ``None``: ``draft_seconds``.  A
+            model drafter's first call also runs the entries committed since its last round (an EAGLE head's
+            catch-up over the accepted tokens' features), so it may cost more than the deeper ones.
     Raises:
-        SpeculantError: an empty or non-positive ``forward_seconds``, or a negative ``draft_seconds``.
+        SpeculantError: an empty or non-positive ``forward_seconds``, or a negative draft figure.
     """
 
     forward_seconds: dict
     draft_seconds: float
+    first_draft_seconds: float | None = None
+
+    def drafting_seconds(self, calls: int) -> float:
+        """Seconds of a round's ``calls`` draft calls [s] (0 for none)."""
+        if calls < 1:
+            return 0.0
+        first = self.draft_seconds if self.first_draft_seconds is None else self.first_draft_seconds
+        return first + (calls - 1) * self.draft_seconds
 
     def __post_init__(self):
         fs = self.forward_seconds
         if (not isinstance(fs, dict) or not fs
                 or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 or not s > 0 for r, s in fs.items())):
             raise SpeculantError(f"forward_seconds={fs!r} is invalid; allowed: a non-empty {{rows >= 1: seconds > 0}}")
-        if not isinstance(self.draft_seconds, (int, float)) or not self.draft_seconds >= 0:
-            raise SpeculantError(f"draft_seconds={self.draft_seconds!r} is invalid; allowed: a number >= 0")
+        for name in ("draft_seconds", "first_draft_seconds"):
+            value = getattr(self, name)
+            if value is None and name == "first_draft_seconds":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise SpeculantError(f"{name}={value!r} is invalid; allowed: a number >= 0")
 
 
 class SequenceSpeculation:
@@ -257,36 +280,60 @@ class SequenceSpeculation:
     every deeper depth's value rests), unless no depth could pay even if every draft were accepted
     (:meth:`could_pay`).  Each probe whose draft is rejected doubles the interval, up to ``max_explore_every``
     (exponential back-off: a drafter that keeps failing costs a vanishing share of the rounds); an accepted one
-    keeps it; a round that drafts by choice (the probes' acceptance made drafting pay) resets it.  Deterministic
-    given the tokens.
+    keeps it; a round that drafts by choice (the probes' acceptance made drafting pay) resets it.
+
+    A loss budget bounds what exploring can lose: every round is valued from the cost table, a drafting round by
+    the time it saved against ``ar`` rounds emitting its tokens (``(1 + accepted) cost(1) - cost(1 + nodes) -
+    drafting``, negative when its drafts did not pay), and no probe is made while the sum of those values is below
+    ``-loss_budget`` times the table's time of all rounds so far: a drafter whose probes keep failing costs the
+    generation about that share, and one that pays earns room to explore.  Rounds that draft by choice are not held
+    back (gating them too stopped prompt lookup between its bursts of matches: τ 1.40 -> 1.22 on Spec-Bench).
+    Counts and fixed costs only: deterministic given the tokens.
 
     Raises:
-        SpeculantError: ``explore_every < 1`` or ``max_explore_every < explore_every`` (and see
-            :class:`CostTable`, :class:`DepthAcceptance`).
+        SpeculantError: ``explore_every < 1``, ``max_explore_every < explore_every`` or ``loss_budget`` outside
+            [0, 1) (and see :class:`CostTable`, :class:`DepthAcceptance`).
     """
 
     def __init__(self, costs: CostTable, explore_every: int = 16, smoothing: float = 0.2,
-                 max_explore_every: int = 256):
+                 max_explore_every: int = 256, loss_budget: float = 0.01):
         if explore_every < 1 or max_explore_every < explore_every:
             raise SpeculantError(f"explore_every={explore_every}, max_explore_every={max_explore_every} are out of "
                                  "range; allowed: 1 <= explore_every <= max_explore_every")
+        if not 0.0 <= loss_budget < 1.0:
+            raise SpeculantError(f"loss_budget={loss_budget} is out of range; allowed: [0, 1)")
         self.costs, self.explore_every, self.max_explore_every = costs, explore_every, max_explore_every
         self.policy = GoodputPolicy(costs.forward_seconds, warmup=0, explore_every=explore_every)
         self.acceptance = DepthAcceptance(smoothing)
         self.interval = explore_every        # rounds without drafts before the next probe [count]
+        self.loss_budget = loss_budget
+        self.saved = 0.0                     # table seconds the drafting rounds saved against ar rounds [s]
+        self.spent = 0.0                     # table seconds of every round so far [s]
         self._without = 0
         self._probing = False                # the last depth returned was a probe's
         self._first = True                   # no round sized yet
 
+    def _depth(self, max_depth: int, nodes_at_depth, acceptance) -> int:
+        c = self.costs
+        return self.policy.draft_depth(1, acceptance, max_depth, nodes_at_depth, c.draft_seconds,
+                                       first_draft_seconds=c.first_draft_seconds)
+
+    def within_budget(self) -> bool:
+        """Whether drafting has lost less than ``loss_budget`` of the rounds' time so far."""
+        return self.saved + self.loss_budget * self.spent >= 0.0
+
     def depth(self, max_depth: int, nodes_at_depth) -> int:
         """The next round's depth bound (0: an ``ar`` round)."""
-        if self._first and max_depth > 0:
+        self._probing = False
+        if max_depth < 1:
+            return 0
+        if self._first:
             self._first = False
             return 1 if self.could_pay(max_depth, nodes_at_depth) else 0
-        d = self.policy.draft_depth(1, self.acceptance, max_depth, nodes_at_depth, self.costs.draft_seconds)
-        if d == 0 and max_depth > 0 and self.could_pay(max_depth, nodes_at_depth):
+        d = self._depth(max_depth, nodes_at_depth, self.acceptance)
+        if d == 0 and self.could_pay(max_depth, nodes_at_depth):
             self._without += 1
-            if self._without >= self.interval:
+            if self._without >= self.interval and self.within_budget():
                 self._without = 0
                 self._probing = True
                 return 1
@@ -298,33 +345,47 @@ class SequenceSpeculation:
     def could_pay(self, max_depth: int, nodes_at_depth) -> bool:
         """Whether some depth would pay if every drafted token were accepted (else exploring is useless: drafts
         that cost more than the target's rows they replace never pay, whatever their acceptance)."""
-        return self.policy.draft_depth(1, _ALWAYS, max_depth, nodes_at_depth, self.costs.draft_seconds) > 0
+        return self._depth(max_depth, nodes_at_depth, _ALWAYS) > 0
 
     def stop_rule(self, nodes_at_depth):
         """``draft_stop(depth, confidence)`` for a drafter with draft confidence: refuse a depth when adding its
         nodes, valued at their path confidence, lowers the expected tokens per second of the round
-        (EAGLE-2's dynamic depth; llama.cpp's ``--draft-p-min`` with the threshold from the costs)."""
+        (EAGLE-2's dynamic depth; llama.cpp's ``--draft-p-min`` with the threshold from the costs).  Its
+        ``refuses(depth, bound)`` is asked before the depth's draft call, so that a call is not made for a depth
+        that could not pay for it (and its nodes) even at the best confidence it could have."""
         expected = [1.0]
-        cost, dcall = self.policy.cost, self.costs.draft_seconds
+        cost, drafting = self.policy.cost, self.costs.drafting_seconds
 
         def stop(depth: int, confidence: float) -> bool:
-            spent = depth * dcall
+            spent = drafting(depth)
             before = expected[0] / (cost(1 + nodes_at_depth(depth - 1)) + spent)
             after = (expected[0] + confidence) / (cost(1 + nodes_at_depth(depth)) + spent)
             if after <= before:
                 return True
             expected[0] += confidence
             return False
+
+        def refuses(depth: int, bound: float) -> bool:
+            """Before depth ``depth``'s draft call: whether that depth cannot pay for its call and its nodes even
+            at confidence ``bound`` (the best path confidence so far, which its own can only lower)."""
+            before = expected[0] / (cost(1 + nodes_at_depth(depth - 1)) + drafting(depth - 1))
+            return (expected[0] + bound) / (cost(1 + nodes_at_depth(depth)) + drafting(depth)) <= before
+        stop.refuses = refuses
         return stop
 
-    def observe(self, drafted_depth: int, accepted: int) -> None:
-        """The round drafted ``drafted_depth`` depths and accepted ``accepted`` tokens."""
+    def observe(self, drafted_depth: int, accepted: int, nodes: int = 0, calls: int = 0) -> None:
+        """The round drafted ``drafted_depth`` depths (``nodes`` tree nodes, in ``calls`` draft calls: a drafter
+        with draft confidence may make one more call than the depths it kept) and accepted ``accepted`` tokens."""
         if self._probing:
-            self._probing = False
             if not accepted:
                 self.interval = min(2 * self.interval, self.max_explore_every)
         if drafted_depth:
             self.acceptance.observe(drafted_depth, accepted)
+        cost = self.policy.cost
+        seconds = cost(1 + nodes) + self.costs.drafting_seconds(calls)
+        self.spent += seconds
+        if calls or nodes:
+            self.saved += (1 + accepted) * cost(1) - seconds
 
 
 _ALWAYS = DepthAcceptance(prior=1.0)

@@ -10,7 +10,8 @@ policy calls the same function with its batch size), through
   tuner's pass over all projections at 1, 2, 4, 5, 8 and 16 rows), linear in between;
 * ``c``: seconds of one draft call (one depth of drafting) of this drafter, measured once per machine, model and
   drafter by :func:`draft_seconds` (a short greedy generation that drafts every round, the draft calls timed as they
-  run between verifications) and kept with the tune; for sampled generations a second figure, measured the same way
+  run between verifications) and kept with the tune, the round's first call apart (``c_1``: a model drafter's first
+  call also runs the entries committed since its last round, and it is the only call of a depth-1 round); for sampled generations a second figure, measured the same way
   at temperature 1, also holds the acceptance's time per draft call (recursive rejection sampling's residual
   distributions over the vocabulary, which a greedy round does not compute), so that sampling does not draft where
   its extra work makes a round cost more than it gives;
@@ -102,31 +103,36 @@ def monotone(table: dict[int, float]) -> dict[int, float]:
 
 SAMPLED = " sampled"
 """Suffix of a drafter signature in ``draft_ms`` for the figure measured at temperature 1 (:func:`draft_seconds`)."""
+FIRST = " first"
+"""Suffix (after :data:`SAMPLED`, if any) of the key of a round's first draft call in ``draft_ms``."""
 
 
-def draft_seconds(model, drafter, builder: TreeBuilder, signature: str, sampled: bool = False) -> float:
-    """Seconds of one draft call of ``drafter`` on ``model`` [s]: ``model.tune.draft_ms[signature]`` (``sampled``:
-    ``[signature + SAMPLED]``, acceptance included) if measured, else :func:`measure_draft_seconds`, then kept there
-    (and saved with the tune)."""
+def draft_seconds(model, drafter, builder: TreeBuilder, signature: str, sampled: bool = False) -> tuple[float, float]:
+    """Seconds of a round's first draft call and of each further one of ``drafter`` on ``model`` [s]:
+    ``model.tune.draft_ms[signature + FIRST]`` and ``[signature]`` (``sampled``: ``signature + SAMPLED``, acceptance
+    included) if measured, else :func:`measure_draft_seconds`, then kept there (and saved with the tune)."""
     tune = model.tune
     key = signature + (SAMPLED if sampled else "")
-    if key not in tune.draft_ms:
-        tune.draft_ms[key] = round(measure_draft_seconds(model, drafter, builder, sampled=sampled) * 1e3, 6)
+    if key not in tune.draft_ms or key + FIRST not in tune.draft_ms:
+        first, further = measure_draft_seconds(model, drafter, builder, sampled=sampled)
+        tune.draft_ms[key], tune.draft_ms[key + FIRST] = round(further * 1e3, 6), round(first * 1e3, 6)
         from ..runtime import tune as tune_module
         tune_module.save(tune)
-    return tune.draft_ms[key] / 1e3
+    return tune.draft_ms[key + FIRST] / 1e3, tune.draft_ms[key] / 1e3
 
 
 def measure_draft_seconds(model, drafter, builder: TreeBuilder, tokens: int = CALIBRATION_TOKENS,
-                          repeats: int = 3, budget: float = CALIBRATION_SECONDS, sampled: bool = False) -> float:
+                          repeats: int = 3, budget: float = CALIBRATION_SECONDS,
+                          sampled: bool = False) -> tuple[float, float]:
     """Time ``drafter``'s draft calls as they run in decoding, between the target's verifications: generations of
     ``tokens`` tokens that draft every round (``--speculation always``) from a prompt of a 24-token random pattern
     said twice (so that prompt lookup finds continuations; EOS ignored), greedy, or with ``sampled`` at temperature
     1 (seed 7), a warm-up of ``tokens // 4`` tokens and then up to ``repeats``, fewer once the timed ones took
-    ``budget`` seconds (at least one); seconds in ``draft`` per draft forward (per drafted depth for a drafter
-    without forwards, prompt lookup), with ``sampled`` plus the rounds' acceptance time beyond an ``ar`` round's
-    one draw (the residual distributions), the least of the repeats (the figure least disturbed by other work)
-    [s]; 0 if nothing drafted.  ~1 s for SmolLM2-135M on 2 cores in ``w4a8``."""
+    ``budget`` seconds (at least one).  Returns ``(first, further)``: seconds in ``draft`` per round's first draft
+    forward and per further one (both per drafted depth for a drafter without forwards, prompt lookup), with
+    ``sampled`` each plus the rounds' acceptance time beyond an ``ar`` round's one draw (the residual
+    distributions) per draft call; each the least of the repeats (the figure least disturbed by other work) [s];
+    ``(0, 0)`` if nothing drafted.  ~1 s for SmolLM2-135M on 2 cores in ``w4a8``."""
     from ..sampling import SamplingConfig
     from .generator import GenerationConfig, SpeculativeGenerator
     from .stats import GenerationStats
@@ -135,7 +141,7 @@ def measure_draft_seconds(model, drafter, builder: TreeBuilder, tokens: int = CA
     gen = SpeculativeGenerator(model, drafter, builder)
     sampling = SamplingConfig(temperature=1.0, seed=7) if sampled else SamplingConfig()
     draw = draw_seconds(vocab, sampling) if sampled else 0.0       # an ar round's acceptance: one draw
-    best, spent = float("inf"), 0.0
+    best, best_first, spent = float("inf"), float("inf"), 0.0
     for rep in range(repeats + 1):
         stats = GenerationStats()
         config = GenerationConfig(max_new_tokens=tokens if rep else max(1, tokens // 4), ignore_eos=True,
@@ -145,12 +151,17 @@ def measure_draft_seconds(model, drafter, builder: TreeBuilder, tokens: int = CA
             pass
         calls = stats.draft_forwards or sum(stats.drafted_at_depth)
         if rep and calls:                                            # the first is a warm-up
-            extra = stats.accept_seconds - stats.rounds * draw if sampled else 0.0
-            best = min(best, (stats.draft_seconds + max(extra, 0.0)) / calls)
+            extra = max(stats.accept_seconds - stats.rounds * draw, 0.0) / calls if sampled else 0.0
+            firsts = stats.drafted_at_depth[0] if stats.draft_forwards and stats.first_draft_seconds else 0
+            if firsts and calls > firsts:
+                best_first = min(best_first, stats.first_draft_seconds / firsts + extra)
+                best = min(best, (stats.draft_seconds - stats.first_draft_seconds) / (calls - firsts) + extra)
+            else:
+                best = best_first = min(best, stats.draft_seconds / calls + extra)
         spent += (time.perf_counter() - t0) if rep else 0.0
         if spent >= budget:
             break
-    return best if best < float("inf") else 0.0
+    return (best_first, best) if best < float("inf") else (0.0, 0.0)
 
 
 def draw_seconds(vocab: int, sampling, repeats: int = 5) -> float:
@@ -174,7 +185,8 @@ def cost_table(model, drafter, builder: TreeBuilder | None, signature: str, samp
     forward = forward_seconds(model)
     if forward is None:
         return None
-    return CostTable(forward, draft_seconds(model, drafter, builder, signature, sampled))
+    first, further = draft_seconds(model, drafter, builder, signature, sampled)
+    return CostTable(forward, further, first)
 
 
 class RoundSizer:
@@ -194,8 +206,13 @@ class RoundSizer:
         state.draft_stop = self.speculation.stop_rule(self.nodes) if d and self.confidence else None
         return d
 
-    def observe(self, drafted_depth: int, accepted: int) -> None:
-        self.speculation.observe(drafted_depth, accepted)
+    def observe(self, drafted_depth: int, accepted: int, nodes: int | None = None, calls: int | None = None) -> None:
+        """The round's tree had ``drafted_depth`` depths and ``nodes`` nodes (default: the builder's full tree at
+        that depth), drafted in ``calls`` draft calls (default: one per depth), and ``accepted`` tokens of it were
+        accepted."""
+        nodes = self.nodes(drafted_depth) if nodes is None else nodes
+        calls = drafted_depth if calls is None else calls
+        self.speculation.observe(drafted_depth, accepted, nodes, calls)
 
 
 def timed(fn, *args):

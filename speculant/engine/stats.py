@@ -26,6 +26,8 @@ class GenerationStats:
         speculated_rounds / ar_rounds: rounds that verified at least one drafted token / none (an ``ar`` round:
             nothing drafted, chosen by ``--speculation cost`` or with nothing to draft) [count].
         draft_seconds: time spent in the drafter's ``draft`` calls [s].
+        first_draft_seconds: the part of ``draft_seconds`` spent on the rounds' first depth (a model drafter's
+            first draft forward of the round, which also runs the entries committed since its last one) [s].
         accept_seconds: time spent accepting and committing the rounds' blocks [s].
     """
 
@@ -44,6 +46,7 @@ class GenerationStats:
     speculated_rounds: int = 0
     ar_rounds: int = 0
     draft_seconds: float = 0.0
+    first_draft_seconds: float = 0.0
     accept_seconds: float = 0.0
 
     def record_round(self, tree_size: int, tree_depth: int, accepted: int) -> None:

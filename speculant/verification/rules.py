@@ -120,8 +120,10 @@ def recursive_rejection_sampling_batch(tokens: torch.Tensor, children: torch.Ten
             ok = trying & (qx > 0) & (u * qx < rx)
             accepted = torch.where(ok, child, accepted)
             trying = trying & ~ok
+            if not bool(trying.any()):          # every row accepted a child: no residual is needed (same draws)
+                break
             r = torch.where(trying[:, None], residual(r, big_q), r)
-            if without_replacement:
+            if without_replacement and j + 1 < kids.shape[1]:   # a next sibling's proposal (none after the last)
                 big_q = torch.where(trying[:, None], remove_token(big_q, x), big_q)
         done = active & (accepted < 0)
         if bool(done.any()):
