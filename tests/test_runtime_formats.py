@@ -1,6 +1,7 @@
 """Weight formats, batch invariance, the kernel tuner's cache, compiled steps and the packed-weight store."""
 
 import copy
+import os
 import importlib.util
 import json
 import warnings
@@ -214,6 +215,43 @@ def test_packed_store_round_trip(tmp_path):
         assert torch.equal(back(ids), model.decoder(ids))
     other = packable_tiny().config.with_layers(3)
     assert load_packed(path, other) is None           # made for another config: ignored
+
+
+def _file_mapped(t: torch.Tensor, path) -> bool:
+    """Whether ``t``'s bytes lie in a mapping of file ``path`` (``/proc/self/maps``)."""
+    ptr, real = t.data_ptr(), os.path.realpath(path)
+    for line in open("/proc/self/maps"):
+        parts = line.split()
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if len(parts) >= 6 and parts[5] == real and lo <= ptr < hi:
+            return True
+    return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc/self/maps")
+def test_a_packed_load_maps_the_token_embedding(tmp_path):
+    """The float32 token embedding of a packed copy is mapped from the file (a process holds only the rows it
+    gathers), copy-on-write (writing it leaves the file alone), with the same values and outputs; the packed
+    projections are read into memory; a file cut short inside the embedding is not loaded."""
+    model = in_format(packable_tiny(), "w4a8" if format_available("w4a8") else "int8")
+    path = save_packed(model.decoder, tmp_path / "p.safetensors")
+    back = load_packed(path, model.config)
+    emb = back.embed_tokens.weight
+    assert torch.equal(emb, model.decoder.embed_tokens.weight) and emb.dtype == torch.float32
+    assert _file_mapped(emb, path)
+    assert not any(_file_mapped(b, path) for n, b in back.named_buffers() if "embed" not in n)
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        assert torch.equal(back(ids), model.decoder(ids))
+        emb[3] = 7.0                                           # copy-on-write: the file keeps its bytes
+    again = load_packed(path, model.config)
+    assert torch.equal(again.embed_tokens.weight, model.decoder.embed_tokens.weight)
+    data = path.read_bytes()
+    header_len = int.from_bytes(data[:8], "little")
+    start, end = json.loads(data[8:8 + header_len])["embed_tokens.weight"]["data_offsets"]
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[:8 + header_len + (start + end) // 2])      # the file ends inside the mapped embedding
+    assert load_packed(cut, model.config) is None
 
 
 def test_eager_fallback_without_a_compiler(monkeypatch):

@@ -24,6 +24,11 @@ SCHEMA = "speculant-packed-4"      # 2: w4a8/w8a8 rows interleaved by 8, float16
 #                                    quantized here (HF checkpoints) by gguf's reference Q4_1 / Q8_0 quantizers
 
 
+MAPPED = frozenset({"embed_tokens.weight"})
+"""Tensors of a packed decoder that loads map instead of reading (:func:`read_safetensors`): the float32 token
+embedding, gathered a few rows a step (a packed model's LM head is its own packed projection)."""
+
+
 def packed_path(model_dir: Path, fmt: str) -> Path:
     """Where a model directory's packed copy in format ``fmt`` lives."""
     return Path(model_dir) / f"packed-{fmt}-torch{torch.__version__.split('+')[0]}.safetensors"
@@ -51,12 +56,16 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 """safetensors dtype names -> torch dtypes (the safetensors format's table)."""
 
 
-def read_safetensors(path: Path, header_only: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
+def read_safetensors(path: Path, header_only: bool = False,
+                     mapped: frozenset[str] = frozenset()) -> tuple[dict, dict[str, torch.Tensor]]:
     """``(metadata, tensors)`` of the safetensors file ``path`` (format: an 8-byte little-endian header length, a
     JSON header of ``name -> {dtype, shape, data_offsets}`` and ``__metadata__``, then the data).  Each tensor is
     read (``readinto``, one sequential pass) into its own torch allocation: aligned for our kernels (torch's int8
     kernel crashed on a tensor at an unaligned file offset) and without the page faults of first touching a mapped
     file (copying mapped tensors took seconds for SmolLM2's 210 MB).  ``header_only``: no tensors read.
+    ``mapped``: names of tensors mapped from the file instead (copy-on-write: a write stays in this process), where
+    their bytes sit at an offset of a multiple of their element size: only the pages a process touches are read and
+    held (a token embedding, of which a generation gathers a few rows: 1 GB in float32 for a 128k-token vocabulary).
 
     Raises:
         OSError: unreadable file; ValueError: a malformed header, an unknown dtype or a short file.
@@ -72,15 +81,33 @@ def read_safetensors(path: Path, header_only: bool = False) -> tuple[dict, dict[
         state, base = {}, 8 + size
         for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             start, end = info["data_offsets"]
-            t = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
+            t = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]], device="meta")
             if t.numel() * t.element_size() != end - start:
                 raise ValueError(f"{path}: tensor {name} holds {end - start} bytes for shape {info['shape']}")
+            if name in mapped and end > start and (base + start) % t.element_size() == 0:
+                state[name] = _mapped(path, base + start, end - start, t)
+                continue
+            t = torch.empty_like(t, device="cpu")
             if end > start:
                 f.seek(base + start)
                 if f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy())) != end - start:
                     raise ValueError(f"{path}: file ends inside tensor {name}")
             state[name] = t
     return meta, state
+
+
+def _mapped(path: Path, offset: int, n_bytes: int, like: torch.Tensor) -> torch.Tensor:
+    """The ``n_bytes`` at ``offset`` of file ``path`` as a tensor shaped and typed as ``like`` (a meta tensor),
+    mapped copy-on-write (numpy's ``memmap`` mode ``c``), with the file size checked first.
+
+    Raises:
+        ValueError: the file ends before ``offset + n_bytes``.
+    """
+    import numpy as np
+    if os.path.getsize(path) < offset + n_bytes:
+        raise ValueError(f"{path}: file ends inside a tensor at bytes {offset}..{offset + n_bytes}")
+    raw = np.memmap(path, dtype=np.uint8, mode="c", offset=offset, shape=(n_bytes,))
+    return torch.from_numpy(raw).view(like.dtype).view(like.shape)
 
 
 def load_packed(path: Path, cfg: ModelConfig) -> LlamaDecoder | None:
@@ -93,7 +120,7 @@ def load_packed(path: Path, cfg: ModelConfig) -> LlamaDecoder | None:
         if meta.get("schema") != SCHEMA or json.loads(meta["config"]) != json.loads(json.dumps(cfg.to_hf_dict())):
             return None
         modules = json.loads(meta["modules"])
-        _, state = read_safetensors(path)
+        _, state = read_safetensors(path, mapped=MAPPED)
     except (OSError, ValueError, KeyError):
         return None
     with torch.device("meta"):
