@@ -552,7 +552,7 @@ def measure_prompt_route(executor, lengths=PROMPT_LENGTHS, log=None) -> tuple[in
                         if rep or i:                                    # the first pass of all is a warm-up
                             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
                 ms[str(n)] = {k: round(v * 1e3, 3) for k, v in best.items()}
-                if best["fused"] >= best["layer step"] * (1 - CHOICE_NOISE):     # the routes' bits differ: a
+                if ms[str(n)]["fused"] >= ms[str(n)]["layer step"] * (1 - CHOICE_NOISE):   # the routes' bits differ: a
                     break                                        # choice within the noise would flip between tunes
                 limit = n
     finally:
@@ -637,10 +637,11 @@ def measure_kv_cache(executor, repeats: int = 15, log=None) -> tuple[str, dict]:
                         best[name] = min(best[name], time.perf_counter() - t)
     finally:
         executor.kv_dtype = before
-    choice = "float16" if best["float16"] < best["float32"] * (1 - CHOICE_NOISE) else "float32"
+    ms = {k: round(v * 1e3, 3) for k, v in best.items()}       # decided on the figures kept, so they explain it
+    choice = "float16" if ms["float16"] < ms["float32"] * (1 - CHOICE_NOISE) else "float32"
     if log is not None:
         print(f"speculant: KV cache timed in {time.perf_counter() - start:.1f} s: {choice}", file=log, flush=True)
-    return choice, {k: round(v * 1e3, 3) for k, v in best.items()}
+    return choice, ms
 
 
 def keep_default_threads(ms: dict, default: int, noise: float = CHOICE_NOISE) -> int:
