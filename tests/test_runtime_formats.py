@@ -18,7 +18,7 @@ from speculant.runtime import compiled, tune
 from speculant.runtime import formats
 from speculant.runtime.formats import (PROJECTIONS, Int4Linear, PackedLinear, apply_weight_format, format_available,
                                        head_format, pack_linear, quantize_q4)
-from speculant.runtime.store import load_packed, save_packed
+from speculant.runtime.store import load_packed, map_saved, save_packed
 from speculant.runtime.executor import executor_of
 
 FORMATS = tuple(f for f in formats.FORMATS if format_available(f))     # w4a8: where our AVX2 kernel runs
@@ -252,6 +252,27 @@ def test_a_packed_load_maps_the_token_embedding(tmp_path):
     cut = tmp_path / "cut.safetensors"
     cut.write_bytes(data[:8 + header_len + (start + end) // 2])      # the file ends inside the mapped embedding
     assert load_packed(cut, model.config) is None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc/self/maps")
+def test_the_first_load_holds_the_saved_embedding_mapped(tmp_path):
+    """After saving its packed copy (the first load's last step), a decoder's token embedding is swapped for its
+    mapping in that copy: same values and logits, its bytes counted as no longer held; a copy of another shape is
+    not swapped in."""
+    model = in_format(packable_tiny(), "w4a8" if format_available("w4a8") else "int8")
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        want_logits = model.decoder(ids)
+    want = model.decoder.embed_tokens.weight.clone()
+    path = save_packed(model.decoder, tmp_path / "p.safetensors")
+    assert map_saved(model.decoder, path) == want.numel() * 4
+    emb = model.decoder.embed_tokens.weight
+    assert _file_mapped(emb, path) and torch.equal(emb, want) and not emb.requires_grad
+    with torch.no_grad():
+        assert torch.equal(model.decoder(ids), want_logits)
+    other = in_format(packable_tiny(), "int8")
+    other.decoder.embed_tokens.weight = torch.nn.Parameter(torch.zeros(5, 64), requires_grad=False)
+    assert map_saved(other.decoder, path) == 0 and other.decoder.embed_tokens.weight.shape == (5, 64)
 
 
 def test_eager_fallback_without_a_compiler(monkeypatch):

@@ -24,7 +24,7 @@ from .compiled import enable_compile
 from .executor import Executor
 from .occupancy import ThreadGovernor
 from .formats import FORMATS, apply_weight_format, check_format, format_available
-from .store import load_packed, packed_path, save_packed
+from .store import load_packed, map_saved, packed_path, save_packed
 
 WEIGHT_CHOICES = ("auto",) + FORMATS
 _KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "float64": torch.float64}
@@ -124,7 +124,11 @@ def _save(model: LoadedModel, name_or_path: str, packed_dir, fmt: str) -> None:
     if packed_dir is None:
         packed_dir = model.path if loading.is_gguf_source(name_or_path) else loading.packed_cache_dir(model.path)
     Path(packed_dir).mkdir(parents=True, exist_ok=True)
-    save_packed(model.decoder, packed_path(packed_dir, fmt))
+    path = save_packed(model.decoder, packed_path(packed_dir, fmt))
+    try:
+        map_saved(model.decoder, path)      # the float32 embedding from the copy, as later loads hold it
+    except (OSError, ValueError):
+        pass                                # kept in memory: a copy that cannot be read back changes no result
 
 
 def _stream_and_pack(name_or_path: str, weights: str, result, threads: int, index, stored, log):

@@ -71,14 +71,10 @@ def read_safetensors(path: Path, header_only: bool = False,
         OSError: unreadable file; ValueError: a malformed header, an unknown dtype or a short file.
     """
     with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        if not 2 <= size <= 100_000_000:
-            raise ValueError(f"{path}: bad safetensors header length {size}")
-        header = json.loads(f.read(size))
-        meta = header.pop("__metadata__", None) or {}
+        meta, header, base = _header(f, path)
         if header_only:
             return meta, {}
-        state, base = {}, 8 + size
+        state = {}
         for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             start, end = info["data_offsets"]
             t = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]], device="meta")
@@ -96,8 +92,21 @@ def read_safetensors(path: Path, header_only: bool = False,
     return meta, state
 
 
+def _header(f, path: Path) -> tuple[dict, dict, int]:
+    """``(metadata, name -> {dtype, shape, data_offsets}, offset of the data)`` of the safetensors file open as ``f``.
+
+    Raises:
+        ValueError: a malformed header.
+    """
+    size = int.from_bytes(f.read(8), "little")
+    if not 2 <= size <= 100_000_000:
+        raise ValueError(f"{path}: bad safetensors header length {size}")
+    header = json.loads(f.read(size))
+    return header.pop("__metadata__", None) or {}, header, 8 + size
+
+
 def _mapped(path: Path, offset: int, n_bytes: int, like: torch.Tensor) -> torch.Tensor:
-    """The ``n_bytes`` at ``offset`` of file ``path`` as a tensor shaped and typed as ``like`` (a meta tensor),
+    """The ``n_bytes`` at ``offset`` of file ``path`` as a tensor of the dtype and shape of ``like``,
     mapped copy-on-write (numpy's ``memmap`` mode ``c``), with the file size checked first.
 
     Raises:
@@ -108,6 +117,33 @@ def _mapped(path: Path, offset: int, n_bytes: int, like: torch.Tensor) -> torch.
         raise ValueError(f"{path}: file ends inside a tensor at bytes {offset}..{offset + n_bytes}")
     raw = np.memmap(path, dtype=np.uint8, mode="c", offset=offset, shape=(n_bytes,))
     return torch.from_numpy(raw).view(like.dtype).view(like.shape)
+
+
+def map_saved(decoder: LlamaDecoder, path: Path) -> int:
+    """Swap ``decoder``'s tensors named in :data:`MAPPED` for their mappings in ``path``, the packed copy just
+    saved from it (:func:`save_packed`, which wrote those bytes: they are not compared, which would read every
+    page), as a later load would have them (the first load of a model then holds its token embedding's gathered
+    rows only, as later loads do).  A tensor of another shape or dtype than the file's, or that the file cannot
+    map, is kept.  Returns the number of bytes no longer held in memory.
+
+    Raises:
+        OSError, ValueError: as :func:`read_safetensors`, for an unreadable file.
+    """
+    with open(path, "rb") as f:
+        _, header, base = _header(f, path)
+    freed = 0
+    for name in MAPPED & header.keys():
+        parent, _, attr = name.rpartition(".")
+        module = decoder.get_submodule(parent)
+        held, info = getattr(module, attr), header[name]
+        start, end = info["data_offsets"]
+        if (_DTYPES.get(info["dtype"]) != held.dtype or list(info["shape"]) != list(held.shape)
+                or end - start != held.numel() * held.element_size() or end == start
+                or (base + start) % held.element_size()):
+            continue
+        setattr(module, attr, torch.nn.Parameter(_mapped(path, base + start, end - start, held), requires_grad=False))
+        freed += end - start
+    return freed
 
 
 def load_packed(path: Path, cfg: ModelConfig) -> LlamaDecoder | None:
