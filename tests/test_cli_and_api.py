@@ -91,7 +91,9 @@ def test_empty_prompt_and_unknown_model(capsys, model_dir):
     code, _, err = run_cli(capsys, "generate", "  ", "--model", str(model_dir))
     assert code == 2 and "prompt is empty" in err
     code, _, err = run_cli(capsys, "generate", "hi", "--model", "no-such-model")
-    assert code == 2 and "smollm2-135m" in err
+    assert code == 2 and "smollm2-135m" in err and "unknown model 'no-such-model'" in err
+    code, _, err = run_cli(capsys, "generate", "hi", "--model", str(model_dir / "missing"))       # a path: said so
+    assert code == 2 and "does not exist" in err and "missing" in err and len(err.strip().splitlines()) == 1
 
 
 def test_prompt_longer_than_context_is_rejected():

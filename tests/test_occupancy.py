@@ -97,3 +97,32 @@ def test_a_long_reading_decides_alone(monkeypatch):
     clock["own"] += 1.0
     clock["busy"] += 3.0                         # 1 core ours, 1 core someone else's, for 2 s
     assert gov.tick() == 1
+
+
+def test_other_cores_is_the_machines_busy_time_less_this_process(monkeypatch):
+    """Between two readings: 3 busy CPU seconds of which 1 was this process's, over 2 s of wall: 1 core elsewhere."""
+    monkeypatch.setattr(occupancy, "cpu_seconds", lambda: (13.0, 0.0))
+    monkeypatch.setattr(occupancy, "own_cpu_seconds", lambda: 6.0)
+    monkeypatch.setattr(occupancy.time, "perf_counter", lambda: 102.0)
+    assert occupancy.other_cores((100.0, 10.0, 5.0)) == 1.0
+    assert occupancy.other_cores(None) is None and occupancy.other_cores((102.0, 13.0, 6.0)) is None
+
+
+def test_a_tune_measured_beside_other_work_says_so(tmp_path, monkeypatch):
+    """A first measurement while other processes kept a core busy is recorded (``busy_cores``), said on the log with
+    the command that measures again, and shown by the tune's table; a quiet one is recorded and says nothing."""
+    import io
+
+    from speculant.runtime import tune
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    model = tiny_model(seed=3, vocab=96, hidden=64, heads=4, kv_heads=2, inter=128)
+    real = tune.measure
+    monkeypatch.setattr(tune, "measure", lambda *a, **k: real(*a, repeats=1, **k))
+    for others, said in ((1.2, True), (0.1, False)):
+        monkeypatch.setattr(occupancy, "other_cores", lambda since, now=None, o=others: o)
+        log = io.StringIO()
+        result = tune.load_or_measure(model.decoder, threads=1, log=log, force=True)
+        assert result.busy_cores == others and tune.load(result.key).busy_cores == others       # saved with it
+        assert ("cores busy while this machine was measured" in log.getvalue()) == said
+        assert ("speculant tune --model" in log.getvalue()) == said
+        assert ("while other processes kept 1.2 cores busy" in tune.format_table(result)) == said

@@ -751,6 +751,9 @@ def read_checkpoint(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str 
         return load_hf_dir(out, dtype, name_or_path)
     if os.path.isdir(name_or_path):
         return load_hf_dir(Path(name_or_path), dtype)
+    if os.sep in name_or_path or name_or_path.startswith("."):
+        raise SpeculantError(f"model path {name_or_path!r} does not exist or is not a directory; allowed: a known "
+                             f"name ({', '.join(KNOWN_MODELS)}), a .gguf file or an HF-format directory")
     raise SpeculantError(f"unknown model {name_or_path!r}; known names: {', '.join(KNOWN_MODELS)} "
                          "(or a path to a .gguf file or an HF-format directory)")
 

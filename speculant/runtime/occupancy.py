@@ -52,6 +52,22 @@ def own_cpu_seconds() -> float:
     return t.user + t.system
 
 
+def reading() -> tuple[float, float, float] | None:
+    """``(wall clock [s], busy CPU seconds of the machine, this process's CPU seconds)`` now (:func:`cpu_seconds`,
+    :func:`own_cpu_seconds`), for :func:`other_cores`; ``None`` where ``/proc/stat`` cannot be read."""
+    seconds = cpu_seconds()
+    return None if seconds is None else (time.perf_counter(), seconds[0], own_cpu_seconds())
+
+
+def other_cores(since: tuple[float, float, float] | None, now: tuple[float, float, float] | None = None) -> float | None:
+    """Cores' worth of work other processes did between :func:`reading` ``since`` and ``now`` (default: now)
+    [cores]: the machine's busy CPU time less this process's, over the wall time; ``None`` without readings."""
+    now = reading() if now is None else now
+    if since is None or now is None or now[0] <= since[0]:
+        return None
+    return max(0.0, (now[1] - since[1]) - (now[2] - since[2])) / (now[0] - since[0])
+
+
 class ThreadGovernor:
     """The torch (and OpenMP) thread count of decoding, ``threads`` at most, fewer while other processes keep cores
     busy.
@@ -71,11 +87,7 @@ class ThreadGovernor:
         self.current = threads
         self.others = 0.0                   # cores busy elsewhere in the last window
         self._pending = None                # a count one window asked for
-        self._last = self._read()           # (wall, busy, own) of the last reading: the first window runs from here
-
-    def _read(self) -> tuple[float, float, float] | None:
-        seconds = cpu_seconds()
-        return None if seconds is None else (time.perf_counter(), seconds[0], own_cpu_seconds())
+        self._last = reading()              # (wall, busy, own) of the last reading: the first window runs from here
 
     def wanted(self, others: float) -> int:
         """The count for ``others`` cores busy elsewhere: ``min(threads, cores - round(others))``, at least 1."""
@@ -86,16 +98,16 @@ class ThreadGovernor:
         """Read the machine if a window has passed and set the count it calls for; returns the count in force."""
         if self._last is not None and time.perf_counter() - self._last[0] < self.window:
             return self.current
-        reading = self._read()
-        if reading is None:
+        now = reading()
+        if now is None:
             return self.current
         if self._last is not None:
-            wall = reading[0] - self._last[0]
-            self.others = max(0.0, (reading[1] - self._last[1]) - (reading[2] - self._last[2])) / wall
+            wall = now[0] - self._last[0]
+            self.others = other_cores(self._last, now) or 0.0
             want = self.wanted(self.others)
             if want != self.current and (want == self._pending or wall >= LONG_WINDOWS * self.window):
                 self.current = want
                 torch.set_num_threads(want)
             self._pending = want if want != self.current else None
-        self._last = reading
+        self._last = now
         return self.current

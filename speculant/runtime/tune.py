@@ -59,6 +59,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -66,6 +67,7 @@ import torch
 from torch import nn
 
 from .. import cpu
+from . import occupancy
 from ..models import linear as fp32_linear
 from ..models.linear import DEFAULT_ROUTES, DecodeLinear, Routes
 from .formats import DRAFTER_FORMATS, FORMATS, PROJECTIONS, format_available, head_format, pack_linear
@@ -150,6 +152,10 @@ class TuneResult:
             :func:`speculant.models.loading.stored_weights`), per set of types (``"Q4_K, Q6_K"``):
             ``{"candidates": [default, ...], "ms": {fmt: one-row pass [ms]}, "weights": the format chosen}``
             (:func:`measure_stored_weights` on the file's own codes, :func:`keep_default_format`).
+        busy_cores: the most work other processes did while :func:`load_or_measure` or :func:`complete_for_fused`
+            measured [cores] (:func:`speculant.runtime.occupancy.other_cores`); from
+            :data:`~speculant.runtime.occupancy.BUSY_CORE` on, the choices may not hold on a quiet machine and the
+            measurement said so (:func:`note_busy`).
     """
 
     key: dict
@@ -172,6 +178,7 @@ class TuneResult:
     forward_ms: dict = field(default_factory=dict)
     draft_ms: dict = field(default_factory=dict)
     stored_weights: dict = field(default_factory=dict)
+    busy_cores: float = 0.0
     measured_at: str = ""
     schema: int = SCHEMA
 
@@ -714,7 +721,7 @@ def complete_for_fused(result: TuneResult, executor, log=None) -> bool:
     anything was measured."""
     if executor.fused_layers() is None:
         return False
-    measured = False
+    measured, start = False, occupancy.reading()
     if result.kv_cache is None:
         result.kv_cache, result.kv_cache_ms = measure_kv_cache(executor, log=log)
         measured = True
@@ -736,6 +743,7 @@ def complete_for_fused(result: TuneResult, executor, log=None) -> bool:
             torch.set_num_threads(before)
         measured = True
     if measured:
+        note_busy(result, occupancy.other_cores(start), log)
         save(result)
     return measured
 
@@ -830,14 +838,36 @@ def load(key: dict) -> TuneResult | None:
 
 
 def load_or_measure(decoder, threads: int | None = None, log=None, force: bool = False) -> TuneResult:
-    """The cached :class:`TuneResult` for this machine and model, measuring (and caching) it when absent or ``force``."""
+    """The cached :class:`TuneResult` for this machine and model, measuring (and caching) it when absent or ``force``
+    (with the work other processes did meanwhile, :func:`note_busy`)."""
     threads = threads or torch.get_num_threads()
     key = tune_key(decoder.config, threads)
     result = None if force else load(key)
     if result is None:
+        start = occupancy.reading()
         result = measure(decoder, threads, log=log)
+        note_busy(result, occupancy.other_cores(start), log)
         save(result)
     return result
+
+
+def note_busy(result: TuneResult, others: float | None, log=None) -> None:
+    """Record in ``result.busy_cores`` that other processes did ``others`` cores' worth of work while it was measured
+    (:func:`speculant.runtime.occupancy.other_cores`; ``None``: unknown) and, from
+    :data:`~speculant.runtime.occupancy.BUSY_CORE` on, say on ``log`` (else as a warning) that the choices may not
+    hold on a quiet machine and how to measure again: timings taken while a core is shared are noise (a first load
+    beside another process once kept int8 and 1 thread, ~5x slower than the w4a8 a quiet re-tune chose)."""
+    if others is None:
+        return
+    result.busy_cores = round(max(result.busy_cores, others), 2)
+    if others >= occupancy.BUSY_CORE:
+        msg = (f"speculant: other processes kept {others:.1f} of {os.cpu_count()} cores busy while this machine was "
+               f"measured: its choices (weights {result.weights}, {result.threads} threads) may not hold when it is "
+               "quiet; run `speculant tune --model MODEL` then")
+        if log is not None:
+            print(msg, file=log, flush=True)
+        else:
+            warnings.warn(msg, stacklevel=3)
 
 
 def _kernel_variant(key: dict) -> str:
@@ -855,7 +885,9 @@ def format_table(result: TuneResult) -> str:
               f"layers {', '.join(map(str, layers))} timed, scaled by {k['layers']}/{len(layers)}")
     lines = [f"CPU: {k['cpu']} ({', '.join(k['isa']) or 'no AVX2/AVX-512 flags'}), torch {k['torch']}, "
              f"{k['threads']} threads, kernels {_kernel_variant(k)}; measured {result.measured_at} in "
-             f"{result.seconds} s", "",
+             f"{result.seconds} s" + (f" while other processes kept {result.busy_cores:.1f} cores busy (its "
+                                      "choices may not hold on a quiet machine)"
+                                      if result.busy_cores >= occupancy.BUSY_CORE else ""), "",
              f"[ms]: one pass over the projections of all {k['layers']} layers and the LM head ({covers}; "
              "the LM head timed in full)", "",
              "| format | route | batch-invariant | invariant up to [rows] | "
