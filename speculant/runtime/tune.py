@@ -862,7 +862,8 @@ def note_busy(result: TuneResult, others: float | None, log=None) -> None:
     result.busy_cores = round(max(result.busy_cores, others), 2)
     if others >= occupancy.BUSY_CORE:
         msg = (f"speculant: other processes kept {others:.1f} of {os.cpu_count()} cores busy while this machine was "
-               f"measured: its choices (weights {result.weights}, {result.threads} threads) may not hold when it is "
+               f"measured: its choices (weights {result.weights}, {result.threads} thread"
+               f"{'s' if result.threads != 1 else ''}) may not hold when it is "
                "quiet; run `speculant tune --model MODEL` then")
         if log is not None:
             print(msg, file=log, flush=True)
