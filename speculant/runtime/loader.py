@@ -273,8 +273,10 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
         probe = Executor(model.decoder, _KV_DTYPES[explicit_kv] if explicit_kv else tune.attention_dtype(result))
         if explicit_kv:
             set_kv_cache(probe, explicit_kv)
-        tune.complete_for_fused(result, probe, log=log)
+        measured = tune.complete_for_fused(result, probe, log=log)
         del probe
+        if measured:
+            loading.release_memory()        # the measurements' KV caches and workspaces, once they are dropped
     executor = Executor.from_tune(model.decoder, result, None if explicit_kv is None else _KV_DTYPES[explicit_kv])
     if explicit_kv:
         set_kv_cache(executor, explicit_kv)          # checks that our kernel reads it
