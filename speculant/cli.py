@@ -120,8 +120,16 @@ def cmd_export(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors (a missing argument, a value outside its choices, an unknown flag) are
+    one line, as every other bad input: ``speculant: error: <message> (see `<prog> --help`)``, exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"speculant: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="speculant", description="Exact speculative decoding for Llama-family models.")
+    parser = _Parser(prog="speculant", description="Exact speculative decoding for Llama-family models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
@@ -193,7 +201,10 @@ def _extensions():
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:             # a usage error (one line, _Parser.error) or --help: its code, returned
+        return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
     try:
         import torch
         from .runtime.loader import user_threads

@@ -80,6 +80,9 @@ def test_streaming_prints_the_same_text(capsys, model_dir):
     (["--num-speculations", "2.5"], "num_speculations='2.5'"),
     (["--method", "ar", "--exit-layer", "99"], "exit_layer=99"),
     (["--beam-width", "0"], "beam_width=0"),
+    # argparse's own usage errors: one line too
+    (["--kv-cache", "float8"], "invalid choice: 'float8'"),
+    (["--no-such-flag"], "--no-such-flag"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, model_dir, args, needle):
     code, out, err = run_cli(capsys, "generate", "t1 t2", "--model", str(model_dir), "--raw", *args)
