@@ -122,7 +122,11 @@ def cmd_export(args) -> int:
 
 class _Parser(argparse.ArgumentParser):
     """argparse's parser whose usage errors (a missing argument, a value outside its choices, an unknown flag) are
-    one line, as every other bad input: ``speculant: error: <message> (see `<prog> --help`)``, exit code 2."""
+    one line, as every other bad input: ``speculant: error: <message> (see `<prog> --help`)`` on stderr.
+
+    Raises:
+        SystemExit: code 2, from :meth:`error` (:func:`main` returns the code).
+    """
 
     def error(self, message: str):
         self.exit(2, f"speculant: error: {message} (see `{self.prog} --help`)\n")

@@ -16,9 +16,13 @@ from speculant.runtime.executor import executor_of
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A tiny model saved in HF format (config.json + model.safetensors + tokenizer files)."""
+    """A tiny model saved in HF format (config.json + model.safetensors + tokenizer files), loaded once so that its
+    packed copy and tune are cached: a test's stderr then holds what the command itself says (a first load's
+    progress lines otherwise come before a bad-input error in whichever test runs first)."""
     model = tiny_model(seed=11, scale=2.5, vocab=64, layers=4, eos=63)
-    return save_hf_dir(model, tmp_path_factory.mktemp("tiny_hf"))
+    path = save_hf_dir(model, tmp_path_factory.mktemp("tiny_hf"))
+    load_model(str(path), compile=False)
+    return path
 
 
 def test_load_hf_dir_round_trip(model_dir):

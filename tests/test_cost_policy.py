@@ -107,14 +107,16 @@ class OracleDrafter(Drafter):
 
     name = "oracle"
 
-    def __init__(self, prompt, output, wrong=False, vocab=96):
+    def __init__(self, prompt, output, wrong=False, vocab=96, wrong_calls=0):
         self.reference, self.wrong, self.vocab = list(prompt) + list(output), wrong, vocab
+        self.wrong_calls = wrong_calls               # the first calls draft wrong tokens, the later ones right
 
     def draft(self, state, builder, generator, max_nodes, max_depth):
         tree, n = DraftTree(), len(state.tokens)
+        wrong, self.wrong_calls = self.wrong or self.wrong_calls > 0, self.wrong_calls - 1
         parent = -1
         for tok in self.reference[n:n + min(max_depth, max_nodes)]:
-            parent = tree.add(parent, (tok + 1) % self.vocab if self.wrong else tok)
+            parent = tree.add(parent, (tok + 1) % self.vocab if wrong else tok)
         return tree
 
 
@@ -387,10 +389,16 @@ def test_the_loss_budget_bounds_what_failing_probes_lose():
 
 
 def test_a_paying_drafter_is_not_held_back_by_the_budget(model, ar_ids):
-    """An always-right drafter saves time from its first round: the budget never stops it (all rounds draft)."""
+    """The budget gates probes only, not the rounds the acceptance estimate chooses to draft: a drafter whose first
+    draft is rejected (time lost before anything was saved) and that is right afterwards keeps drafting every round
+    (a budget on every round would stop it after that first loss); an always-right one drafts from its first round."""
     gen = SpeculativeGenerator(model, OracleDrafter(PROMPT, ar_ids), ChainBuilder(4), costs=CHEAP)
     toks, stats = run(gen)
     assert toks == ar_ids and stats.ar_rounds == 0
+    late = SpeculativeGenerator(model, OracleDrafter(PROMPT, ar_ids, wrong_calls=1), ChainBuilder(4), costs=CHEAP)
+    toks, stats = run(late)
+    assert toks == ar_ids and stats.accepted_at_depth[0] == stats.drafted_at_depth[0] - 1      # one rejection
+    assert stats.ar_rounds == 0 and stats.speculated_rounds == stats.rounds
 
 
 def test_an_unobserved_depth_takes_the_deepest_observed_estimate():

@@ -101,11 +101,12 @@ def test_a_long_reading_decides_alone(monkeypatch):
 
 def test_other_cores_is_the_machines_busy_time_less_this_process(monkeypatch):
     """Between two readings: 3 busy CPU seconds of which 1 was this process's, over 2 s of wall: 1 core elsewhere."""
-    monkeypatch.setattr(occupancy, "cpu_seconds", lambda: (13.0, 0.0))
-    monkeypatch.setattr(occupancy, "own_cpu_seconds", lambda: 6.0)
-    monkeypatch.setattr(occupancy.time, "perf_counter", lambda: 102.0)
+    now = (102.0, 13.0, 6.0)                                    # (wall, machine busy, this process) [s]
+    assert occupancy.other_cores((100.0, 10.0, 5.0), now) == 1.0
+    assert occupancy.other_cores((100.0, 10.5, 4.0), now) == 0.25                # this process did more
+    assert occupancy.other_cores(None, now) is None and occupancy.other_cores(now, now) is None
+    monkeypatch.setattr(occupancy, "reading", lambda: now)               # the default end: a reading now
     assert occupancy.other_cores((100.0, 10.0, 5.0)) == 1.0
-    assert occupancy.other_cores(None) is None and occupancy.other_cores((102.0, 13.0, 6.0)) is None
 
 
 def test_a_tune_measured_beside_other_work_says_so(tmp_path, monkeypatch):

@@ -152,7 +152,7 @@ def measure_draft_seconds(model, drafter, builder: TreeBuilder, tokens: int = CA
         calls = stats.draft_forwards or sum(stats.drafted_at_depth)
         if rep and calls:                                            # the first is a warm-up
             extra = max(stats.accept_seconds - stats.rounds * draw, 0.0) / calls if sampled else 0.0
-            firsts = stats.drafted_at_depth[0] if stats.draft_forwards and stats.first_draft_seconds else 0
+            firsts = (stats.drafted_at_depth or [0])[0] if stats.draft_forwards and stats.first_draft_seconds else 0
             if firsts and calls > firsts:
                 best_first = min(best_first, stats.first_draft_seconds / firsts + extra)
                 best = min(best, (stats.draft_seconds - stats.first_draft_seconds) / (calls - firsts) + extra)

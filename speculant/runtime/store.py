@@ -81,8 +81,11 @@ def read_safetensors(path: Path, header_only: bool = False,
             if t.numel() * t.element_size() != end - start:
                 raise ValueError(f"{path}: tensor {name} holds {end - start} bytes for shape {info['shape']}")
             if name in mapped and end > start and (base + start) % t.element_size() == 0:
-                state[name] = _mapped(path, base + start, end - start, t)
-                continue
+                try:
+                    state[name] = _mapped(f, base + start, end - start, t)
+                    continue
+                except OSError:
+                    pass                        # a file system that cannot map: read as the others
             t = torch.empty_like(t, device="cpu")
             if end > start:
                 f.seek(base + start)
@@ -105,17 +108,20 @@ def _header(f, path: Path) -> tuple[dict, dict, int]:
     return header.pop("__metadata__", None) or {}, header, 8 + size
 
 
-def _mapped(path: Path, offset: int, n_bytes: int, like: torch.Tensor) -> torch.Tensor:
-    """The ``n_bytes`` at ``offset`` of file ``path`` as a tensor of the dtype and shape of ``like``,
-    mapped copy-on-write (numpy's ``memmap`` mode ``c``), with the file size checked first.
+def _mapped(f, offset: int, n_bytes: int, like: torch.Tensor) -> torch.Tensor:
+    """The ``n_bytes`` at ``offset`` of the open file ``f`` (the one whose header gave the offset, even if the path
+    is replaced meanwhile) as a tensor of the dtype and shape of ``like``, mapped copy-on-write (numpy's ``memmap``
+    mode ``c``), with the file's size checked first.  The file must not be cut short in place while mapped (a read
+    of a page past its end is a SIGBUS); :func:`save_packed` replaces files by renaming, never in place.
 
     Raises:
         ValueError: the file ends before ``offset + n_bytes``.
+        OSError: the file cannot be mapped.
     """
     import numpy as np
-    if os.path.getsize(path) < offset + n_bytes:
-        raise ValueError(f"{path}: file ends inside a tensor at bytes {offset}..{offset + n_bytes}")
-    raw = np.memmap(path, dtype=np.uint8, mode="c", offset=offset, shape=(n_bytes,))
+    if os.fstat(f.fileno()).st_size < offset + n_bytes:
+        raise ValueError(f"{f.name}: file ends inside a tensor at bytes {offset}..{offset + n_bytes}")
+    raw = np.memmap(f, dtype=np.uint8, mode="c", offset=offset, shape=(n_bytes,))
     return torch.from_numpy(raw).view(like.dtype).view(like.shape)
 
 
@@ -129,20 +135,21 @@ def map_saved(decoder: LlamaDecoder, path: Path) -> int:
     Raises:
         OSError, ValueError: as :func:`read_safetensors`, for an unreadable file.
     """
+    freed = 0
     with open(path, "rb") as f:
         _, header, base = _header(f, path)
-    freed = 0
-    for name in MAPPED & header.keys():
-        parent, _, attr = name.rpartition(".")
-        module = decoder.get_submodule(parent)
-        held, info = getattr(module, attr), header[name]
-        start, end = info["data_offsets"]
-        if (_DTYPES.get(info["dtype"]) != held.dtype or list(info["shape"]) != list(held.shape)
-                or end - start != held.numel() * held.element_size() or end == start
-                or (base + start) % held.element_size()):
-            continue
-        setattr(module, attr, torch.nn.Parameter(_mapped(path, base + start, end - start, held), requires_grad=False))
-        freed += end - start
+        for name in MAPPED & header.keys():
+            parent, _, attr = name.rpartition(".")
+            module = decoder.get_submodule(parent)
+            held, info = getattr(module, attr), header[name]
+            start, end = info["data_offsets"]
+            if (_DTYPES.get(info["dtype"]) != held.dtype or list(info["shape"]) != list(held.shape)
+                    or end - start != held.numel() * held.element_size() or end == start
+                    or (base + start) % held.element_size()):
+                continue
+            mapped = _mapped(f, base + start, end - start, held)
+            setattr(module, attr, torch.nn.Parameter(mapped, requires_grad=False))
+            freed += end - start
     return freed
 
 
