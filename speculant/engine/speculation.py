@@ -206,12 +206,9 @@ class RoundSizer:
         state.draft_stop = self.speculation.stop_rule(self.nodes) if d and self.confidence else None
         return d
 
-    def observe(self, drafted_depth: int, accepted: int, nodes: int | None = None, calls: int | None = None) -> None:
-        """The round's tree had ``drafted_depth`` depths and ``nodes`` nodes (default: the builder's full tree at
-        that depth), drafted in ``calls`` draft calls (default: one per depth), and ``accepted`` tokens of it were
-        accepted."""
-        nodes = self.nodes(drafted_depth) if nodes is None else nodes
-        calls = drafted_depth if calls is None else calls
+    def observe(self, drafted_depth: int, accepted: int, nodes: int, calls: int) -> None:
+        """The round's tree had ``drafted_depth`` depths and ``nodes`` nodes, drafted in ``calls`` draft calls, and
+        ``accepted`` tokens of it were accepted."""
         self.speculation.observe(drafted_depth, accepted, nodes, calls)
 
 
