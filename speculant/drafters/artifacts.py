@@ -70,7 +70,7 @@ def write_dir(out_dir: str | Path, weights_file: str, state: dict[str, torch.Ten
     from safetensors.torch import save_file
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in state.items()}
     save_file(sd, str(out / weights_file), metadata={"format": file_format})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     if metrics is not None:

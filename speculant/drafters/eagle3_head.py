@@ -233,7 +233,7 @@ class Eagle3Head(nn.Module):
 
     def d2t(self) -> torch.Tensor:
         """int64 ``[V']`` offsets: target id minus draft id."""
-        return self.vocab_ids - torch.arange(self.vocab_ids.numel())
+        return self.vocab_ids - torch.arange(self.vocab_ids.numel(), device=self.vocab_ids.device)
 
     def projections(self) -> list[nn.Module]:
         """The projections :meth:`pack` packs: ``fc``, the layer's four, ``lm_head``."""
@@ -289,7 +289,7 @@ def engine_state(head: Eagle3Head) -> dict[str, torch.Tensor]:
     gate, up = sd["layer.mlp.gate_up_proj.weight"].chunk(2, dim=0)
     out.update({"midlayer.mlp.gate_proj.weight": gate, "midlayer.mlp.up_proj.weight": up})
     t2d = torch.zeros(head.config["vocab_size"], dtype=torch.bool)
-    t2d[head.vocab_ids] = True
+    t2d[head.vocab_ids.cpu()] = True
     out.update({"d2t": head.d2t(), "t2d": t2d})
     return {k: v.contiguous() for k, v in out.items()}
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from ..errors import SpeculantError
+
 
 def _threads(args) -> None:
     if getattr(args, "threads", None):
@@ -29,6 +31,10 @@ def cmd_make_data(args) -> int:
         prompts += data.builtin_prompts()
     for p in args.prompts_file or ():
         prompts += data.file_prompts(p)
+    if args.engine == "transformers":
+        return _make_data_hf(args, prompts, config)
+    if args.self_instruct:
+        raise SpeculantError(f"--self-instruct={args.self_instruct} needs --engine transformers; allowed: 0 here")
     dist = from_env("cpu")                   # under torchrun: each process samples its share of the prompts
     # the runtime the corpus' target decodes in (--weights, compiled): rank 0 tunes it first, the others read its
     # choice from the cache, so every rank samples with the same weight format
@@ -37,6 +43,30 @@ def cmd_make_data(args) -> int:
     if dist.main:
         print(json.dumps(summary))
     close(dist)
+    return 0
+
+
+def _make_data_hf(args, prompts, config) -> int:
+    """make-data with HF transformers on ``--device`` (:mod:`.hf_sample`): ``--self-instruct`` prompts sampled by
+    the target, plus the given sources; ``--max-minutes`` bounds the two stages together."""
+    import time
+
+    from .hf_sample import load_hf, sample_corpus, self_instruct_prompts
+    from .train import on_device
+    on_device(None, args.device)                      # a bad --device fails before the model loads
+    t0 = time.perf_counter()
+    hf, tok = load_hf(args.model, args.device)
+    eos = hf.generation_config.eos_token_id if hf.generation_config.eos_token_id is not None else tok.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    left = None if args.max_minutes is None else args.max_minutes / 4
+    if args.self_instruct:
+        prompts = prompts + self_instruct_prompts(hf, tok, eos, args.self_instruct, args.batch_size,
+                                                  max_minutes=left)
+    left = None if args.max_minutes is None else args.max_minutes - (time.perf_counter() - t0) / 60
+    summary = sample_corpus(hf, tok, prompts, args.out, eos, config.max_new_tokens, config.temperature,
+                            config.top_p, args.batch_size, config.heldout_fraction, config.split_seed,
+                            args.greedy_fraction, left)
+    print(json.dumps(dict(summary, prompts=len(prompts), engine="transformers", device=args.device)))
     return 0
 
 
@@ -78,6 +108,13 @@ def register(subparsers, add_model_args, add_method_args) -> None:
                    help="seed of the train/held-out prompt split (keep it fixed across corpora)")
     m.add_argument("--batch-size", type=int, default=1,
                    help="prompts decoded together (continuous batching; the output does not depend on it)")
+    m.add_argument("--engine", default="speculant", choices=("speculant", "transformers"),
+                   help="speculant: our runtime (CPU, exact); transformers: HF generate on --device (an accelerator)")
+    m.add_argument("--device", default="cpu", help="--engine transformers: torch device (cpu, cuda, cuda:N)")
+    m.add_argument("--self-instruct", type=int, default=0,
+                   help="--engine transformers: add N prompts the target writes itself (Magpie)")
+    m.add_argument("--greedy-fraction", type=float, default=0.0,
+                   help="--engine transformers: fraction of batches decoded greedily instead of sampled")
     m.set_defaults(func=cmd_make_data)
 
     t = subparsers.add_parser("train", help="train drafters: --recipe layerskip | exit-adapter | draft-head")

@@ -30,7 +30,7 @@ from ..drafters.eagle3_head import Eagle3Head, check_aux_layer_ids, default_aux_
 from ..errors import SpeculantError, check_range
 from ..models.llama import layer_output
 from .distributed import SINGLE, Dist, check_batch, full_states, load_full_states, main_first, save_on_main, wrap_ddp
-from .head import HeadData, HeadRunConfig, draw_windows, head_data, head_train_loop, window_batch, window_targets
+from .head import HeadData, HeadRunConfig, device_name, draw_windows, head_data, head_train_loop, window_batch, window_targets
 from .losses import distill_totals, topk_distill_loss
 from .run import read_checkpoint, seeded
 
@@ -223,8 +223,9 @@ def train_eagle3(model, corpora: list[str], out: str, config: Eagle3Config = Eag
     aux = check_aux_layer_ids(list(cfg.aux_layers), L) if cfg.aux_layers else default_aux_layer_ids(L)
     out.mkdir(parents=True, exist_ok=True)
     gen = seeded(cfg.seed)
-    data = main_first(dist, lambda: head_data(model, corpora, cfg, lambda f: aux_features(f, aux), aux))
-    head = new_eagle3(model, aux, data.vocab_ids).train()
+    dev = model.decoder.device               # the head trains where the target runs (``speculant train --device``)
+    data = main_first(dist, lambda: head_data(model, corpora, cfg, lambda f: aux_features(f, aux), aux)).to(dev)
+    head = new_eagle3(model, aux, data.vocab_ids).to(dev).train()
     named = [(n, p) for n, p in head.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
@@ -274,13 +275,14 @@ def _metrics(cfg: Eagle3Config, aux: list[int], corpora, data: HeadData, params,
             "corpora": [str(c) for c in corpora], "topk": cfg.topk, "lr": cfg.lr, "seed": cfg.seed,
             "steps_done": done, "train_positions": int(data.train["tokens"]), "positions_seen": last["seen"],
             "parameters": sum(p.numel() for p in params), "train_seconds": secs,
+            "trained_on": device_name(data.f_train.device),
             "first_loss": history[0].get("first_loss"), "last_loss": last["loss"].item(), "history": history}
 
 
 def _save(model, head: Eagle3Head, out: Path, metrics: dict, evaluate, command: str) -> dict:
     """Write the head (bfloat16), evaluate what was written, then the card and the metrics."""
     save_eagle3(head, out)
-    metrics["final"] = evaluate(load_eagle3(out, model, "fp32").float())
+    metrics["final"] = evaluate(load_eagle3(out, model, "fp32").float().to(model.decoder.device))
     save_eagle3(head, out, card=model_card(head, metrics, command), metrics=metrics)
     return {k: v for k, v in metrics.items() if k != "history"}
 
@@ -299,7 +301,7 @@ in the layout vLLM and SGLang load (`LlamaForCausalLMEagle3`).  The target is fr
 - draft vocabulary: {c['draft_vocab_size']} of {c['vocab_size']} tokens (`d2t`/`t2d`)
 - recipe: training-time test with {m['ttt_steps']} steps (loss weights {m['ttt_decay']}^s), KL to the target's
   top-{m['topk']} + hard CE; AdamW lr {m['lr']}, {m['steps_done']} steps, {m['positions_seen']:,} positions seen of
-  {m['train_positions']:,} cached; seed {m['seed']}; {m['train_seconds'] / 60:.1f} min
+  {m['train_positions']:,} cached; seed {m['seed']}; {m['train_seconds'] / 60:.1f} min on {m.get('trained_on', 'a CPU')}
 - held-out, teacher-forced top-1 agreement with the target by TTT step (step 0 = the first drafted token): {steps}
   over {final['positions']:,} positions
 

@@ -46,8 +46,9 @@ def _batches(records: list[dict], max_len: int, batch_tokens: int):
 
 @torch.inference_mode()
 def compute_features(model, records: list[dict], exit_layers: list[int], topk: int = 32,
-                     max_tokens: int | None = None, progress: bool = True, batch_tokens: int = 2048) -> dict:
-    """Run the frozen model once over ``records``, batched (right-padded rows of up to ``batch_tokens`` tokens).
+                     max_tokens: int | None = None, progress: bool = True, batch_tokens: int | None = None) -> dict:
+    """Run the frozen model once over ``records``, batched (right-padded rows of up to ``batch_tokens`` tokens;
+    default 2048 on a CPU, 16384 on an accelerator), on the model's device; the results are host tensors.
 
     Args:
         exit_layers: layers E whose incoming hidden states are kept; ``E = L`` (the number of layers)
@@ -76,25 +77,27 @@ def compute_features(model, records: list[dict], exit_layers: list[int], topk: i
     n = 0
     t0 = time.perf_counter()
     bar = tqdm(total=len(records), desc="cache features", unit="seq", disable=not progress)
+    if batch_tokens is None:
+        batch_tokens = 2048 if dec.device.type == "cpu" else 16384
     for group in _batches(records, dec.config.max_position_embeddings, batch_tokens):
         width = max(len(ids) for _, ids, _ in group)
         x = torch.zeros(len(group), width, dtype=torch.long)
         for row, (_, ids, _) in enumerate(group):
             x[row, :len(ids)] = torch.tensor(ids)
-        pos = torch.arange(width)
-        h = dec.embed(x)                 # causal attention: right padding never reaches a real position
+        pos = torch.arange(width, device=dec.device)
+        h = dec.embed(x.to(dec.device))  # causal attention: right padding never reaches a real position
         start, at = 0, {}
         for e in exits:
             h = dec.run_layers(h, start, e, pos)
-            at[e] = h
+            at[e] = h.to(torch.bfloat16).cpu()      # the cache lives in host memory, whatever the model's device
             start = e
         h = dec.run_layers(h, start, L, pos)
         logp = F.log_softmax(dec.lm_head(dec.final_norm(h)), dim=-1)
-        v, j = logp.topk(topk, dim=-1)
+        v, j = (a.cpu() for a in logp.topk(topk, dim=-1))
         for row, (i, ids, first_resp) in enumerate(group):
             t = len(ids)
             for e in exits:
-                hid[e].append(at[e][row, :t].to(torch.bfloat16))
+                hid[e].append(at[e][row, :t].clone())
             t_idx.append(j[row, :t].to(torch.int32))
             t_logp.append(v[row, :t].to(torch.float16))
             tok.append(torch.tensor(ids, dtype=torch.int32))

@@ -87,8 +87,9 @@ def head_inputs(model, feats: dict, feature: str, batch: int = 4096) -> torch.Te
     if feature == "pre-norm":
         return h
     from ..runtime.executor import executor_of
-    norm = executor_of(model).final_norm
-    return torch.cat([norm(h[s:s + batch].float()).to(torch.bfloat16) for s in range(0, len(h), batch)])
+    norm, dev = executor_of(model).final_norm, model.decoder.device
+    return torch.cat([norm(h[s:s + batch].to(dev).float()).to(torch.bfloat16).to(h.device)
+                      for s in range(0, len(h), batch)])
 
 
 def sequences(seq: torch.Tensor) -> torch.Tensor:
@@ -111,10 +112,10 @@ def window_batch(f: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, spans
     width = max(t for _, _, t in spans)
     b = len(spans)
     inputs = f.new_zeros(b, width, f.shape[1])
-    tokens = torch.zeros(b, width, dtype=torch.long)
-    positions = torch.zeros(b, width, dtype=torch.long)
-    nxt = torch.zeros(b, width, dtype=torch.long)
-    mask = torch.zeros(b, width, dtype=torch.bool)
+    tokens = torch.zeros(b, width, dtype=torch.long, device=f.device)
+    positions = torch.zeros(b, width, dtype=torch.long, device=f.device)
+    nxt = torch.zeros(b, width, dtype=torch.long, device=f.device)
+    mask = torch.zeros(b, width, dtype=torch.bool, device=f.device)
     for r, (s, a, t) in enumerate(spans):
         inputs[r, :t] = f[a:a + t]
         tokens[r, :t] = ids[a + 1:a + t + 1].long()
@@ -128,7 +129,7 @@ def window_targets(spans, weight: torch.Tensor, skip: int = 0) -> torch.Tensor:
     """int64 ``[n]``: global indices of the counted next-positions of windows ``spans`` (``a+1 .. a+t``, the first
     ``skip`` entries of each window left out), in span order: the regression and teacher targets of a global batch
     (:func:`head_loss`; the TTT steps of :func:`speculant.training.eagle3.eagle3_loss`)."""
-    idx = torch.cat([torch.arange(a + 1 + skip, a + t + 1) for _, a, t in spans])
+    idx = torch.cat([torch.arange(a + 1 + skip, a + t + 1) for _, a, t in spans]).to(weight.device)
     return idx[weight[idx]]
 
 
@@ -156,7 +157,7 @@ def head_loss(head: DraftHead, f: torch.Tensor, ids: torch.Tensor, t_map: torch.
     x, tok, pos, nxt, mask = window_batch(f, ids, weight, spans[share])
     x = x.float()
     if noise:
-        x = x + jitter[share, :x.shape[1]]
+        x = x + jitter[share, :x.shape[1]].to(x.device)
     pred = head(x, tok, pos)
     passes = [(pred, mask, False)]
     if unroll >= 2:
@@ -186,11 +187,12 @@ def evaluate_head(head: DraftHead, f: torch.Tensor, ids: torch.Tensor, t_idx: to
     head.eval()
     V = head.config["vocab_size"]
     agree, acc, cover, n = 0, 0.0, 0, 0
-    table = torch.full((V,), -1, dtype=torch.long)
+    dev = t_idx.device
+    table = torch.full((V,), -1, dtype=torch.long, device=dev)
     if head.vocab_ids is not None:
-        table[head.vocab_ids] = torch.arange(len(head.vocab_ids))
+        table[head.vocab_ids.to(dev)] = torch.arange(len(head.vocab_ids), device=dev)
     else:
-        table = torch.arange(V)
+        table = torch.arange(V, device=dev)
     for s, length in seqs.tolist():
         for a in range(s, s + length - 1, window):
             t = min(window, s + length - 1 - a)
@@ -225,8 +227,8 @@ def vocab_coverage(t_idx_train: torch.Tensor, t_logp_train: torch.Tensor, t_idx_
         if size >= vocab_size:
             continue
         ids = select_vocab(t_idx_train, t_logp_train, size, vocab_size)
-        inside = torch.zeros(vocab_size, dtype=torch.bool)
-        inside[ids] = True
+        inside = torch.zeros(vocab_size, dtype=torch.bool, device=t_idx_eval.device)
+        inside[ids.to(inside.device)] = True
         out[str(size)] = float(inside[t_idx_eval[:, 0].long()].float().mean())
     return out
 
@@ -283,7 +285,7 @@ Training positions: {m['train_positions']:,} ({sources}); held-out positions eva
 Loss `{m['v_weight']} * SmoothL1(feature) + {m['p_weight']} * (KL to target top-{m['topk']} + {m['hard_weight']} x CE on its argmax)`,
 input-feature noise {m['noise']} x RMS, unrolled passes {m.get('unroll', 1)}, AdamW lr {m['lr']} (warm-up + cosine), {m['steps_done']} steps x
 {m['batch_seqs']} windows of <= {m['seq_len']} positions (positions: {m['positions']}), seed {m['seed']};
-{m['train_seconds'] / 60:.1f} min on a shared 2-core CPU ({m['train_positions_per_second']:.0f} positions/s).
+{m['train_seconds'] / 60:.1f} min on {m.get('trained_on', 'a CPU')} ({m['train_positions_per_second']:.0f} positions/s).
 Final training loss: {m['last_loss']:.4f} (feature {m['last_v']:.4f}, distribution {m['last_p']:.4f}).
 
 ## Held-out metrics (teacher-forced, first drafted token, stored bf16 head)
@@ -412,6 +414,16 @@ class HeadData:
     vocab_ids: torch.Tensor | None
     t_map: torch.Tensor
 
+    def to(self, device: torch.device) -> "HeadData":
+        """The tensors training indexes with the head's outputs (features, targets, weights) on ``device``; the
+        sequences and the draft vocabulary stay host tensors (windows are drawn, and heads built, on the host).  The
+        splits' cached hidden states, already turned into ``f_train``/``f_heldout``, are dropped."""
+        keep = ("ids", "t_idx", "t_logp", "response")
+        split = [{k: (v.to(device) if k in keep else v) for k, v in d.items() if not k.startswith("hidden/")}
+                 for d in (self.train, self.heldout)]
+        return HeadData(split[0], split[1], self.f_train.to(device), self.f_heldout.to(device), self.weight.to(device),
+                        self.seqs, self.heldout_seqs, self.vocab_ids, self.t_map.to(device))
+
 
 def head_data(model, corpora: list[str], cfg, inputs, layers: list[int] | None = None) -> HeadData:
     """Load (caching on first use) both splits' target features over ``corpora`` and derive a head's training tensors.
@@ -485,8 +497,10 @@ def train_draft_head(model, corpora: list[str], out: str, config: DraftHeadConfi
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     gen = seeded(cfg.seed)
+    dev = model.decoder.device               # the head trains where the target runs (``speculant train --device``)
     data = main_first(dist, lambda: head_data(model, corpora, cfg, lambda f: head_inputs(model, f, cfg.feature)))
-    head = new_head(model, data.vocab_ids, cfg.feature, cfg.init)
+    data = data.to(dev)
+    head = new_head(model, data.vocab_ids, cfg.feature, cfg.init).to(dev)
     noise_width = cfg.noise * float(data.f_train[:20000].float().pow(2).mean().sqrt())
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
@@ -569,7 +583,15 @@ def _head_metrics(cfg: DraftHeadConfig, corpora, data: HeadData, params, history
             "last_v": last["v"], "last_p": last["p"],
             "vocab_coverage": vocab_coverage(tr["t_idx"], tr["t_logp"], data.heldout["t_idx"],
                                              [4096, 8192, 16384, 32768], vocab_size),
-            "history": history}
+            "trained_on": device_name(data.f_train.device), "history": history}
+
+
+def device_name(device: torch.device) -> str:
+    """What a model card says the training ran on: the accelerator's name (``one NVIDIA H200``) or ``a CPU (N
+    threads)``."""
+    if device.type == "cuda":
+        return f"one {torch.cuda.get_device_name(device)}"
+    return f"a CPU ({torch.get_num_threads()} threads)"
 
 
 def _save_head_and_card(model, head, out: Path, cfg: DraftHeadConfig, metrics: dict, evaluate) -> dict:
@@ -577,7 +599,7 @@ def _save_head_and_card(model, head, out: Path, cfg: DraftHeadConfig, metrics: d
     metrics and the learning curve."""
     save_head(head, out)
     stored = load_head(out, model)
-    metrics["final"] = evaluate(stored.float())
+    metrics["final"] = evaluate(stored.float().to(model.decoder.device))
     save_head(head, out, card=model_card(stored.config, metrics, cfg.command), metrics=metrics)
     plot_learning_curve(metrics["history"] + [{"train_positions": metrics["positions_seen"], "eval": metrics["final"]}],
                         out / "learning_curve.png")

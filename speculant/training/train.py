@@ -58,6 +58,8 @@ def add_train_args(p) -> None:
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--eval-tokens", type=int, default=4000, help="held-out positions used for evaluation")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--device", default="cpu",
+                   help="where the target and the trained weights run: cpu, cuda, cuda:N (torch device names)")
     a = p.add_argument_group("exit-adapter and draft-head")
     a.add_argument("--exit-layer", type=int, default=6, help="exit layer E (hidden leaving layer E-1)")
     a.add_argument("--blocks", type=int, default=2, help="residual SwiGLU blocks (init from layers E, E+1, ...)")
@@ -110,7 +112,7 @@ def select_vocab(t_idx: torch.Tensor, t_logp: torch.Tensor, size: int, vocab_siz
         sorted int64 ``[size]`` token ids.
     """
     check_range("draft_vocab", size, 1, vocab_size)
-    mass = torch.zeros(vocab_size, dtype=torch.float64)
+    mass = torch.zeros(vocab_size, dtype=torch.float64, device=t_idx.device)
     mass.index_add_(0, t_idx.reshape(-1).long(), t_logp.float().exp().reshape(-1).double())
     for t in always:
         mass[t] = float("inf")
@@ -121,8 +123,8 @@ def remap(t_idx: torch.Tensor, vocab_ids: torch.Tensor | None, vocab_size: int) 
     """Teacher ids -> positions in the reduced vocabulary (-1 outside it); identity for ``None``."""
     if vocab_ids is None:
         return t_idx.long()
-    table = torch.full((vocab_size,), -1, dtype=torch.long)
-    table[vocab_ids] = torch.arange(len(vocab_ids))
+    table = torch.full((vocab_size,), -1, dtype=torch.long, device=t_idx.device)
+    table[vocab_ids.to(t_idx.device)] = torch.arange(len(vocab_ids), device=t_idx.device)
     return table[t_idx.long()]
 
 
@@ -421,7 +423,7 @@ def layerskip_forward(decoder, ids: torch.Tensor, keep: torch.Tensor | None, exi
     Returns:
         ``{layer: fp32 logits [B, T, V]}``.
     """
-    pos = torch.arange(ids.shape[1])
+    pos = torch.arange(ids.shape[1], device=ids.device)
     h = decoder.embed(ids)
     out = {}
     want = set(exits)
@@ -429,7 +431,7 @@ def layerskip_forward(decoder, ids: torch.Tensor, keep: torch.Tensor | None, exi
         if keep is None or bool(keep[layer].all()):
             h = decoder.run_layers(h, layer, layer + 1, pos)
         elif bool(keep[layer].any()) or (run is not None and bool(run[layer])):
-            h = torch.where(keep[layer][:, None, None], decoder.run_layers(h, layer, layer + 1, pos), h)
+            h = torch.where(keep[layer][:, None, None].to(h.device), decoder.run_layers(h, layer, layer + 1, pos), h)
         if layer in want:
             out[layer] = decoder.lm_head(decoder.final_norm(h))
     return out
@@ -446,7 +448,7 @@ def heldout_eval(decoder, records: list[dict], max_tokens: int, exit_layer: int 
         ids, first = sequence_ids(r, decoder.config.max_position_embeddings)
         if len(ids) < 2 or first >= len(ids) - 1:
             continue
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=decoder.device)
         exits = [decoder.num_layers - 1] + ([exit_layer - 1] if exit_layer else [])
         lg = layerskip_forward(decoder, x, None, exits)
         last = lg[decoder.num_layers - 1][0, first:-1]
@@ -472,6 +474,17 @@ def add_lora(decoder, rank: int, alpha: float):
     return decoder
 
 
+def save_lora(decoder, path: Path, cfg) -> Path:
+    """Write the LoRA weights alone (``lora_A``/``lora_B`` of each adapted projection, float32, keyed by our
+    decoder's module names; metadata: rank, alpha, targets): a few MB that travel where the merged model does not
+    (``speculant train --recipe layerskip`` on a rented accelerator)."""
+    from safetensors.torch import save_file
+    sd = {n: p.detach().float().cpu().contiguous() for n, p in decoder.named_parameters() if "lora_" in n}
+    save_file(sd, str(path), metadata={"format": "speculant-lora", "rank": str(cfg.lora_rank),
+                                        "alpha": str(cfg.lora_alpha), "targets": ",".join(LORA_TARGETS)})
+    return path
+
+
 def merge_lora(decoder):
     """Fold LoRA weights into the base linears and remove the wrappers (our decoder, plain again)."""
     for name, m in list(decoder.named_modules()):
@@ -491,7 +504,7 @@ def save_hf_dir(model, out: Path) -> Path:
     if dec.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous() for k, v in sd.items()}, str(out / "model.safetensors"))
+    save_file({k: v.detach().contiguous().cpu() for k, v in sd.items()}, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(dec.config.to_hf_dict(), indent=2))
     if model.tokenizer is not None and hasattr(model.tokenizer, "save_pretrained"):
         model.tokenizer.save_pretrained(str(out))
@@ -632,7 +645,7 @@ def train_layerskip(model, corpus: str, out: str, config: LayerSkipConfig = Laye
         rates = layer_dropout_rates(L, cfg.p_max, step, cfg.steps, cfg.dropout_curriculum)
         keep = sample_keep_mask(rates, cfg.batch, gen)
         mine = dist.share(cfg.batch)
-        x, y = rows[mine, :-1], rows[mine, 1:]
+        x, y = rows[mine, :-1].to(dec.device), rows[mine, 1:].to(dec.device)
         exits = enabled_exits(cfg.exit_curriculum, step, L, cfg.rotation, cfg.steps)
         logits = net(x, keep[:, mine], exits, keep.any(1))
         loss = early_exit_loss({layer: v.reshape(-1, v.shape[-1]) for layer, v in logits.items()}, y.reshape(-1),
@@ -656,6 +669,7 @@ def _finish_layerskip(model, cfg: LayerSkipConfig, out: Path, dist: Dist, ho_rec
         return {"rank": dist.rank, "steps_done": done}
     dec.eval()
     if cfg.lora_rank:
+        save_lora(dec, out / "lora.safetensors", cfg)
         merge_lora(dec)
     dec.requires_grad_(False)
     after = heldout_eval(dec, ho_recs, cfg.eval_tokens, cfg.eval_exit)
@@ -684,6 +698,31 @@ def command_line() -> str:
     return "speculant " + " ".join(sys.argv[1:])
 
 
+def on_device(model, device: str):
+    """``model`` with its decoder moved to the torch device ``device`` (``cpu``, ``cuda``, ``cuda:1``, ...).
+
+    Raises:
+        SpeculantError: a name torch does not know, or a device this machine lacks.
+    """
+    import os
+    if device == "cuda" and "LOCAL_RANK" in os.environ:     # under torchrun: this process' GPU
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
+    try:
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device")
+        torch.empty(0, device=dev)
+    except RuntimeError as e:
+        raise SpeculantError(f"--device={device!r} is not usable here ({str(e).splitlines()[0]}); allowed: cpu"
+                             + (", cuda" if torch.cuda.is_available() else "")) from None
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True     # training's products; decoding never runs here
+    if model is not None and dev.type != "cpu":
+        model.decoder.to(dev)
+        model.executor = None
+    return model
+
+
 def train_from_args(args) -> dict:
     """Dispatch ``speculant train`` by ``--recipe``: the recipe's config from the flags (checked before the model
     loads), then the recipe; under torchrun on each process (:mod:`.distributed`; progress bars on rank 0 only).
@@ -708,7 +747,7 @@ def train_from_args(args) -> dict:
     else:
         config = (ExitAdapterConfig if args.recipe == "exit-adapter" else LayerSkipConfig).from_args(args)
         recipe, corpus = (train_exit_adapter if args.recipe == "exit-adapter" else train_layerskip), args.corpus
-    model = read_checkpoint(args.model, args.dtype)
+    model = on_device(read_checkpoint(args.model, args.dtype), args.device)
     dist = from_env(model.decoder.device)
     if not dist.main:
         config = replace(config, progress=False)

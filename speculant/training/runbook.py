@@ -1,0 +1,165 @@
+"""The device runbook: on a rented accelerator with this repository and no network, turn a few minutes into drafters.
+
+``python -m speculant.training.runbook --model M --out DIR --device cuda --minutes 8.5`` runs, under one deadline:
+
+1. **data**: ``speculant make-data --engine transformers`` (:mod:`.hf_sample`): prompts the target writes itself
+   (Magpie) and the built-in ones, one response each (a quarter of the batches greedy), held-out split 2 %;
+2. **training, in parallel** on the same device, each its own ``speculant train --device`` process with its own
+   feature cache: the EAGLE draft head (``draft-head``, the shipped recipe; and with ``--unroll 2``), the EAGLE-3 head
+   (``eagle3``, draft vocabulary 8192 so that it stays under 20 MB) and a short LayerSkip LoRA run (``layerskip``);
+3. **bundle**: the trained artefacts without checkpoints or merged models (heads, LoRA weights, metrics, cards,
+   logs, the held-out records) in ``DIR/bundle.tar``, cut into parts of at most ``--part-mib`` MiB
+   (``bundle.tar.part0..``; ``cat`` them back together) for transports that limit a file's size.
+
+A stage that fails is logged and recorded in ``DIR/summary.json``; the others go on.  ``--preset toy`` runs the same
+stages at toy scale (a test runs it on a CPU with a tiny model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+PRESETS = {
+    # sized for one H200 and ~8.5 minutes: ~3 of sampling, ~4 of training (feature caching included)
+    "h200": {"self_instruct": 40000, "head_tokens": 6_000_000, "e3_tokens": 4_000_000, "batch": 1024, "max_new": 256, "data_minutes": 3.0, "train_minutes": 3.2,
+             "head_steps": 4000, "head_batch": 32, "e3_steps": 2500, "ls_steps": 400, "ls_batch": 16,
+             "ls_seq": 256, "eval_every": 500, "eval_tokens": 20000},
+    "toy": {"self_instruct": 6, "head_tokens": 10 ** 6, "e3_tokens": 10 ** 6, "batch": 4, "max_new": 12, "data_minutes": 2.0, "train_minutes": 2.0,
+            "head_steps": 6, "head_batch": 2, "e3_steps": 4, "ls_steps": 3, "ls_batch": 2, "ls_seq": 8,
+            "eval_every": 3, "eval_tokens": 50},
+}
+KEEP = (".safetensors", ".json", ".jsonl", ".md", ".png", ".log")
+"""Files of the work folder the bundle keeps (never ``checkpoint.pt`` or a merged model's folder)."""
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "speculant.cli", *args]
+
+
+def stage_commands(model: str, work: Path, device: str, p: dict) -> dict[str, list[str]]:
+    """The training stages' command lines (name -> argv), all reading ``work/corpus.jsonl``."""
+    corpus = str(work / "corpus.jsonl")
+    common = ["--model", model, "--corpus", corpus, "--device", device, "--no-progress",
+              "--max-minutes", str(p["train_minutes"]), "--eval-every", str(p["eval_every"]),
+              "--checkpoint-every", str(10 ** 6), "--eval-tokens", str(p["eval_tokens"])]
+    head = ["--head-batch", str(p["head_batch"]), "--head-seq-len", "256", "--topk", "32", "--hard-weight", "0.5"]
+    return {
+        "draft-head": _cli("train", "--recipe", "draft-head", *common, *head, "--out", str(work / "draft-head"),
+                           "--cache-dir", str(work / "cache-dh"), "--steps", str(p["head_steps"]),
+                           "--max-train-tokens", str(p["head_tokens"]),
+                           "--draft-vocab", "16384", "--feature-noise", "0.2"),
+        "draft-head-unroll2": _cli("train", "--recipe", "draft-head", *common, *head, "--out",
+                                   str(work / "draft-head-unroll2"), "--cache-dir", str(work / "cache-dh2"),
+                                   "--max-train-tokens", str(p["head_tokens"]),
+                                   "--steps", str(p["head_steps"]), "--draft-vocab", "16384", "--feature-noise",
+                                   "0.2", "--unroll", "2"),
+        "eagle3": _cli("train", "--recipe", "eagle3", *common, *head, "--out", str(work / "eagle3"),
+                       "--cache-dir", str(work / "cache-e3"), "--steps", str(p["e3_steps"]), "--draft-vocab", "8192",
+                       "--max-train-tokens", str(p["e3_tokens"]),
+                       "--ttt-steps", "3"),
+        "layerskip": _cli("train", "--recipe", "layerskip", "--model", model, "--corpus", corpus, "--device", device,
+                          "--no-progress", "--max-minutes", str(p["train_minutes"]), "--out", str(work / "layerskip"),
+                          "--steps", str(p["ls_steps"]), "--batch", str(p["ls_batch"]), "--seq-len",
+                          str(p["ls_seq"]), "--lora-rank", "8", "--checkpoint-every", str(10 ** 6),
+                          "--eval-tokens", str(p["eval_tokens"] // 4)),
+    }
+
+
+def run_stages(commands: dict[str, list[str]], logs: Path, deadline: float, env: dict) -> dict:
+    """Run ``commands`` in parallel (stdout and stderr to ``logs/<name>.log``); a process still running at
+    ``deadline`` (``time.monotonic()`` seconds) is killed.  Returns ``{name: {"rc", "seconds", "last_line"}}``."""
+    procs, out = {}, {}
+    for name, argv in commands.items():
+        log = (logs / f"{name}.log").open("w")
+        procs[name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env), time.monotonic(), log)
+    while procs:
+        for name in list(procs):
+            proc, t0, log = procs[name]
+            rc = proc.poll()
+            if rc is None and time.monotonic() > deadline:
+                proc.kill()
+                rc = proc.wait()
+            if rc is not None:
+                log.close()
+                lines = (logs / f"{name}.log").read_text(errors="replace").strip().splitlines()
+                out[name] = {"rc": rc, "seconds": round(time.monotonic() - t0, 1),
+                             "last_line": lines[-1][:2000] if lines else ""}
+                del procs[name]
+        time.sleep(0.5)
+    return out
+
+
+def bundle(work: Path, out: Path, part_mib: float) -> list[str]:
+    """``out/bundle.tar`` of ``work``'s kept files (:data:`KEEP`, not under a ``cache-*`` or ``model`` folder), cut
+    into parts of at most ``part_mib`` MiB; returns the part names (the tar itself when it fits in one)."""
+    tar_path = out / "bundle.tar"
+    with tarfile.open(tar_path, "w") as tar:
+        for f in sorted(work.rglob("*")):
+            rel = f.relative_to(work)
+            if f.is_file() and f.suffix in KEEP and f.name != "corpus.jsonl" and not any(p.startswith("cache-") or p == "model"
+                                                            for p in rel.parts[:-1]):
+                tar.add(f, arcname=str(rel))
+    data, size = tar_path.read_bytes(), int(part_mib * 2 ** 20)
+    if len(data) <= size:
+        return [tar_path.name]
+    names = []
+    for k in range(0, len(data), size):
+        name = f"bundle.tar.part{k // size:02d}"
+        (out / name).write_bytes(data[k:k + size])
+        names.append(name)
+    tar_path.unlink()
+    return names
+
+
+def heldout_records(corpus: Path, dest: Path) -> int:
+    """Copy the held-out records of ``corpus`` to ``dest`` (what CPU-side evaluation reads); returns how many."""
+    lines = [ln for ln in corpus.read_text().splitlines() if '"split": "heldout"' in ln]
+    dest.write_text("\n".join(lines) + ("\n" if lines else ""))
+    return len(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m speculant.training.runbook", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--minutes", type=float, default=8.5, help="deadline for every stage together")
+    ap.add_argument("--preset", default="h200", choices=sorted(PRESETS))
+    ap.add_argument("--part-mib", type=float, default=15.0)
+    ap.add_argument("--stages", default="draft-head,draft-head-unroll2,eagle3,layerskip")
+    a = ap.parse_args(argv)
+    t0 = time.monotonic()
+    deadline = t0 + a.minutes * 60 - 20                  # 20 s left to bundle
+    p = PRESETS[a.preset]
+    out = Path(a.out)
+    work, logs = out / "work", out / "work" / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"), PYTHONUNBUFFERED="1")
+    summary = {"model": a.model, "device": a.device, "preset": a.preset, "minutes": a.minutes, "stages": {}}
+    data = _cli("make-data", "--model", a.model, "--engine", "transformers", "--device", a.device, "--builtin",
+                "--self-instruct", str(p["self_instruct"]), "--batch-size", str(p["batch"]), "--max-new-tokens",
+                str(p["max_new"]), "--greedy-fraction", "0.25", "--heldout-fraction", "0.02", "--max-minutes",
+                str(p["data_minutes"]), "--out", str(work / "corpus.jsonl"))
+    summary["stages"].update(run_stages({"data": data}, logs, deadline, env))
+    if summary["stages"]["data"]["rc"] == 0:
+        summary["heldout_records"] = heldout_records(work / "corpus.jsonl", work / "heldout.jsonl")
+        wanted = [s for s in a.stages.split(",") if s]
+        commands = {k: v for k, v in stage_commands(a.model, work, a.device, p).items() if k in wanted}
+        summary["stages"].update(run_stages(commands, logs, deadline, env))
+    summary["seconds"] = round(time.monotonic() - t0, 1)
+    (work / "summary.json").write_text(json.dumps(summary, indent=2))
+    summary["bundle"] = bundle(work, out, a.part_mib)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+    return 0 if all(s["rc"] == 0 for s in summary["stages"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""The device runbook at toy scale on a CPU (issue 28): sampling with transformers (self-instruct prompts), the four
+training stages in parallel, the bundle; and what it brings back works in our engine."""
+
+import json
+import subprocess
+import sys
+import tarfile
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from helpers import one_line_error, tiny_chat_dir
+from speculant.engine.prompts import encode_prompt
+from speculant.models.loading import load_tokenizer
+from speculant.training import hf_sample
+from speculant.training.runbook import main as runbook_main
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    return tiny_chat_dir(tmp_path_factory.mktemp("tiny") / "hf")
+
+
+def test_pre_query_ids_are_the_template_before_the_user_content(chat_dir):
+    tok = load_tokenizer(chat_dir)
+    ids = hf_sample.pre_query_ids(tok)
+    assert ids == tok.encode("t2 ", add_special_tokens=False) == [2]
+
+
+def test_self_instruct_keeps_distinct_finished_turns_only(chat_dir, monkeypatch):
+    tok = load_tokenizer(chat_dir)
+    # a repeat, an unfinished turn, an empty one, one under 8 characters
+    rows = [[5, 6, 7, 1], [5, 6, 7, 1], [7, 8, 9], [1], [5, 6, 1], [9, 10, 11, 1]]
+    monkeypatch.setattr(hf_sample, "generate_batch", lambda hf, r, eos, *a: rows[:len(r)])
+    got = hf_sample.self_instruct_prompts(None, tok, [1], 10, batch=6, progress=False)
+    assert [p.text for p in got] == ["t5 t6 t7", "t9 t10 t11"]
+    assert [p.id for p in got] == ["selfinstruct-0", "selfinstruct-1"]
+
+
+def test_runbook_at_toy_scale_brings_back_drafters_that_work(chat_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "rb"
+    rc = runbook_main(["--model", str(chat_dir), "--out", str(out), "--device", "cpu", "--preset", "toy",
+                       "--minutes", "6", "--part-mib", "0.1"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert rc == 0, {k: v["last_line"] for k, v in summary["stages"].items()}
+    assert set(summary["stages"]) == {"data", "draft-head", "draft-head-unroll2", "eagle3", "layerskip"}
+    parts = summary["bundle"]
+    assert len(parts) > 1 and parts == sorted(parts)                     # cut, and `cat` order is the parts' order
+    (tmp_path / "b.tar").write_bytes(b"".join((out / p).read_bytes() for p in parts))
+    back = tmp_path / "back"
+    with tarfile.open(tmp_path / "b.tar") as tar:
+        names = tar.getnames()
+        tar.extractall(back, filter="data")
+    assert not [n for n in names if n.endswith((".pt", "corpus.jsonl")) or "/model/" in n or n.startswith("cache-")]
+
+    # the corpus: make-data records, prompt ids by our one prompt rule, self-instruct prompts among them
+    tok = load_tokenizer(chat_dir)
+    corpus = [json.loads(line) for line in (out / "work" / "corpus.jsonl").read_text().splitlines()]
+    assert {r["source"] for r in corpus} >= {"builtin"}
+    for r in corpus:
+        assert r["prompt_ids"] == encode_prompt(tok, r["prompt"], True)
+        assert r["split"] in ("train", "heldout") and r["response_ids"]
+    held = [json.loads(line) for line in (back / "heldout.jsonl").read_text().splitlines()]
+    assert held and held == [r for r in corpus if r["split"] == "heldout"]
+
+    # the heads load into our engine and decode exactly as the target alone (greedy)
+    from helpers import load_hf_dir_in
+    from speculant import GenerationConfig, build_generator
+    model = load_hf_dir_in(chat_dir, "fp32")
+    prompt, cfg = [2, 5, 9, 1, 3], GenerationConfig(max_new_tokens=12)
+    ar = build_generator(model, method="ar").generate(prompt, cfg).token_ids
+    for head in ("draft-head", "draft-head-unroll2", "eagle3"):
+        gen = build_generator(model, method="eagle", draft_head=str(back / head), num_speculations=3,
+                              speculation="always")
+        out = gen.generate(prompt, cfg)
+        assert out.token_ids == ar and out.stats.drafted_tokens > 0, head
+    conf = json.loads((back / "eagle3" / "config.json").read_text())
+    assert len(conf["eagle_aux_hidden_state_layer_ids"]) == 3
+
+    # the LayerSkip run's LoRA weights travel alone
+    with safe_open(str(back / "layerskip" / "lora.safetensors"), "pt") as f:
+        keys, meta = list(f.keys()), f.metadata()
+    assert keys and all("lora_A" in k or "lora_B" in k for k in keys) and meta["rank"] == "8"
+    assert json.loads((back / "layerskip" / "metrics.json").read_text())["steps_done"] == 3
+
+
+@pytest.mark.parametrize("device", ["nosuch", "cuda:7" if torch.cuda.is_available() else "cuda"])
+def test_train_on_a_device_this_machine_lacks_is_a_one_line_error(chat_dir, tmp_path, device):
+    r = subprocess.run([sys.executable, "-m", "speculant.cli", "train", "--recipe", "draft-head", "--model",
+                        str(chat_dir), "--corpus", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o"),
+                        "--device", device], capture_output=True, text=True)
+    assert r.returncode == 2 and one_line_error(r.stderr), r.stderr
+    assert f"--device={device!r}" in r.stderr
