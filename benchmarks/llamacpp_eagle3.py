@@ -69,6 +69,7 @@ def main() -> None:
 
     from speculant import GenerationConfig, build_generator, load_model
     from speculant.bench.datasets import load_prompts
+    from speculant.bench.llamacpp import repack_is_safe
     from speculant.bench.llamacpp_server import LlamaServer
     from speculant.drafters.export import export_head
     from speculant.drafters.export_gguf import export_gguf
@@ -84,6 +85,8 @@ def main() -> None:
                                                   args.llama_src)
     gguf = str(gguf_file_of(model.name))
     common = ["-m", gguf, "-t", str(args.threads), "-c", "4096", "--no-warmup"]
+    if not repack_is_safe():                    # llama.cpp 11434's AMX repacked path faults on multi-row products
+        common.append("--no-repack")
     spec = ["--spec-type", "draft-eagle3", "--spec-draft-n-max", str(args.num_speculations), "--spec-draft-n-min", "0"]
     servers = {"plain": LlamaServer(common)}
     try:
