@@ -62,6 +62,8 @@ def test_runbook_at_toy_scale_brings_back_drafters_that_work(chat_dir, tmp_path,
     for r in corpus:
         assert r["prompt_ids"] == encode_prompt(tok, r["prompt"], True)
         assert r["split"] in ("train", "heldout") and r["response_ids"]
+    import gzip
+    assert gzip.decompress((back / "corpus.jsonl.gz").read_bytes()) == (out / "work" / "corpus.jsonl").read_bytes()
     held = [json.loads(line) for line in (back / "heldout.jsonl").read_text().splitlines()]
     assert held and held == [r for r in corpus if r["split"] == "heldout"]
 
@@ -86,10 +88,67 @@ def test_runbook_at_toy_scale_brings_back_drafters_that_work(chat_dir, tmp_path,
     assert json.loads((back / "layerskip" / "metrics.json").read_text())["steps_done"] == 3
 
 
-@pytest.mark.parametrize("device", ["nosuch", "cuda:7" if torch.cuda.is_available() else "cuda"])
+@pytest.mark.parametrize("device", ["nosuch", "meta", "cuda:99" if torch.cuda.is_available() else "cuda"])
 def test_train_on_a_device_this_machine_lacks_is_a_one_line_error(chat_dir, tmp_path, device):
     r = subprocess.run([sys.executable, "-m", "speculant.cli", "train", "--recipe", "draft-head", "--model",
                         str(chat_dir), "--corpus", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o"),
                         "--device", device], capture_output=True, text=True)
     assert r.returncode == 2 and one_line_error(r.stderr), r.stderr
     assert f"--device={device!r}" in r.stderr
+
+
+def test_batched_generation_equals_one_row_at_a_time_and_cuts_at_eos(chat_dir):
+    """Left padding changes nothing (greedy rows of different lengths decoded together equal each decoded alone), and
+    each row ends right after its first EOS (kept) or at the token budget."""
+    hf, _ = hf_sample.load_hf(str(chat_dir), "cpu")
+    rows = [[2, 5, 9, 1, 3], [2, 7, 3], [2, 11, 12, 13, 14, 15, 1, 3]]
+    together = hf_sample.generate_batch(hf, rows, [1], 12, 0.0, 1.0)
+    alone = [hf_sample.generate_batch(hf, [r], [1], 12, 0.0, 1.0)[0] for r in rows]
+    assert together == alone
+    for r in together:
+        assert (r[-1] == 1 and 1 not in r[:-1]) or (len(r) == 12 and 1 not in r)
+
+
+def test_sample_corpus_spreads_greedy_batches_and_refuses_an_empty_result(chat_dir, tmp_path):
+    from speculant.errors import SpeculantError
+    from speculant.training.data import Prompt
+    hf, tok = hf_sample.load_hf(str(chat_dir), "cpu")
+    prompts = [Prompt(f"p{i}", "test", " ".join(f"t{4 + (i * j) % 50}" for j in range(2 + i % 5))) for i in range(16)]
+    summary = hf_sample.sample_corpus(hf, tok, prompts, tmp_path / "c.jsonl", [1], 6, batch=4,
+                                      greedy_fraction=0.25, progress=False)
+    recs = [json.loads(line) for line in (tmp_path / "c.jsonl").read_text().splitlines()]
+    assert len(recs) == 16 and summary["prompts_skipped"] == 0
+    assert sum(r["temperature"] == 0.0 for r in recs) == 4            # one batch of the four, exactly
+    with pytest.raises(SpeculantError, match="no record was written"):
+        hf_sample.sample_corpus(hf, tok, prompts, tmp_path / "d.jsonl", [1], 6, batch=4, max_minutes=-1.0,
+                                progress=False)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--engine", "transformers", "--resume"], "--resume is not supported by --engine transformers"),
+    (["--engine", "transformers", "--text-file", "x.txt"], "--text-file is not supported"),
+    (["--device", "cuda"], "--device needs --engine transformers"),
+    (["--self-instruct", "5"], "--self-instruct needs --engine transformers"),
+    (["--engine", "transformers", "--greedy-fraction", "1.5"], "greedy_fraction=1.5 is out of range"),
+    (["--engine", "transformers", "--self-instruct", "-1"], "self_instruct=-1 is out of range"),
+])
+def test_make_data_refuses_flags_its_engine_would_ignore(chat_dir, tmp_path, capsys, flags, says):
+    from speculant.cli import main
+    assert main(["make-data", "--model", str(chat_dir), "--builtin", "--out", str(tmp_path / "c.jsonl"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert one_line_error(err) and says in err, err
+    assert not (tmp_path / "c.jsonl").exists()
+
+
+def test_exit_adapter_training_refuses_a_device(chat_dir, tmp_path, capsys):
+    from speculant.cli import main
+    assert main(["train", "--recipe", "exit-adapter", "--model", str(chat_dir), "--corpus", "c.jsonl",
+                 "--out", str(tmp_path / "o"), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert one_line_error(err) and "not supported by --recipe exit-adapter; allowed: cpu" in err, err
+
+
+def test_runbook_refuses_unknown_stages(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        runbook_main(["--out", str(tmp_path / "o"), "--stages", "draft-head,eagle4"])
+    assert e.value.code == 2 and "eagle4" in capsys.readouterr().err

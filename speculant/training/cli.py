@@ -31,10 +31,9 @@ def cmd_make_data(args) -> int:
         prompts += data.builtin_prompts()
     for p in args.prompts_file or ():
         prompts += data.file_prompts(p)
+    check_engine_flags(args)
     if args.engine == "transformers":
         return _make_data_hf(args, prompts, config)
-    if args.self_instruct:
-        raise SpeculantError(f"--self-instruct={args.self_instruct} needs --engine transformers; allowed: 0 here")
     dist = from_env("cpu")                   # under torchrun: each process samples its share of the prompts
     # the runtime the corpus' target decodes in (--weights, compiled): rank 0 tunes it first, the others read its
     # choice from the cache, so every rank samples with the same weight format
@@ -46,6 +45,28 @@ def cmd_make_data(args) -> int:
     return 0
 
 
+def check_engine_flags(args) -> None:
+    """Refuse make-data flags the chosen ``--engine`` would ignore (one line naming the flag and what is allowed).
+
+    Raises:
+        SpeculantError: ``--engine transformers`` with ``--resume`` or ``--text-file``; ``--engine speculant`` with
+            ``--device`` other than cpu, ``--self-instruct`` or ``--greedy-fraction``; ``--self-instruct`` < 0 or
+            ``--greedy-fraction`` outside [0, 1].
+    """
+    from ..errors import check_range
+    check_range("self_instruct", args.self_instruct, 0)
+    check_range("greedy_fraction", args.greedy_fraction, 0.0, 1.0)
+    if args.engine == "transformers":
+        for flag, given in (("--resume", args.resume), ("--text-file", args.text_file)):
+            if given:
+                raise SpeculantError(f"{flag} is not supported by --engine transformers; allowed: --engine speculant")
+        return
+    for flag, given in (("--device", args.device != "cpu"), ("--self-instruct", args.self_instruct),
+                        ("--greedy-fraction", args.greedy_fraction)):
+        if given:
+            raise SpeculantError(f"{flag} needs --engine transformers; allowed: --engine speculant without it")
+
+
 def _make_data_hf(args, prompts, config) -> int:
     """make-data with HF transformers on ``--device`` (:mod:`.hf_sample`): ``--self-instruct`` prompts sampled by
     the target, plus the given sources; ``--max-minutes`` bounds the two stages together."""
@@ -53,19 +74,24 @@ def _make_data_hf(args, prompts, config) -> int:
 
     from .hf_sample import load_hf, sample_corpus, self_instruct_prompts
     from .train import on_device
+    import torch
     on_device(None, args.device)                      # a bad --device fails before the model loads
+    torch.manual_seed(config.seed)                    # the draws of both stages
     t0 = time.perf_counter()
     hf, tok = load_hf(args.model, args.device)
     eos = hf.generation_config.eos_token_id if hf.generation_config.eos_token_id is not None else tok.eos_token_id
+    if eos is None:
+        raise SpeculantError(f"model {args.model!r} names no end-of-sequence token; allowed: a model whose "
+                             "generation config or tokenizer has one")
     eos = [eos] if isinstance(eos, int) else list(eos)
     left = None if args.max_minutes is None else args.max_minutes / 4
     if args.self_instruct:
         prompts = prompts + self_instruct_prompts(hf, tok, eos, args.self_instruct, args.batch_size,
-                                                  max_minutes=left)
+                                                  max_minutes=left, exclude={p.text for p in prompts})
     left = None if args.max_minutes is None else args.max_minutes - (time.perf_counter() - t0) / 60
     summary = sample_corpus(hf, tok, prompts, args.out, eos, config.max_new_tokens, config.temperature,
                             config.top_p, args.batch_size, config.heldout_fraction, config.split_seed,
-                            args.greedy_fraction, left)
+                            args.greedy_fraction, left, seed=config.seed)
     print(json.dumps(dict(summary, prompts=len(prompts), engine="transformers", device=args.device)))
     return 0
 

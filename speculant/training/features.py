@@ -119,13 +119,17 @@ def compute_features(model, records: list[dict], exit_layers: list[int], topk: i
     return out
 
 
-def cache_key(model_name: str, corpus: Path, split: str, exit_layers: list[int], topk: int) -> str:
+def cache_key(model_name: str, corpus: Path, split: str, exit_layers: list[int], topk: int,
+              device_type: str = "cpu") -> str:
     """Name of a corpus split's feature cache: changes with the model, the corpus file (path, size,
-    mtime), the split, the cached layers and k."""
+    mtime), the split, the cached layers, k and the device type that computes them (the CPU's keys as before)."""
     h = hashlib.sha1()
     st = corpus.stat()
-    h.update(json.dumps([2, model_name, str(corpus.resolve()), st.st_size, int(st.st_mtime), split,
-                         sorted(set(exit_layers)), topk, None]).encode())
+    key = [2, model_name, str(corpus.resolve()), st.st_size, int(st.st_mtime), split, sorted(set(exit_layers)), topk,
+           None]
+    if device_type != "cpu":                # features computed elsewhere (TF32 products on CUDA) are not the CPU's
+        key.append(device_type)
+    h.update(json.dumps(key).encode())
     return h.hexdigest()[:16]
 
 
@@ -153,7 +157,7 @@ def cached_features(model, corpus: str | Path, split: str, exit_layers: list[int
     recs = read_corpus(corpus, split)
     if not recs:
         raise SpeculantError(f"corpus {str(corpus)!r} has no {split!r} records")
-    key = cache_key(model.name, corpus, split, exit_layers, topk)
+    key = cache_key(model.name, corpus, split, exit_layers, topk, model.decoder.device.type)
     folder = Path(cache_dir) / f"features-{split}-{key}"
     folder.mkdir(parents=True, exist_ok=True)
     parts, n = [], 0

@@ -20,6 +20,7 @@ frozen target when the features are cached), and decoding stays exact whatever t
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -68,6 +69,9 @@ def pre_query_ids(tokenizer) -> list[int]:
         raise SpeculantError("the target's tokenizer has no chat template; allowed: an instruct model with one "
                              "(self-instruct prompts need its user-turn header)")
     text = tokenizer.apply_chat_template([{"role": "user", "content": USER_MARK}], tokenize=False)
+    if USER_MARK not in text:
+        raise SpeculantError("the target's chat template drops the user message's text; allowed: a template that "
+                             "writes it (self-instruct prompts need the text before it)")
     return tokenizer.encode(text[:text.index(USER_MARK)], add_special_tokens=False)
 
 
@@ -84,8 +88,10 @@ def _left_padded(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor,
 @torch.inference_mode()
 def generate_batch(hf, rows: list[list[int]], eos: list[int], max_new_tokens: int, temperature: float,
                    top_p: float) -> list[list[int]]:
-    """Sampled continuations of ``rows`` (one ``generate`` call, left-padded), each cut after its first ``eos``
-    token (kept) or at ``max_new_tokens``; greedy when ``temperature`` is 0."""
+    """Continuations of ``rows`` (non-empty token-id lists) from one ``generate`` call, left-padded with ``eos[0]``
+    (the attention mask hides the padding; greedy rows equal those decoded one at a time): per row the new ids up to
+    and including its first ``eos`` token, or ``max_new_tokens`` ids; sampled at ``temperature`` with nucleus
+    ``top_p`` (no top-k), greedy when ``temperature`` is 0."""
     pad = eos[0]
     ids, mask = _left_padded(rows, pad, hf.device)
     kw = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
@@ -100,12 +106,18 @@ def generate_batch(hf, rows: list[list[int]], eos: list[int], max_new_tokens: in
 
 def self_instruct_prompts(hf, tokenizer, eos: list[int], n: int, batch: int = 512, max_new_tokens: int = 96,
                           temperature: float = 1.0, top_p: float = 0.99, max_minutes: float | None = None,
-                          progress: bool = True) -> list[Prompt]:
-    """Up to ``n`` distinct user prompts sampled by the target from its pre-query template (module docstring);
-    prompts that did not end their turn within ``max_new_tokens`` or are shorter than 8 characters are dropped.
-    Stops starting batches after ``max_minutes``."""
+                          progress: bool = True, exclude: set[str] = frozenset()) -> list[Prompt]:
+    """Up to ``n`` distinct user prompts sampled by the target from its pre-query template (module docstring), in
+    ``generate`` calls of ``batch`` rows, at most ``4 n`` rows in all; a turn that did not end within
+    ``max_new_tokens`` tokens, is shorter than 8 characters, repeats an earlier one or is in ``exclude`` (the other
+    sources' texts) is dropped.  No call starts after ``max_minutes`` [minutes].  Ids ``selfinstruct-<k>`` in the
+    order kept, source ``self-instruct``.
+
+    Raises:
+        SpeculantError: the tokenizer has no chat template (:func:`pre_query_ids`).
+    """
     from tqdm import tqdm
-    head, seen, out, t0 = pre_query_ids(tokenizer), set(), [], time.perf_counter()
+    head, seen, out, t0 = pre_query_ids(tokenizer), set(exclude), [], time.perf_counter()
     bar = tqdm(total=n, desc="self-instruct", unit="prompt", disable=not progress)
     tries = 0
     while len(out) < n and tries < 4 * n:
@@ -128,17 +140,22 @@ def self_instruct_prompts(hf, tokenizer, eos: list[int], n: int, batch: int = 51
 def sample_corpus(hf, tokenizer, prompts: list[Prompt], out_path: str | Path, eos: list[int],
                   max_new_tokens: int = 256, temperature: float = 0.7, top_p: float = 0.95, batch: int = 512,
                   heldout_fraction: float = 0.02, split_seed: int = 0, greedy_fraction: float = 0.0,
-                  max_minutes: float | None = None, progress: bool = True) -> dict:
-    """Sample one response per prompt and write make-data records to ``out_path`` (overwritten).
+                  max_minutes: float | None = None, progress: bool = True, seed: int = 0) -> dict:
+    """Sample one response per prompt and write make-data records to ``out_path`` (overwritten; flushed after each
+    batch, so a run stopped early leaves whole records).
 
-    Prompts are encoded by :func:`~speculant.engine.prompts.encode_prompt` and decoded in batches of similar length;
-    a fraction ``greedy_fraction`` of the batches decodes greedily (what greedy speculation meets), the rest samples.
-    No batch starts after ``max_minutes``.
+    Prompts are encoded by :func:`~speculant.engine.prompts.encode_prompt` (those that leave no room for
+    ``max_new_tokens`` in the model's context are skipped) and decoded in ``generate`` calls of ``batch`` prompts of
+    similar length, the calls in a seeded random order (``seed``), so that a time limit drops prompts of every length,
+    not the longest.  Batch k decodes greedily when ``floor((k + 1) g) > floor(k g)`` for ``g = greedy_fraction``
+    (exactly that share of the batches, spread evenly: what greedy speculation meets), else it samples.  No batch
+    starts after ``max_minutes`` [minutes].
 
     Returns:
-        summary: records and tokens per split, generated tokens, seconds.
+        summary: records and tokens per split, generated tokens, seconds, ``prompts_skipped`` (too long, or not
+        reached in the time).
     Raises:
-        SpeculantError: no prompts, or duplicate prompt ids.
+        SpeculantError: no prompts, duplicate prompt ids, or no record written (the time ran out first).
     """
     from tqdm import tqdm
 
@@ -147,20 +164,25 @@ def sample_corpus(hf, tokenizer, prompts: list[Prompt], out_path: str | Path, eo
         raise SpeculantError("no prompts to sample; allowed: --self-instruct N or prompt sources")
     if len({p.id for p in prompts}) != len(prompts):
         raise SpeculantError("prompt ids are not unique; allowed: each source at most once")
+    import random
     split = split_prompts(prompts, heldout_fraction, split_seed)
-    encoded = sorted(((p, encode_prompt(tokenizer, p.text, True)) for p in prompts), key=lambda x: len(x[1]))
+    room = int(getattr(hf.config, "max_position_embeddings", 10 ** 9)) - max_new_tokens
+    encoded = [(p, ids) for p, ids in ((p, encode_prompt(tokenizer, p.text, True)) for p in prompts) if len(ids) < room]
+    encoded.sort(key=lambda x: len(x[1]))
+    batches = [encoded[a:a + batch] for a in range(0, len(encoded), batch)]
+    random.Random(seed).shuffle(batches)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     counts = {"records": {"train": 0, "heldout": 0}, "tokens": {"train": 0, "heldout": 0}, "generated": 0}
     t0 = time.perf_counter()
-    every = round(1 / greedy_fraction) if greedy_fraction > 0 else 0
+    written = 0
     with out_path.open("w") as f, tqdm(total=len(encoded), desc="responses", unit="prompt",
                                        disable=not progress) as bar:
-        for k, a in enumerate(range(0, len(encoded), batch)):
+        for k, group in enumerate(batches):
             if max_minutes is not None and time.perf_counter() - t0 > max_minutes * 60:
                 break
-            group = encoded[a:a + batch]
-            temp = 0.0 if every and k % every == 0 else temperature
+            greedy = math.floor((k + 1) * greedy_fraction) > math.floor(k * greedy_fraction)
+            temp = 0.0 if greedy else temperature
             for (p, ids), resp in zip(group, generate_batch(hf, [i for _, i in group], eos, max_new_tokens, temp,
                                                             top_p)):
                 s = split[p.id]
@@ -170,7 +192,12 @@ def sample_corpus(hf, tokenizer, prompts: list[Prompt], out_path: str | Path, eo
                 counts["records"][s] += 1
                 counts["tokens"][s] += len(ids) + len(resp)
                 counts["generated"] += len(resp)
+                written += 1
+            f.flush()
             bar.update(len(group))
+    if not written:
+        raise SpeculantError(f"no record was written to {str(out_path)!r}: the time ran out before the first batch; "
+                             "allowed: a larger --max-minutes")
     secs = time.perf_counter() - t0
-    return {"path": str(out_path), **counts, "seconds": round(secs, 1),
+    return {"path": str(out_path), **counts, "prompts_skipped": len(prompts) - written, "seconds": round(secs, 1),
             "generated_tokens_per_second": round(counts["generated"] / max(secs, 1e-9), 1)}

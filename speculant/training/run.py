@@ -99,7 +99,7 @@ def read_checkpoint(path: Path) -> dict:
     """
     if not path.is_file():
         raise SpeculantError(f"--resume given but {str(path)!r} does not exist; allowed: a previous --out")
-    return torch.load(path, weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=False)   # saved on any device; loaded where it trains
 
 
 def optimize(run: RunConfig, opt: torch.optim.Optimizer, params: list, start: int, desc: str,

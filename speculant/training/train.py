@@ -699,16 +699,20 @@ def command_line() -> str:
 
 
 def on_device(model, device: str):
-    """``model`` with its decoder moved to the torch device ``device`` (``cpu``, ``cuda``, ``cuda:1``, ...).
+    """``model`` (in place; ``None`` only checks ``device``) with its decoder moved to the torch device ``device``:
+    ``cpu``, ``cuda`` or ``cuda:N``; under torchrun plain ``cuda`` is ``cuda:LOCAL_RANK``.  On CUDA, float32 products
+    use TF32 from then on (the teacher's cached features and top-k as well as training: labels, not decoding).
 
     Raises:
-        SpeculantError: a name torch does not know, or a device this machine lacks.
+        SpeculantError: another device type, a name torch does not know, or a device this machine lacks.
     """
     import os
     if device == "cuda" and "LOCAL_RANK" in os.environ:     # under torchrun: this process' GPU
         device = f"cuda:{os.environ['LOCAL_RANK']}"
     try:
         dev = torch.device(device)
+        if dev.type not in ("cpu", "cuda"):
+            raise RuntimeError(f"device type {dev.type} is not one training runs on")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("no CUDA device")
         torch.empty(0, device=dev)
@@ -716,7 +720,7 @@ def on_device(model, device: str):
         raise SpeculantError(f"--device={device!r} is not usable here ({str(e).splitlines()[0]}); allowed: cpu"
                              + (", cuda" if torch.cuda.is_available() else "")) from None
     if dev.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True     # training's products; decoding never runs here
+        torch.backends.cuda.matmul.allow_tf32 = True     # training's products and its labels; never decoding
     if model is not None and dev.type != "cpu":
         model.decoder.to(dev)
         model.executor = None
@@ -746,6 +750,8 @@ def train_from_args(args) -> dict:
         corpus = corpus_list(args.corpus)
     else:
         config = (ExitAdapterConfig if args.recipe == "exit-adapter" else LayerSkipConfig).from_args(args)
+        if args.recipe == "exit-adapter" and args.device != "cpu":
+            raise SpeculantError(f"--device={args.device!r} is not supported by --recipe exit-adapter; allowed: cpu")
         recipe, corpus = (train_exit_adapter if args.recipe == "exit-adapter" else train_layerskip), args.corpus
     model = on_device(read_checkpoint(args.model, args.dtype), args.device)
     dist = from_env(model.decoder.device)
