@@ -10,6 +10,18 @@ import os
 from .errors import SpeculantError, check_range
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors (a missing argument, a value outside its choices, an unknown flag) are
+    one line, as every other bad input: ``speculant: error: <message> (see `<prog> --help`)`` on stderr.
+
+    Raises:
+        SystemExit: code 2, from :meth:`error` (the entry point returns the code).
+    """
+
+    def error(self, message: str):
+        self.exit(2, f"speculant: error: {message} (see `{self.prog} --help`)\n")
+
+
 def add_method_args(p: argparse.ArgumentParser) -> None:
     from .engine.methods import METHODS
     g = p.add_argument_group("method (a parameter the method does not use is an error)")

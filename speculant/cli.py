@@ -12,7 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .arguments import add_control_args, config_from_args
+from .arguments import OneLineParser, add_control_args, config_from_args
 from .arguments import add_method_args as _add_method_args
 from .arguments import add_model_args as _add_model_args
 from .arguments import compile_wanted, load_for_decoding, method_spec_from_args  # noqa: F401  (used by tests)
@@ -120,20 +120,8 @@ def cmd_export(args) -> int:
     return 0
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse's parser whose usage errors (a missing argument, a value outside its choices, an unknown flag) are
-    one line, as every other bad input: ``speculant: error: <message> (see `<prog> --help`)`` on stderr.
-
-    Raises:
-        SystemExit: code 2, from :meth:`error` (:func:`main` returns the code).
-    """
-
-    def error(self, message: str):
-        self.exit(2, f"speculant: error: {message} (see `{self.prog} --help`)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="speculant", description="Exact speculative decoding for Llama-family models.")
+    parser = OneLineParser(prog="speculant", description="Exact speculative decoding for Llama-family models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
@@ -207,7 +195,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as e:             # a usage error (one line, _Parser.error) or --help: its code, returned
+    except SystemExit as e:             # a usage error (one line, OneLineParser.error) or --help: its code, returned
         return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
     try:
         import torch

@@ -5,6 +5,8 @@ Every error names the bad value and what is allowed; the CLI turns a
 """
 
 import numbers
+import re
+from contextlib import contextmanager
 
 
 class SpeculantError(ValueError):
@@ -30,3 +32,20 @@ def check_range(name: str, value, low=None, high=None, *, low_open=False, high_o
         hb = ")" if high_open or high is None else "]"
         raise SpeculantError(f"{name}={value!r} is out of range; allowed: {lb}{lo}, {hi}{hb}")
     return value
+
+
+@contextmanager
+def naming_flags(names, renames: dict[str, str] | None = None):
+    """Within it, a :class:`SpeculantError` that names one of the settings ``names`` (or a key of ``renames``) as a
+    config's checks do (``name=value ...``) is re-raised naming the command-line flag the user typed instead:
+    ``--name-with-dashes=value ...``, or ``renames[name]=value ...`` where the flag's name differs.  For the
+    ``from_args`` of the CLIs' configs: the Python API keeps the field names, the CLI says the flags."""
+    renames = renames or {}
+    try:
+        yield
+    except SpeculantError as e:
+        m = re.match(r"([a-z][a-z0-9_]*)=", str(e))
+        if m is None or (m.group(1) not in names and m.group(1) not in renames):
+            raise
+        flag = renames.get(m.group(1), "--" + m.group(1).replace("_", "-"))
+        raise SpeculantError(flag + str(e)[m.end(1):]) from None

@@ -54,12 +54,12 @@ def _convert_known_models_once() -> None:
 
     convert = loading.convert_gguf_in_child
 
-    def convert_once(name: str, out_dir: Path, meanwhile=None, progress=None) -> Path:
+    def convert_once(name: str, out_dir: Path, meanwhile=None, progress=None, weights: bool = True) -> Path:
         out_dir = Path(out_dir)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(out_dir) + ".lock"):
-            if not (out_dir / "model.safetensors").is_file():
-                return convert(name, out_dir, meanwhile, progress)
+            if not (out_dir / ("model.safetensors" if weights else "gguf.json")).is_file():
+                return convert(name, out_dir, meanwhile, progress, weights)
         if meanwhile is not None:
             meanwhile()
         return out_dir
@@ -99,8 +99,8 @@ def in_process(monkeypatch):
     tests (tests/test_gguf_files.py)."""
     from speculant.models import loading
 
-    def convert(name, out_dir, meanwhile=None, progress=None):
+    def convert(name, out_dir, meanwhile=None, progress=None, weights=True):
         if meanwhile is not None:
             meanwhile()
-        return loading.convert_gguf(Path(name), Path(out_dir))
+        return loading.convert_gguf(Path(name), Path(out_dir), weights)
     monkeypatch.setattr(loading, "convert_gguf_in_child", convert)

@@ -46,7 +46,8 @@ def k_quant_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator, sc
 def write_tiny_gguf(path: Path, kind: str = "Q8_0", arch: str = "llama", *, layers: int = 2, hidden: int = 64,
                     heads: int = 4, kv_heads: int = 2, inter: int = 128, tie: bool = False, seed: int = 0,
                     tokenizer: bool = True, types: dict[str, str] | None = None, name: str = "tiny",
-                    head_dim: int | None = None, window: int = 6, split_max_tensors: int = 0) -> Path:
+                    head_dim: int | None = None, window: int = 6, split_max_tensors: int = 0,
+                    extra: tuple[str, ...] = ()) -> Path:
     """A random Llama-family GGUF with the byte-level BPE tokenizer of :func:`helpers.byte_tokenizer`.
 
     ``kind``: the type of every 2-D weight (``F32``, ``F16``, ``BF16``, ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0`` ...);
@@ -56,7 +57,8 @@ def write_tiny_gguf(path: Path, kind: str = "Q8_0", arch: str = "llama", *, laye
     as llama.cpp writes them: ``1 + weight``; ``attention.sliding_window`` = ``window``, RoPE base 1e6 for the global
     layers; tied: no ``output.weight``) or any name (for the refusal tests).  ``head_dim``: default ``hidden / heads``.
     ``split_max_tensors``: write a split set of shards of at most that many tensors (gguf-py's own splitting, named
-    ``<stem>-00001-of-0000N.gguf`` ...) and return the first shard."""
+    ``<stem>-00001-of-0000N.gguf`` ...) and return the first shard.  ``extra``: names of more F32 tensors of
+    ``hidden`` values (``blk.0.attn_output.bias`` in a file whose config has none ...)."""
     rng = np.random.default_rng(seed)
     tok = byte_tokenizer()
     vocab = len(tok)
@@ -122,6 +124,8 @@ def write_tiny_gguf(path: Path, kind: str = "Q8_0", arch: str = "llama", *, laye
         if arch == "gemma3":
             for n in ("post_attention_norm", "post_ffw_norm"):
                 w.add_tensor(b + f"{n}.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
+    for name in extra:
+        add(name, (hidden,), own="F32")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -146,8 +146,8 @@ def test_the_loader_runs_w4a8_fused_without_torch_compile(tmp_path, monkeypatch)
     # and the KV cache's dtype, which --kv-cache auto takes in this format
     assert loaded.tune.kv_cache in ("float32", "float16") and set(loaded.tune.kv_cache_ms) == {"float32", "float16"}
     assert executor_of(loaded).kv_dtype == getattr(torch, loaded.tune.kv_cache)
-    kv_ms = loaded.tune.kv_cache_ms          # float16 only when faster by more than the noise: float32 is the default
-    assert (loaded.tune.kv_cache == "float16") == (kv_ms["float16"] < kv_ms["float32"] * (1 - tune.CHOICE_NOISE))
+    kv_ms = loaded.tune.kv_cache_ms          # float32 only when faster by more than the noise: float16 is the default
+    assert (loaded.tune.kv_cache == "float32") == (kv_ms["float32"] < kv_ms["float16"] * (1 - tune.CHOICE_NOISE))
     again = load_model(str(path), weights="w4a8")
     assert again.tune.prompt_ms == loaded.tune.prompt_ms
     assert again.tune.weight_prefetch_ms == loaded.tune.weight_prefetch_ms           # reused, not measured again
@@ -319,7 +319,12 @@ def test_the_prompt_route_is_measured_and_kept(model):
     assert set(ms) <= {"8", "24"} and "8" in ms                     # beyond the context: not timed
     assert all(set(v) == {"fused", "layer step"} and min(v.values()) > 0 for v in ms.values())
     assert limit in (0, 8, 24)
-    assert limit == 0 or ms[str(limit)]["fused"] < ms[str(limit)]["layer step"] * (1 - tune.CHOICE_NOISE)
+    expected = 0                # the fused step (the default) up to the first length where the layer step wins
+    for n in ("8", "24"):
+        if n not in ms or ms[n]["layer step"] < ms[n]["fused"] * (1 - tune.CHOICE_NOISE):
+            break
+        expected = int(n)
+    assert limit == expected, ms
     assert executor_of(model).fused_prompt_tokens == 0                 # restored
 
 
@@ -328,7 +333,7 @@ def test_the_kv_cache_dtype_is_measured_and_the_decoder_left_as_it_was(model):
     before = dec.kv_dtype
     best, ms = tune.measure_kv_cache(dec, repeats=2)
     assert set(ms) == {"float32", "float16"} and all(v > 0 for v in ms.values())
-    assert (best == "float16") == (ms["float16"] < ms["float32"] * (1 - tune.CHOICE_NOISE))   # float32 within the noise
+    assert (best == "float32") == (ms["float32"] < ms["float16"] * (1 - tune.CHOICE_NOISE))   # float16 within the noise
     assert dec.kv_dtype == before                          # restored
     result = tune.TuneResult(key=tune.tune_key(dec.config, 1), weights="w4a8", fp32_route="linear", threads=1)
     assert "KV cache" not in tune.format_table(result)

@@ -55,8 +55,8 @@ def test_gemma3_270m_weights_greedy_tokens_and_an_answer(monkeypatch):
     from gguf import dequantize
 
     # converted in this process (the product converts in a child: tests/test_gguf_files.py): no second interpreter
-    monkeypatch.setattr(loading, "convert_gguf_in_child", lambda name, out, meanwhile=None: loading.convert_gguf(
-        KNOWN_MODELS[name], out))
+    monkeypatch.setattr(loading, "convert_gguf_in_child", lambda name, out, meanwhile=None, weights=True: loading.convert_gguf(
+        KNOWN_MODELS[name], out, weights))
     model = read_checkpoint("gemma3-270m")
     cfg = model.config
     assert cfg.model_type == "gemma3_text" and cfg.vocab_size == 262144 and cfg.sliding_window == 512

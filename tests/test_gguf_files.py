@@ -226,7 +226,8 @@ def test_the_cli_generates_from_a_gguf_file(tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(result["token_ids"]) == 6
     converted = loading.converted_dir(str(path))
-    assert (converted / "model.safetensors").is_file()
+    assert (converted / "gguf.json").is_file() and (converted / "tokenizer.json").is_file()
+    assert not (converted / "model.safetensors").exists()       # the weights were read from the file: no float32 copy
     assert not [p for p in converted.parent.iterdir() if p.name.startswith(converted.name + ".")]   # no temporary left
 
 

@@ -65,6 +65,17 @@ def test_decoded_codes_are_gguf_dequantize_bit_for_bit(kind, tmp_path):
     assert lo <= int(gq.codes.min()) and int(gq.codes.max()) <= hi
 
 
+def test_the_layout_table_is_the_decoded_codes_layout(tmp_path):
+    """``GGUFCodes.as_stored`` decides from ``_LAYOUTS`` without decoding which parts fuse into one projection (and
+    so which float weights a ``w4a8`` load never reads): the table must be what decoding gives, for every type."""
+    from speculant.models.gguf_codes import _LAYOUTS, CODE_KINDS
+
+    assert sorted(_LAYOUTS) == sorted(CODE_KINDS) == sorted(TYPES)
+    rng = np.random.default_rng(7)
+    for kind in TYPES:
+        assert _codes(kind, _raw(kind, 4, 256, rng), tmp_path).layout() == _LAYOUTS[kind], kind
+
+
 def _q8_1(x: torch.Tensor) -> torch.Tensor:
     """Activations as our kernels take them (llama.cpp's Q8_1): per block of 32, ``d = max|x| / 127``,
     ``q = round-half-even(x / d)``, in float32; returned dequantized ``q * d`` in float64."""

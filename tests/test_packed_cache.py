@@ -115,10 +115,35 @@ def test_dequantizing_by_rows_gives_the_readers_values(kind):
     import numpy as np
     from gguf import GGMLQuantizationType, dequantize, quantize
 
+    from speculant.models.gguf_tensors import dequantize_by_rows
+
     qtype = GGMLQuantizationType[kind]
     weights = np.random.default_rng(0).standard_normal((11, 64)).astype(np.float32)
     data = quantize(weights, qtype)
     whole = dequantize(data, qtype)
-    by_rows = loading._dequantize_by_rows(data, qtype, rows=4)
+    by_rows = dequantize_by_rows(data, qtype, rows=4)
     assert by_rows.shape == whole.shape and by_rows.dtype == whole.dtype
     assert np.array_equal(by_rows, whole)
+
+
+def test_write_safetensors_is_read_by_safetensors_with_a_tensor_copied_from_a_file(tmp_path):
+    """Our writer (tensors one at a time, one copied file to file) makes a file safetensors' own reader takes."""
+    import tempfile
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from speculant.runtime.store import write_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    state = {"a": torch.randn(3, 5, generator=g), "b": torch.randint(-128, 127, (7,), dtype=torch.int8),
+             "c": torch.randn(4, generator=g).half(), "empty": torch.zeros(0, 2), "big": torch.randn(33, 9, generator=g)}
+    spooled = tempfile.TemporaryFile(dir=tmp_path)
+    spooled.write(state["big"].numpy().tobytes())
+    spooled.flush()
+    write_safetensors(tmp_path / "x.safetensors", state, {"k": "v"}, {"big": spooled})
+    back = load_file(str(tmp_path / "x.safetensors"))
+    assert back.keys() == state.keys()
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in state.items())
+    with safe_open(str(tmp_path / "x.safetensors"), "pt") as f:
+        assert f.metadata() == {"k": "v"}

@@ -40,7 +40,7 @@ def test_self_instruct_keeps_distinct_finished_turns_only(chat_dir, monkeypatch)
 
 def test_runbook_at_toy_scale_brings_back_drafters_that_work(chat_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    out = tmp_path / "rb"
+    out = out_dir = tmp_path / "rb"
     rc = runbook_main(["--model", str(chat_dir), "--out", str(out), "--device", "cpu", "--preset", "toy",
                        "--minutes", "6", "--part-mib", "0.1"])
     summary = json.loads((out / "summary.json").read_text())
@@ -85,16 +85,36 @@ def test_runbook_at_toy_scale_brings_back_drafters_that_work(chat_dir, tmp_path,
     with safe_open(str(back / "layerskip" / "lora.safetensors"), "pt") as f:
         keys, meta = list(f.keys()), f.metadata()
     assert keys and all("lora_A" in k or "lora_B" in k for k in keys) and meta["rank"] == "8"
-    assert json.loads((back / "layerskip" / "metrics.json").read_text())["steps_done"] == 3
+    ls_metrics = json.loads((back / "layerskip" / "metrics.json").read_text())
+    assert ls_metrics["steps_done"] == 3
+    card = (back / "layerskip" / "README.md").read_text()                 # and its model card travels with them
+    assert str(chat_dir) in card and "`lora.safetensors`" in card and ls_metrics["trained_on"] in card
+    import os
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in (out_dir / "work").rglob("*.safetensors"):                      # trained weights: an ordinary file's mode
+        assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f
 
 
-@pytest.mark.parametrize("device", ["nosuch", "meta", "cuda:99" if torch.cuda.is_available() else "cuda"])
-def test_train_on_a_device_this_machine_lacks_is_a_one_line_error(chat_dir, tmp_path, device):
-    r = subprocess.run([sys.executable, "-m", "speculant.cli", "train", "--recipe", "draft-head", "--model",
-                        str(chat_dir), "--corpus", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o"),
-                        "--device", device], capture_output=True, text=True)
+MISSING_CUDA = "cuda:99" if torch.cuda.is_available() else "cuda"
+"""A CUDA device this machine lacks."""
+
+
+@pytest.mark.parametrize("command", ["train", "make-data"])
+@pytest.mark.parametrize("device", ["nosuch", "tpu", "meta", "cuda:x", MISSING_CUDA])
+def test_a_device_this_machine_lacks_is_one_short_line(chat_dir, tmp_path, device, command):
+    """train and make-data (--engine transformers) refuse a device in one short line naming the value and the allowed
+    ones (not torch's list of every device type), before the model loads."""
+    flags = (["train", "--recipe", "draft-head", "--corpus", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")]
+             if command == "train" else
+             ["make-data", "--engine", "transformers", "--builtin", "--out", str(tmp_path / "c.jsonl")])
+    r = subprocess.run([sys.executable, "-m", "speculant.cli", *flags, "--model", str(chat_dir), "--device", device],
+                       capture_output=True, text=True)
     assert r.returncode == 2 and one_line_error(r.stderr), r.stderr
-    assert f"--device={device!r}" in r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert f"--device={device!r}" in line and len(line) < 160 and "Expected one of" not in line, line
+    assert line.endswith("allowed: cpu" if device == "cuda" else "cuda:N" if device != MISSING_CUDA else "")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "c.jsonl").exists()
 
 
 def test_batched_generation_equals_one_row_at_a_time_and_cuts_at_eos(chat_dir):
@@ -129,8 +149,8 @@ def test_sample_corpus_spreads_greedy_batches_and_refuses_an_empty_result(chat_d
     (["--engine", "transformers", "--text-file", "x.txt"], "--text-file is not supported"),
     (["--device", "cuda"], "--device needs --engine transformers"),
     (["--self-instruct", "5"], "--self-instruct needs --engine transformers"),
-    (["--engine", "transformers", "--greedy-fraction", "1.5"], "greedy_fraction=1.5 is out of range"),
-    (["--engine", "transformers", "--self-instruct", "-1"], "self_instruct=-1 is out of range"),
+    (["--engine", "transformers", "--greedy-fraction", "1.5"], "--greedy-fraction=1.5 is out of range"),
+    (["--engine", "transformers", "--self-instruct", "-1"], "--self-instruct=-1 is out of range"),
 ])
 def test_make_data_refuses_flags_its_engine_would_ignore(chat_dir, tmp_path, capsys, flags, says):
     from speculant.cli import main
@@ -148,7 +168,32 @@ def test_exit_adapter_training_refuses_a_device(chat_dir, tmp_path, capsys):
     assert one_line_error(err) and "not supported by --recipe exit-adapter; allowed: cpu" in err, err
 
 
-def test_runbook_refuses_unknown_stages(tmp_path, capsys):
-    with pytest.raises(SystemExit) as e:
-        runbook_main(["--out", str(tmp_path / "o"), "--stages", "draft-head,eagle4"])
-    assert e.value.code == 2 and "eagle4" in capsys.readouterr().err
+@pytest.mark.parametrize("flags, says", [
+    (["--stages", "draft-head,eagle4"], "--stages='draft-head,eagle4' is not a list of stages; allowed: some of"),
+    (["--stages", ","], "--stages=',' is not a list of stages"),
+    (["--part-mib", "0"], "--part-mib=0.0 is out of range; allowed: [0.01, "),
+    (["--part-mib", "-3"], "--part-mib=-3.0 is out of range"),
+    (["--part-mib", "nan"], "--part-mib=nan is out of range"),
+    (["--part-mib", "inf"], "--part-mib=inf is out of range"),
+    (["--minutes", "0"], "--minutes=0.0 is out of range; allowed: [1.0, inf)"),
+    (["--minutes", "-1"], "--minutes=-1.0 is out of range"),
+    (["--minutes", "nan"], "--minutes=nan is out of range"),
+    (["--minutes", "ten"], "argument --minutes: invalid float value: 'ten'"),
+    (["--preset", "big"], "argument --preset: invalid choice: 'big'"),
+    (["--device", "tpu"], "--device='tpu' is not a device training runs on; allowed: cpu, cuda, cuda:N"),
+    (["--device", MISSING_CUDA], f"--device={MISSING_CUDA!r} is not available here"),
+])
+def test_runbook_refuses_bad_flags_in_one_line_before_any_work(tmp_path, capsys, flags, says):
+    out = tmp_path / "o"
+    assert runbook_main(["--out", str(out), "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err
+    assert one_line_error(err) and says in err and "usage:" not in err, err
+    assert not out.exists()
+
+
+def test_runbook_help_says_what_each_flag_is(capsys):
+    assert runbook_main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for flag in ("--model", "--out", "--device", "--minutes", "--preset", "--part-mib", "--stages"):
+        help_text = text.split(flag, 2)[2].split("\n  --")[0]        # the flag's own entry under "options"
+        assert len(help_text.split()) >= 6, (flag, help_text)

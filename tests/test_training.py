@@ -157,6 +157,28 @@ def test_layerskip_steps_lower_heldout_loss_full_and_lora(tmp_path):
         assert not any("lora" in k for k in re.decoder.state_dict())
         ids = torch.tensor([[1, 2, 3]])
         torch.testing.assert_close(re.decoder(ids), m.decoder(ids))
+        # a model card: the base model, what the folder holds, the settings, the metrics, what it was trained on
+        card = (tmp_path / f"ls{rank}" / "README.md").read_text()
+        assert card.startswith("# LayerSkip fine-tune: tiny") and metrics["trained_on"].startswith("a CPU")
+        assert ("`lora.safetensors`" in card) == (rank > 0) and f"on {metrics['trained_on']}" in card
+        assert f"{metrics['heldout_after']['ppl']:.3f}" in card and "rotational (R = 2)" in card
+        assert "at exit layer 2" in card
+
+
+def test_trained_weights_are_written_with_the_umask_mode(tmp_path):
+    """safetensors writes a 0600 temporary file and renames it: trained weights get an ordinary file's mode."""
+    import os
+    from speculant.training.train import save_lora
+    old = os.umask(0o027)
+    try:
+        m = tiny_model(layers=4)
+        _saved_adapter(m, tmp_path / "a", 2)                      # write_dir: adapters, draft heads, EAGLE-3 heads
+        from speculant.training.train import add_lora
+        save_lora(add_lora(m.decoder, 2, 4.0), tmp_path / "lora.safetensors", LayerSkipConfig(lora_rank=2))
+    finally:
+        os.umask(old)
+    for f in (tmp_path / "a" / "adapter.safetensors", tmp_path / "lora.safetensors"):
+        assert f.stat().st_mode & 0o777 == 0o640, (f, oct(f.stat().st_mode))
 
 
 def test_exit_adapter_training_improves_agreement_and_resumes(tmp_path):
@@ -317,7 +339,7 @@ def test_corpus_reader_rejects_unknown_split(tmp_path):
 def test_cli_bad_input_exits_2(tmp_path, capsys):
     from speculant.cli import main
     assert main(["train", "--recipe", "nope", "--corpus", "c", "--out", str(tmp_path)]) == 2
-    assert "recipe='nope' is unknown; allowed: layerskip, exit-adapter" in capsys.readouterr().err
+    assert "--recipe='nope' is unknown; allowed: layerskip, exit-adapter" in capsys.readouterr().err
     assert main(["make-data", "--out", str(tmp_path / "o.jsonl"), "--spec-bench", str(tmp_path / "missing.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
@@ -352,7 +374,51 @@ def test_train_flags_make_each_recipes_config_and_bad_values_fail_before_loading
         err = capsys.readouterr().err
         assert one_line_error(err) and ("nope" in err or "=0" in err or "=3" in err), err
     assert main(["make-data", "--out", str(tmp_path / "o.jsonl"), "--builtin", "--max-new-tokens", "0"]) == 2
-    assert "max_new_tokens=0 is out of range" in capsys.readouterr().err
+    assert "--max-new-tokens=0 is out of range" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--recipe", "draft-head", "--head-seq-len", "0"], "--head-seq-len=0 is out of range"),
+    (["--recipe", "eagle3", "--head-batch", "0"], "--head-batch=0 is out of range"),
+    (["--recipe", "eagle3", "--aux-layers", "3,2,1"], "--aux-layers=[3, 2, 1] is invalid"),
+    (["--recipe", "eagle3", "--ttt-decay", "2"], "--ttt-decay=2.0 is out of range"),
+    (["--recipe", "layerskip", "--seq-len", "0"], "--seq-len=0 is out of range"),
+    (["--recipe", "layerskip", "--rotation", "0"], "--rotation=0 is out of range"),
+    (["--recipe", "layerskip", "--p-max", "2"], "--p-max=2.0 is out of range"),
+    (["--recipe", "exit-adapter", "--steps", "5", "--stop-at", "9"], "--stop-at=9 is out of range"),
+    (["--recipe", "exit-adapter", "--eval-every", "0"], "--eval-every=0 is out of range"),
+    (["--recipe", "layerskip", "--threads", "0"], "--threads=0 is out of range"),
+])
+def test_train_range_errors_name_the_flag_as_typed(tmp_path, capsys, monkeypatch, flags, says):
+    """A bad value is one line naming the flag the user typed (`--head-seq-len`, not the config's `seq_len`), before
+    the model loads."""
+    from speculant.cli import main
+    from speculant.models import loading
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(loading, "read_checkpoint", no_loading)
+    assert main(["train", "--corpus", "c", "--out", str(tmp_path / "o"), "--model", "m", *flags]) == 2
+    err = capsys.readouterr().err
+    assert one_line_error(err), err
+    assert says in err, err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--heldout-fraction", "2"], "--heldout-fraction=2.0 is out of range"),
+    (["--top-p", "0"], "--top-p=0.0 is out of range"),
+    (["--temperature", "-1"], "--temperature=-1.0 is out of range"),
+    (["--batch-size", "0"], "--batch-size=0 is out of range"),
+    (["--chunk-tokens", "0"], "--chunk-tokens=0 is out of range"),
+    (["--threads", "-1"], "--threads=-1 is out of range"),
+])
+def test_make_data_range_errors_name_the_flag_as_typed(tmp_path, capsys, flags, says):
+    from speculant.cli import main
+    assert main(["make-data", "--out", str(tmp_path / "o.jsonl"), "--builtin", *flags]) == 2
+    err = capsys.readouterr().err
+    assert one_line_error(err) and says in err, err
+    assert not (tmp_path / "o.jsonl").exists()
 
 
 def test_spec_bench_reader_uses_first_turn(tmp_path):

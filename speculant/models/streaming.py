@@ -1,4 +1,5 @@
-"""An HF-format checkpoint read into our decoder layer by layer: the model is never whole in float32 in memory.
+"""An HF-format checkpoint (or a GGUF file's weights by HF name) read into our decoder layer by layer: the model is
+never whole in float32 in memory.
 
 :func:`open_streamed` builds the decoder on the meta device with its token embedding, final norm and (untied) LM
 head read in float32; :func:`fill_layers` then reads the given decoder layers, one at a time (``pread``, no file
@@ -45,6 +46,67 @@ class StreamedCheckpoint:
         return self._where[name].get_tensor(name).to(torch.float32)
 
 
+PROJECTION_WEIGHTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                      "self_attn.o_proj": ("self_attn.o_proj",),
+                      "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj": ("mlp.down_proj",)}
+"""Our decoder layer's projections -> the HF modules whose weights make them (fused in this order)."""
+
+
+class WithoutWeights:
+    """``checkpoint`` with the tensors of ``shapes`` (HF name -> shape) left unread: :meth:`take` gives a meta tensor
+    of their shape (weights a packing replaces by a GGUF file's own codes without looking at them).
+
+    Attributes:
+        keys: ``checkpoint.keys``.
+    """
+
+    def __init__(self, checkpoint, shapes: dict[str, tuple[int, ...]]):
+        self.checkpoint, self.shapes, self.keys = checkpoint, shapes, checkpoint.keys
+
+    def take(self, name: str) -> torch.Tensor:
+        if name in self.shapes:
+            return torch.empty(self.shapes[name], device="meta")
+        return self.checkpoint.take(name)
+
+
+class SpooledFiles(dict):
+    """A decoder's spooled tensors: state-dict name -> ``(open temporary file, data pointer of the tensor mapped
+    from it)`` (:func:`spool_rows`).  A deep copy of the decoder (a truncated draft model) copies the tensors into
+    memory, so its copy of this is empty: an open file cannot be copied, and the copies are not the file's mapping."""
+
+    def __deepcopy__(self, memo) -> "SpooledFiles":
+        return SpooledFiles()
+
+
+def spool_rows(blocks, shape: tuple[int, int], directory: Path) -> tuple[torch.Tensor, object]:
+    """``(tensor, file)``: the float32 ``[O, I]`` whose consecutive row ``blocks`` are given, written block by block
+    to an unnamed temporary file in ``directory`` and mapped from it copy-on-write (a write stays in this
+    process): its pages are held only where read (a token embedding, of which decoding gathers a few rows a step),
+    never the whole tensor in memory.  ``file``: the open temporary file (its bytes are the tensor's, from offset 0;
+    :func:`~speculant.runtime.store.save_packed` copies them from there without reading the mapping).
+
+    Raises:
+        ValueError: the blocks do not make ``shape``.
+        OSError: the file cannot be written or mapped.
+    """
+    import tempfile
+
+    import numpy as np
+
+    f = tempfile.TemporaryFile(dir=directory)
+    rows = 0
+    for block in blocks:
+        if block.dim() != 2 or block.shape[1] != shape[1]:
+            raise ValueError(f"a block of shape {tuple(block.shape)} in a tensor of shape {tuple(shape)}")
+        f.write(memoryview(block.contiguous().view(-1).view(torch.uint8).numpy()))
+        rows += block.shape[0]
+    if rows != shape[0]:
+        raise ValueError(f"{rows} rows written for a tensor of shape {tuple(shape)}")
+    f.flush()
+    mapped = np.memmap(f, dtype=np.float32, mode="c", shape=tuple(shape))
+    return torch.from_numpy(mapped), f
+
+
 def streamable(cfg: ModelConfig, keys: set[str]) -> bool:
     """Whether a checkpoint holding ``keys`` is exactly ``cfg``'s weights, so it can be read layer by layer (a tied
     model's saved LM head copy or stored RoPE frequencies need :func:`~speculant.models.loading.check_hf_state`'s
@@ -53,23 +115,36 @@ def streamable(cfg: ModelConfig, keys: set[str]) -> bool:
     return keys == expected_hf_keys(cfg)
 
 
-def open_streamed(path: Path, cfg: ModelConfig) -> tuple[LlamaDecoder, StreamedCheckpoint] | None:
+def open_streamed(path: Path, cfg: ModelConfig, checkpoint=None,
+                  spool: Path | None = None) -> tuple[LlamaDecoder, StreamedCheckpoint] | None:
     """``(decoder, checkpoint)``: the decoder of the HF-format directory ``path`` with float32 token embedding,
     final norm and LM head and every layer still on the meta device (:func:`fill_layers` reads them); ``None`` when
     the checkpoint is not :func:`streamable` (read it whole then: :func:`~speculant.models.loading.load_hf_dir`
-    names what is wrong).
+    names what is wrong).  ``checkpoint``: where the weights come from instead of ``path``'s weight files (anything
+    with ``keys`` and ``take(name)`` of HF names: a GGUF file's
+    :class:`~speculant.models.gguf_tensors.GGUFTensors`).  ``spool``: a directory where the token embedding of a
+    checkpoint that gives it by blocks of rows (``rows(name)``) is written and mapped from (:func:`spool_rows`;
+    ``decoder.spooled`` then maps its state-dict name to the open file), instead of held in memory.
 
     Raises:
         SpeculantError: an unreadable weight file.
     """
     from .loading import weight_files
 
-    checkpoint = StreamedCheckpoint(weight_files(Path(path)))
+    if checkpoint is None:
+        checkpoint = StreamedCheckpoint(weight_files(Path(path)))
     if not streamable(cfg, checkpoint.keys):
         return None
     with torch.device("meta"):
         dec = LlamaDecoder(cfg)
-    dec.embed_tokens.weight = torch.nn.Parameter(checkpoint.take("model.embed_tokens.weight"), requires_grad=False)
+    dec.spooled = SpooledFiles()
+    if spool is not None and hasattr(checkpoint, "rows") and "model.embed_tokens.weight" in checkpoint.keys:
+        embed, spooled = spool_rows(checkpoint.rows("model.embed_tokens.weight"),
+                                    checkpoint.shape("model.embed_tokens.weight"), spool)
+        dec.spooled["embed_tokens.weight"] = (spooled, embed.data_ptr())
+    else:
+        embed = checkpoint.take("model.embed_tokens.weight")
+    dec.embed_tokens.weight = torch.nn.Parameter(embed, requires_grad=False)
     dec.norm.weight = torch.nn.Parameter(checkpoint.take("model.norm.weight"), requires_grad=False)
     if cfg.tie_word_embeddings:
         dec.lm_head_proj.weight = dec.embed_tokens.weight

@@ -91,11 +91,12 @@ def _read_and_pack(name_or_path: str, dtype: torch.dtype, weights: str, result, 
     the formats ``auto`` measures for a GGUF file (:func:`_stored_choice`), else ``None``.
     Returns ``(model, tune result or None, weight format)``."""
     index = None
-    if loading.is_gguf_source(name_or_path) and not (loading.converted_dir(name_or_path) / "model.safetensors").is_file():
-        print(f"speculant: converting {loading.gguf_file_of(name_or_path).name} to float32 safetensors "
+    gguf = loading.is_gguf_source(name_or_path)
+    if gguf and not (loading.converted_dir(name_or_path) / "gguf.json").is_file():
+        print(f"speculant: reading the config and tokenizer of {loading.gguf_file_of(name_or_path).name} "
               "(first load only) ...", file=log, flush=True)
         index = _convert_overlapped(name_or_path, log)
-    if dtype == torch.float32 and weights != "fp32":
+    if dtype == torch.float32 and (weights != "fp32" or gguf):
         streamed = _stream_and_pack(name_or_path, weights, result, threads, index, stored, log)
         if streamed is not None:
             model, result, fmt = streamed
@@ -140,18 +141,27 @@ def _stream_and_pack(name_or_path: str, weights: str, result, threads: int, inde
     from ..models import streaming
     from .formats import layer_codes, pack_head, pack_projections
 
-    source = loading.converted_dir(name_or_path) if loading.is_gguf_source(name_or_path) else Path(name_or_path)
-    try:
-        cfg = streaming.config_of(source) if os.path.isdir(source) else None
-        opened = streaming.open_streamed(source, cfg) if cfg is not None else None
-    except SpeculantError:
-        opened = None                     # the whole read says what is wrong
+    if loading.is_gguf_source(name_or_path):     # straight from the file: no float32 copy of the model anywhere
+        from ..models.gguf_tensors import open_gguf
+        source = loading.converted_dir(name_or_path)
+        cfg = streaming.config_of(source)
+        path = loading.gguf_file_of(name_or_path)
+        tensors = open_gguf(path, cfg)
+        loading.check_gguf_weights(tensors, cfg, path)
+        opened = streaming.open_streamed(source, cfg, tensors, spool=source)
+    else:
+        source = Path(name_or_path)
+        try:
+            cfg = streaming.config_of(source) if os.path.isdir(source) else None
+            opened = streaming.open_streamed(source, cfg) if cfg is not None else None
+        except SpeculantError:
+            opened = None                     # the whole read says what is wrong
     if opened is None:
         return None
     decoder, checkpoint = opened
     layers = cfg.num_hidden_layers
     if result is None or stored:          # the tuner's sample (and that of the stored-format choice) in float32
-        streaming.fill_layers(decoder, checkpoint, tune.sample_layers(layers))
+        streaming.fill_layers(decoder, checkpoint, tune.sample_layers(layers, tune.projection_shapes(cfg)))
     if result is None:
         result = tune.load_or_measure(decoder, threads, log=log)
         loading.release_memory()            # the tuner's packed copies, before the model is packed
@@ -165,6 +175,8 @@ def _stream_and_pack(name_or_path: str, weights: str, result, threads: int, inde
         if fmt != "fp32":
             pack_projections(layer, fmt, layer_codes(codes, i))
         progress.step()
+    if fmt == "w4a8" and codes is not None:      # the projections packed from the file's codes are never dequantized
+        checkpoint = streaming.WithoutWeights(checkpoint, _coded_weights(codes, checkpoint, layers))
     streaming.fill_layers(decoder, checkpoint, range(layers), pack)
     if fmt != "fp32":
         pack_head(decoder, fmt, codes)
@@ -173,6 +185,22 @@ def _stream_and_pack(name_or_path: str, weights: str, result, threads: int, inde
     progress.done()
     name = name_or_path if loading.is_gguf_source(name_or_path) else source.name
     return LoadedModel(name, decoder, loading.tokenizer_of(source), source), result, fmt
+
+
+def _coded_weights(codes, checkpoint, layers: int) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of the layer weights that ``w4a8`` packs from the GGUF's ``codes`` alone
+    (:meth:`~speculant.models.gguf_codes.GGUFCodes.as_stored`: :func:`~speculant.runtime.formats.pack_linear` reads
+    only their shape), of the checkpoint's (:class:`~speculant.models.gguf_tensors.GGUFTensors`) ``layers`` layers."""
+    from ..models.streaming import PROJECTION_WEIGHTS
+
+    shapes = {}
+    for i in range(layers):
+        for proj, parts in PROJECTION_WEIGHTS.items():
+            if codes.as_stored(f"layers.{i}.{proj}"):
+                for part in parts:
+                    name = f"model.layers.{i}.{part}.weight"
+                    shapes[name] = checkpoint.shape(name)
+    return shapes
 
 
 class _Progress:
@@ -346,7 +374,8 @@ def _gguf_codes(name_or_path: str, cfg: ModelConfig, index=None):
 
 
 def _convert_overlapped(name: str, log=None):
-    """Convert the GGUF model ``name``, known or a file's path (:func:`~speculant.models.loading.convert_gguf_in_child`),
+    """Describe the GGUF model ``name``, known or a file's path, as an HF-format directory without its weights
+    (:func:`~speculant.models.loading.convert_gguf_in_child`),
     and, while the child converts, read the GGUF's tensor table here and compile our kernels in a thread
     (:func:`~speculant.kernels.build.prebuild`; timing a CPU's variants waits for a quiet machine): work the
     first load needs anyway, on the core the conversion leaves idle.  Returns the tensor table.
@@ -363,5 +392,5 @@ def _convert_overlapped(name: str, log=None):
         kernels.start()
         index.append(index_tensors(loading.gguf_file_of(name)))
         kernels.join()
-    loading.convert_gguf_in_child(name, loading.converted_dir(name), meanwhile, progress=log)
+    loading.convert_gguf_in_child(name, loading.converted_dir(name), meanwhile, progress=log, weights=False)
     return index[0] if index else None

@@ -35,25 +35,91 @@ def packed_path(model_dir: Path, fmt: str) -> Path:
 
 
 def save_packed(decoder: LlamaDecoder, path: Path) -> Path:
-    """Write ``decoder`` (weights already in a packed format) to ``path`` (safetensors, atomic)."""
-    from safetensors.torch import save_file
-
+    """Write ``decoder`` (weights already in a packed format) to ``path`` (safetensors, atomic: written under a
+    temporary name, renamed into place, removed on any error).  A tensor of ``decoder.spooled`` (name -> (open file,
+    address of its data): :func:`~speculant.models.streaming.spool_rows`) still at that address is copied from its
+    file, not read through its mapping (which would hold all its pages in this process)."""
     modules = {name: [type(m).__name__, m.in_features, m.out_features]
                for name, m in decoder.named_modules() if isinstance(m, PackedLinear)}
     meta = {"schema": SCHEMA, "format": decoder.weight_format, "config": json.dumps(decoder.config.to_hf_dict()),
             "modules": json.dumps(modules)}
-    state = {k: v.contiguous() for k, v in decoder.state_dict().items()}
+    state = decoder.state_dict()
+    spooled = {k: f for k, (f, ptr) in getattr(decoder, "spooled", {}).items()
+               if k in state and state[k].data_ptr() == ptr and state[k].is_contiguous()}
     path = Path(path)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    save_file(state, str(tmp), metadata=meta)
-    tmp.replace(path)
+    try:
+        write_safetensors(tmp, state, meta, spooled)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
+
+
+_NAMES = {}     # torch dtype -> safetensors dtype name (filled below from _DTYPES)
+
+
+def write_safetensors(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, str],
+                      from_files: dict | None = None) -> None:
+    """Write ``state`` as the safetensors file ``path`` (format: an 8-byte little-endian header length, a JSON header
+    of ``name -> {dtype, shape, data_offsets}`` and ``__metadata__`` = ``metadata``, padded with spaces to a multiple
+    of 8 bytes, then the tensors back to back, largest elements first so that each lies at a multiple of its element
+    size), one tensor at a time; ``from_files``: name -> an open file whose bytes from offset 0 are that tensor's,
+    copied file to file (``os.copy_file_range``, else read in 16 MiB pieces).
+
+    Raises:
+        OSError: the file cannot be written; KeyError: a dtype safetensors has no name for.
+    """
+    from_files = from_files or {}
+    order = sorted(state, key=lambda k: (-state[k].element_size(), k))
+    header, offset = {}, 0
+    for k in order:
+        t = state[k]
+        n = t.numel() * t.element_size()
+        header[k] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    header["__metadata__"] = metadata
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as out:
+        out.write(len(text).to_bytes(8, "little") + text)
+        for k in order:
+            t = state[k]
+            n = t.numel() * t.element_size()
+            if k in from_files:
+                out.flush()
+                _copy_file(from_files[k], out, n)
+            elif n:
+                out.write(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
+
+
+def _copy_file(src, out, n: int) -> None:
+    """Append the first ``n`` bytes of the open file ``src`` to the open file ``out`` (flushed), file to file."""
+    src_fd, out_fd = src.fileno(), out.fileno()
+    done = 0
+    try:
+        while done < n:
+            step = os.copy_file_range(src_fd, out_fd, n - done, done)
+            if step <= 0:
+                break
+            done += step
+    except (AttributeError, OSError):
+        pass                                         # no copy_file_range here: read and write what is left
+    os.lseek(out_fd, 0, os.SEEK_END)
+    while done < n:
+        piece = os.pread(src_fd, min(16 << 20, n - done), done)
+        if not piece:
+            raise OSError(f"{src.name}: ends after {done} of {n} bytes")
+        out.write(piece)
+        out.flush()
+        done += len(piece)
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
 """safetensors dtype names -> torch dtypes (the safetensors format's table)."""
+_NAMES.update({v: k for k, v in _DTYPES.items()})
 
 
 def read_safetensors(path: Path, header_only: bool = False,
@@ -149,6 +215,7 @@ def map_saved(decoder: LlamaDecoder, path: Path) -> int:
                 continue
             mapped = _mapped(f, base + start, end - start, held)
             setattr(module, attr, torch.nn.Parameter(mapped, requires_grad=False))
+            getattr(decoder, "spooled", {}).pop(name, None)     # its temporary file goes with the last reference
             freed += end - start
     return freed
 

@@ -81,6 +81,10 @@ BATCH_ROWS = (32, 64)
 batch invariance only (the ``invariant_rows`` column), so the one-sequence choice of format is unchanged."""
 SAMPLE_LAYERS = 6
 """Decoder layers whose projections are packed and timed (evenly spaced; every layer when the model has no more)."""
+SAMPLE_BYTES = 256 << 20
+"""float32 bytes of the sampled layers' projections at most (:func:`sample_layers`), at least one layer: every
+format's copy of them is held at once while they are timed, so a 1B model's six layers (1.5 GB in float32) made
+a first load's peak memory several times the model's (SmolLM2's and Gemma 3 270M's six layers are 85 and 130 MB)."""
 ATTENTION_CONTEXTS = (256, 1024)
 """Cached tokens at which the one-token step's attention is timed."""
 PROMPT_LENGTHS = (128, 1024)
@@ -94,10 +98,13 @@ KV_CACHE_CONTEXT = 512
 DECODE_THREAD_STEPS = 32
 """One-token steps of the decode loop that :func:`measure_decode_threads` times per thread count."""
 CHOICE_NOISE = 0.05
-"""A choice other than the default (a thread count, a float16 KV cache, the fused step for a prompt length) is taken
-only if it is faster by more than this fraction: timings of a shared machine differ by a few percent between runs,
-and the KV cache dtype and the prompt route change the logits, so a choice within the noise would change greedy text
-from one tune to the next."""
+"""A choice other than the default (a thread count other than torch's, a float32 KV cache, the torch layer step for
+a prompt length) is taken only if it is faster by more than this fraction: timings of a shared machine differ by a
+few percent between runs, and the KV cache dtype and the prompt route change the logits, so a choice within the noise
+would change greedy text from one tune to the next.  Where a choice changes the logits, the default is the one
+measured not slower on every machine so far (a float16 KV cache, the fused step up to 1024 tokens; BENCHMARKS.md
+AS), so that a re-tune keeps it: a default that wins by about the noise (float32, the torch layer step at 1024
+tokens) flipped between two first loads on one machine and changed the text."""
 FORWARD_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 """New tokens T of the forwards :func:`measure_forward_rows` times (a decoding step, verification blocks, trees;
 cost-aware speculation interpolates linearly in between)."""
@@ -224,11 +231,17 @@ def _get(layer: nn.Module, dotted: str) -> nn.Module:
     return getattr(getattr(layer, a), b)
 
 
-def sample_layers(num_layers: int, n: int = SAMPLE_LAYERS) -> list[int]:
+def sample_layers(num_layers: int, shapes=None, n: int = SAMPLE_LAYERS) -> list[int]:
     """Indices of the layers :func:`measure` times: ``n`` evenly spaced ones, the first and last included (all
-    when ``num_layers <= n``)."""
+    when ``num_layers <= n``), ``n`` lowered to what :data:`SAMPLE_BYTES` holds of layers of ``shapes``
+    (:func:`projection_shapes`, the LM head last; ``None``: no bound), at least one (then the middle layer)."""
+    if shapes is not None:
+        layer_bytes = 4 * sum(o * i for o, i in list(shapes)[:-1])
+        n = max(1, min(n, SAMPLE_BYTES // max(1, layer_bytes)))
     if num_layers <= n:
         return list(range(num_layers))
+    if n == 1:
+        return [num_layers // 2]
     return sorted({round(i * (num_layers - 1) / (n - 1)) for i in range(n)})
 
 
@@ -357,7 +370,7 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
     torch.set_num_threads(threads)
     if not all(isinstance(m, DecodeLinear) for m in _projections(decoder)):
         raise ValueError("measure() needs a float32 model (load it with weights='fp32')")
-    layers = sample_layers(len(decoder.layers))
+    layers = sample_layers(len(decoder.layers), projection_shapes(decoder.config))
     scale = len(decoder.layers) / len(layers)
     head, head_scale = head_sample(decoder.lm_head_proj)
     base = [_get(decoder.layers[i], p) for i in layers for p in PROJECTIONS] + [head]
@@ -441,7 +454,7 @@ def measure_stored_weights(decoder, codes, candidates, fp32_route: str = "linear
     :func:`~speculant.models.gguf_codes.read_group_quantized`; ``fp32``: the float32 projections on ``fp32_route``),
     formats alternated, best of ``repeats`` after a warm-up round [milliseconds]; ``decoder`` has float32
     projections.  Returns ``{fmt: ms}``."""
-    layers = sample_layers(len(decoder.layers))
+    layers = sample_layers(len(decoder.layers), projection_shapes(decoder.config))
     scale = len(decoder.layers) / len(layers)
     keys = [f"layers.{i}.{p}" for i in layers for p in PROJECTIONS] + ["lm_head_proj"]
     base = [_get(decoder.layers[i], p) for i in layers for p in PROJECTIONS] + [decoder.lm_head_proj]
@@ -533,8 +546,8 @@ def measure_prompt_route(executor, lengths=PROMPT_LENGTHS, log=None) -> tuple[in
     Random tokens, each length below the context; best of 2 runs (1 above 256 tokens) after a warm-up.
 
     Returns:
-        ``(limit, ms)``: the longest measured length up to which the fused step was faster by more than
-        :data:`CHOICE_NOISE` (0 when it was not at the shortest) [tokens], and
+        ``(limit, ms)``: the longest measured length up to which the torch layer step was not faster by more than
+        :data:`CHOICE_NOISE` (0 when it was at the shortest: the fused step is the default) [tokens], and
         ``{length: {"fused": ms, "layer step": ms}}`` [milliseconds].
         ``(0, {})`` when the model has no fused step.
     """
@@ -559,7 +572,7 @@ def measure_prompt_route(executor, lengths=PROMPT_LENGTHS, log=None) -> tuple[in
                         if rep or i:                                    # the first pass of all is a warm-up
                             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
                 ms[str(n)] = {k: round(v * 1e3, 3) for k, v in best.items()}
-                if ms[str(n)]["fused"] >= ms[str(n)]["layer step"] * (1 - CHOICE_NOISE):   # the routes' bits differ: a
+                if ms[str(n)]["layer step"] < ms[str(n)]["fused"] * (1 - CHOICE_NOISE):   # the routes' bits differ: a
                     break                                        # choice within the noise would flip between tunes
                 limit = n
     finally:
@@ -593,7 +606,7 @@ def measure_weight_prefetch(executor, distances=WEIGHT_PREFETCH_BYTES, repeats: 
     runs = {d: executor.replace(weight_prefetch=d) for d in distances}
     with torch.inference_mode():
         cache = executor.new_cache(ctx + 1)
-        executor(torch.randint(executor.config.vocab_size, (1, ctx), generator=g), None, None, cache, 0)
+        fill_cache(executor, cache, ctx, g)
         ids = torch.randint(executor.config.vocab_size, (1, 1), generator=g)
         for rep in range(repeats + 1):
             for d in distances:
@@ -608,6 +621,15 @@ def measure_weight_prefetch(executor, distances=WEIGHT_PREFETCH_BYTES, repeats: 
     return choice, {str(d): round(v * 1e3, 3) for d, v in best.items()}
 
 
+def fill_cache(model, cache, ctx: int, g: torch.Generator) -> None:
+    """Write the keys/values of ``ctx`` random tokens (drawn from ``g``) to slots ``0 .. ctx-1`` of ``cache`` with
+    ``model``'s layers (an :class:`~speculant.runtime.executor.Executor` or a decoder), without the LM head: a
+    prompt's ``[1, ctx, V]`` logits are 512 MiB for a 262k-token vocabulary at ``ctx`` = 512, and a timing only
+    needs the cache."""
+    ids = torch.randint(model.config.vocab_size, (1, ctx), generator=g)
+    model.run_layers(model.embed(ids), 0, model.num_layers, torch.arange(ctx), None, cache, 0)
+
+
 def measure_kv_cache(executor, repeats: int = 15, log=None) -> tuple[str, dict]:
     """Time the model's one-token forward (all layers, final norm, LM head) over :data:`KV_CACHE_CONTEXT` cached
     tokens (fewer if the model's positions end sooner) in a float32 and in a float16 KV cache (the same prompt's keys/values, rounded): a step reads the whole
@@ -615,8 +637,9 @@ def measure_kv_cache(executor, repeats: int = 15, log=None) -> tuple[str, dict]:
     best of ``repeats`` after a warm-up; the executor's ``kv_dtype`` is restored.
 
     Returns:
-        ``(best, ms)``: the faster dtype's name and ``{dtype: ms}`` [milliseconds]; ``("float32", {})`` when the
-        model has no fused step.
+        ``(choice, ms)``: ``"float16"`` unless float32 was faster by more than :data:`CHOICE_NOISE` (the default,
+        as llama.cpp's, since the two give different logits), and ``{dtype: ms}`` [milliseconds];
+        ``("float32", {})`` when the model has no fused step.
     """
     if executor.fused_layers() is None:
         return "float32", {}
@@ -630,7 +653,7 @@ def measure_kv_cache(executor, repeats: int = 15, log=None) -> tuple[str, dict]:
         with torch.inference_mode():
             executor.kv_dtype = torch.float32
             caches = {"float32": executor.new_cache(ctx + 1)}
-            executor(torch.randint(executor.config.vocab_size, (1, ctx), generator=g), None, None, caches["float32"], 0)
+            fill_cache(executor, caches["float32"], ctx, g)
             executor.kv_dtype = torch.float16
             caches["float16"] = executor.new_cache(ctx + 1)
             caches["float16"].keys.copy_(caches["float32"].keys)          # what the prompt would store (rounded)
@@ -645,7 +668,7 @@ def measure_kv_cache(executor, repeats: int = 15, log=None) -> tuple[str, dict]:
     finally:
         executor.kv_dtype = before
     ms = {k: round(v * 1e3, 3) for k, v in best.items()}       # decided on the figures kept, so they explain it
-    choice = "float16" if ms["float16"] < ms["float32"] * (1 - CHOICE_NOISE) else "float32"
+    choice = "float32" if ms["float32"] < ms["float16"] * (1 - CHOICE_NOISE) else "float16"   # see CHOICE_NOISE
     if log is not None:
         print(f"speculant: KV cache timed in {time.perf_counter() - start:.1f} s: {choice}", file=log, flush=True)
     return choice, ms
@@ -691,7 +714,7 @@ def measure_decode_threads(executor, options=None, steps: int = DECODE_THREAD_ST
     try:
         with torch.inference_mode():
             cache = executor.new_cache(ctx + steps + 1)
-            executor(torch.randint(vocab, (1, ctx), generator=g), None, None, cache, 0)
+            fill_cache(executor, cache, ctx, g)
             ids = torch.randint(vocab, (1, 1), generator=g)
             for r in range(rounds + 1):
                 for n in options if r % 2 == 0 else options[::-1]:
@@ -764,7 +787,7 @@ def measure_forward_rows(decoder, rows=FORWARD_ROWS, repeats: int = 3, log=None)
     best = {r: float("inf") for r in rows}
     with torch.inference_mode():
         cache = decoder.new_cache(ctx + max(rows))
-        decoder(torch.randint(decoder.config.vocab_size, (1, ctx), generator=g), None, None, cache, 0)
+        fill_cache(decoder, cache, ctx, g)
         ids = {r: torch.randint(decoder.config.vocab_size, (1, r), generator=g) for r in rows}
         for rep in range(repeats + 1):
             for r in rows:
@@ -881,7 +904,7 @@ def format_table(result: TuneResult) -> str:
     """The measured table as Markdown (milliseconds per pass over all projections, estimated from the sampled
     layers and the LM head; step cost relative to 1 row)."""
     k = result.key
-    layers = sample_layers(k["layers"])
+    layers = sample_layers(k["layers"], k.get("shapes"))
     covers = ("all layers timed" if len(layers) == k["layers"] else
               f"layers {', '.join(map(str, layers))} timed, scaled by {k['layers']}/{len(layers)}")
     lines = [f"CPU: {k['cpu']} ({', '.join(k['isa']) or 'no AVX2/AVX-512 flags'}), torch {k['torch']}, "

@@ -8,7 +8,9 @@ from ..errors import SpeculantError
 
 
 def _threads(args) -> None:
-    if getattr(args, "threads", None):
+    if getattr(args, "threads", None) is not None:
+        from ..errors import check_range
+        check_range("--threads", args.threads, 1)
         import torch
         torch.set_num_threads(args.threads)
 
@@ -22,6 +24,7 @@ def cmd_make_data(args) -> int:
 
     _threads(args)
     config = data.MakeDataConfig.from_args(args)       # bad values fail before the model loads
+    check_engine_flags(args)
     prompts = []
     if args.spec_bench:
         prompts += data.spec_bench_prompts(args.spec_bench)
@@ -31,7 +34,6 @@ def cmd_make_data(args) -> int:
         prompts += data.builtin_prompts()
     for p in args.prompts_file or ():
         prompts += data.file_prompts(p)
-    check_engine_flags(args)
     if args.engine == "transformers":
         return _make_data_hf(args, prompts, config)
     dist = from_env("cpu")                   # under torchrun: each process samples its share of the prompts
@@ -49,17 +51,19 @@ def check_engine_flags(args) -> None:
     """Refuse make-data flags the chosen ``--engine`` would ignore (one line naming the flag and what is allowed).
 
     Raises:
-        SpeculantError: ``--engine transformers`` with ``--resume`` or ``--text-file``; ``--engine speculant`` with
-            ``--device`` other than cpu, ``--self-instruct`` or ``--greedy-fraction``; ``--self-instruct`` < 0 or
-            ``--greedy-fraction`` outside [0, 1].
+        SpeculantError: ``--engine transformers`` with ``--resume`` or ``--text-file``, or with a ``--device`` this
+            machine lacks; ``--engine speculant`` with ``--device`` other than cpu, ``--self-instruct`` or
+            ``--greedy-fraction``; ``--self-instruct`` < 0 or ``--greedy-fraction`` outside [0, 1].
     """
     from ..errors import check_range
-    check_range("self_instruct", args.self_instruct, 0)
-    check_range("greedy_fraction", args.greedy_fraction, 0.0, 1.0)
+    check_range("--self-instruct", args.self_instruct, 0)
+    check_range("--greedy-fraction", args.greedy_fraction, 0.0, 1.0)
     if args.engine == "transformers":
         for flag, given in (("--resume", args.resume), ("--text-file", args.text_file)):
             if given:
                 raise SpeculantError(f"{flag} is not supported by --engine transformers; allowed: --engine speculant")
+        from .train import check_device
+        check_device(args.device)
         return
     for flag, given in (("--device", args.device != "cpu"), ("--self-instruct", args.self_instruct),
                         ("--greedy-fraction", args.greedy_fraction)):

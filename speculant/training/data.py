@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import SpeculantError
+from ..errors import SpeculantError, check_range
 from .distributed import SINGLE, Dist
 
 BUILTIN_INSTRUCTIONS = [
@@ -247,14 +248,20 @@ class MakeDataConfig:
             raise SpeculantError(f"batch_size={self.batch_size} is out of range; allowed: >= 1")
         if self.chunk_tokens < 1:
             raise SpeculantError(f"chunk_tokens={self.chunk_tokens} is out of range; allowed: >= 1")
+        check_range("temperature", self.temperature, 0.0, math.inf, high_open=True)   # as the sampler checks them
+        check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
 
     @classmethod
     def from_args(cls, args) -> MakeDataConfig:
-        """From ``speculant make-data``'s parsed flags."""
-        return cls(heldout_fraction=args.heldout_fraction, seed=args.seed, split_seed=args.split_seed,
-                   temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                   max_minutes=args.max_minutes, resume=args.resume, text_files=tuple(args.text_file or ()),
-                   chunk_tokens=args.chunk_tokens, batch_size=args.batch_size)
+        """From ``speculant make-data``'s parsed flags (a bad value's error names its flag)."""
+        from dataclasses import fields
+
+        from ..errors import naming_flags
+        with naming_flags({f.name for f in fields(cls)}, {"text_files": "--text-file"}):
+            return cls(heldout_fraction=args.heldout_fraction, seed=args.seed, split_seed=args.split_seed,
+                       temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                       max_minutes=args.max_minutes, resume=args.resume, text_files=tuple(args.text_file or ()),
+                       chunk_tokens=args.chunk_tokens, batch_size=args.batch_size)
 
 
 def make_data(model, prompts: list[Prompt], out_path: str | Path, config: MakeDataConfig = MakeDataConfig(),

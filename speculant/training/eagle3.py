@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..drafters.eagle3_head import Eagle3Head, check_aux_layer_ids, default_aux_layer_ids, load_eagle3, new_eagle3, \
-    save_eagle3
+from ..drafters.eagle3_head import AUX_IDS_KEY, Eagle3Head, check_aux_layer_ids, default_aux_layer_ids, load_eagle3, \
+    new_eagle3, save_eagle3
 from ..errors import SpeculantError, check_range
 from ..models.llama import layer_output
 from .distributed import SINGLE, Dist, check_batch, full_states, load_full_states, main_first, save_on_main, wrap_ddp
-from .head import HeadData, HeadRunConfig, device_name, draw_windows, head_data, head_train_loop, window_batch, window_targets
+from .head import HEAD_FLAGS, HeadData, HeadRunConfig, device_name, draw_windows, head_data, head_train_loop, window_batch, window_targets
 from .losses import distill_totals, topk_distill_loss
 from .run import read_checkpoint, seeded
 
@@ -63,11 +63,13 @@ class Eagle3Config(HeadRunConfig):
 
     @classmethod
     def from_args(cls, args) -> "Eagle3Config":
-        """From ``speculant train``'s parsed flags (:func:`speculant.training.train.add_train_args`)."""
+        """From ``speculant train``'s parsed flags (:func:`speculant.training.train.add_train_args`; a bad value's
+        error names its flag)."""
         from .train import _int_list
         aux = _int_list("--aux-layers", args.aux_layers) if args.aux_layers else None
-        return cls(**HeadRunConfig.head_args_of(args), aux_layers=aux, ttt_steps=args.ttt_steps,
-                   ttt_decay=args.ttt_decay)
+        with cls.naming_flags(dict(HEAD_FLAGS, **{AUX_IDS_KEY: "--aux-layers"})):
+            return cls(**HeadRunConfig.head_args_of(args), aux_layers=aux, ttt_steps=args.ttt_steps,
+                       ttt_decay=args.ttt_decay)
 
     def settings(self, aux: list[int]) -> dict:
         """What a checkpoint must match to be resumed."""

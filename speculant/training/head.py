@@ -310,6 +310,10 @@ Decoding results (block efficiency, speed) are in BENCHMARKS.md ("Draft head (EA
 """
 
 
+HEAD_FLAGS = {"batch_seqs": "--head-batch", "seq_len": "--head-seq-len"}
+"""The :class:`HeadRunConfig` fields whose ``speculant train`` flag is named otherwise."""
+
+
 @dataclass(frozen=True)
 class HeadRunConfig(RunConfig):
     """Settings shared by the feature-level head recipes (``draft-head``: :class:`DraftHeadConfig`, ``eagle3``:
@@ -388,9 +392,11 @@ class DraftHeadConfig(HeadRunConfig):
 
     @classmethod
     def from_args(cls, args) -> DraftHeadConfig:
-        """From ``speculant train``'s parsed flags (:func:`speculant.training.train.add_train_args`)."""
-        return cls(**HeadRunConfig.head_args_of(args), feature=args.feature, init=args.init, v_weight=args.v_weight,
-                   p_weight=args.p_weight, noise=args.feature_noise, unroll=args.unroll)
+        """From ``speculant train``'s parsed flags (:func:`speculant.training.train.add_train_args`; a bad value's
+        error names its flag)."""
+        with cls.naming_flags(dict(HEAD_FLAGS, noise="--feature-noise")):
+            return cls(**HeadRunConfig.head_args_of(args), feature=args.feature, init=args.init,
+                       v_weight=args.v_weight, p_weight=args.p_weight, noise=args.feature_noise, unroll=args.unroll)
 
     def settings(self) -> dict:
         """What a checkpoint must match to be resumed."""

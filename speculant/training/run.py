@@ -60,6 +60,15 @@ class RunConfig:
         if not self.lr > 0:
             raise SpeculantError(f"lr={self.lr} is out of range; allowed: > 0")
 
+    @classmethod
+    def naming_flags(cls, renames: dict[str, str] | None = None):
+        """A context in which a bad value's error names ``speculant train``'s flag rather than this config's field
+        (:func:`~speculant.errors.naming_flags`; ``renames``: the fields whose flag is named otherwise)."""
+        from dataclasses import fields
+
+        from ..errors import naming_flags
+        return naming_flags({f.name for f in fields(cls)}, renames)
+
     @staticmethod
     def args_of(args, lr: float) -> dict:
         """The common fields from ``speculant train``'s parsed flags (``lr``: the recipe's default for ``--lr``)."""

@@ -162,22 +162,73 @@ def heldout_records(corpus: Path, dest: Path) -> int:
     return len(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m speculant.training.runbook", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--minutes", type=float, default=8.5, help="deadline for every stage together")
-    ap.add_argument("--preset", default="h200", choices=sorted(PRESETS))
-    ap.add_argument("--part-mib", type=float, default=15.0)
-    ap.add_argument("--stages", default="draft-head,draft-head-unroll2,eagle3,layerskip")
-    a = ap.parse_args(argv)
-    known = ("draft-head", "draft-head-unroll2", "eagle3", "layerskip")
+STAGES = ("draft-head", "draft-head-unroll2", "eagle3", "layerskip")
+"""The training stages (:func:`stage_commands`), in the order ``--stages`` lists them by default."""
+BUNDLE_SECONDS = 20
+"""Seconds of ``--minutes`` kept for the bundle."""
+PART_MIB = (0.01, 2.0 ** 20)
+"""The ``--part-mib`` range [MiB]: parts of at least ~10 KB (a part count a transport can carry), at most 1 TiB."""
+
+
+def parser() -> argparse.ArgumentParser:
+    """The runbook's flags; a usage error (an unknown flag, a value that is not a number) is one line, as in
+    ``speculant`` itself."""
+    from ..arguments import OneLineParser
+    ap = OneLineParser(prog="python -m speculant.training.runbook", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m",
+                    help="the target: a known model name, a GGUF file or an HF-format directory (default: %(default)s)")
+    ap.add_argument("--out", required=True,
+                    help="folder for the work (corpus, logs, trained artefacts), summary.json and the bundle parts")
+    ap.add_argument("--device", default="cuda",
+                    help="torch device every stage runs on: cpu, cuda or cuda:N (default: %(default)s)")
+    ap.add_argument("--minutes", type=float, default=8.5,
+                    help=f"deadline for every stage together, the last {BUNDLE_SECONDS} s kept for the bundle; at "
+                         "least 1 (default: %(default)s)")
+    ap.add_argument("--preset", default="h200", choices=sorted(PRESETS),
+                    help="sizes of the stages: h200 (one H200 for ~8.5 minutes) or toy (a tiny model on a CPU in a "
+                         "test) (default: %(default)s)")
+    ap.add_argument("--part-mib", type=float, default=15.0,
+                    help=f"largest bundle part [MiB], for transports that cap a file's size; {PART_MIB[0]} to "
+                         f"{PART_MIB[1]:.0f} (default: %(default)s)")
+    ap.add_argument("--stages", default=",".join(STAGES),
+                    help=f"comma-separated training stages to run after the data stage; some of {', '.join(STAGES)} "
+                         "(default: all)")
+    return ap
+
+
+def check_args(a) -> list[str]:
+    """The stages ``--stages`` asks for, once every flag is checked: before any work and before any folder is made.
+
+    Raises:
+        SpeculantError: one line naming the flag, its value and what is allowed: unknown stages, ``--minutes`` under
+            1 or not a number, ``--part-mib`` outside :data:`PART_MIB`, or a ``--device`` this machine lacks.
+    """
+    from ..errors import SpeculantError, check_range
+    from .train import check_device
     wanted = [s for s in a.stages.split(",") if s]
-    if not wanted or set(wanted) - set(known):
-        ap.error(f"--stages={a.stages!r} is not a list of stages; allowed: some of {', '.join(known)}")
+    if not wanted or set(wanted) - set(STAGES):
+        raise SpeculantError(f"--stages={a.stages!r} is not a list of stages; allowed: some of {', '.join(STAGES)}")
+    check_range("--minutes", a.minutes, 1.0, float("inf"), high_open=True)
+    check_range("--part-mib", a.part_mib, *PART_MIB)
+    check_device(a.device)
+    return wanted
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the runbook; returns the exit code (0: every stage succeeded, 1: one failed, 2: bad input, one line
+    ``speculant: error: ...`` on stderr and nothing done)."""
+    from ..errors import SpeculantError
+    try:
+        a = parser().parse_args(argv)
+    except SystemExit as e:            # a usage error (one line) or --help: its code
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        wanted = check_args(a)
+    except SpeculantError as e:
+        print(f"speculant: error: {e}", file=sys.stderr)
+        return 2
     t0 = time.monotonic()
-    deadline = t0 + a.minutes * 60 - 20                  # 20 s left to bundle
+    deadline = t0 + a.minutes * 60 - BUNDLE_SECONDS      # time left to bundle
     p = PRESETS[a.preset]
     out = Path(a.out)
     work, logs = out / "work", out / "work" / "logs"

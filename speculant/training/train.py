@@ -256,12 +256,13 @@ class ExitAdapterConfig(RunConfig):
 
     @classmethod
     def from_args(cls, args) -> ExitAdapterConfig:
-        """From ``speculant train``'s parsed flags."""
-        return cls(**RunConfig.args_of(args, lr=1e-3), exit_layer=args.exit_layer, blocks=args.blocks,
-                   draft_vocab=args.draft_vocab, topk=args.topk, batch_tokens=args.batch_tokens,
-                   hard_weight=args.hard_weight, positions=args.positions, cache_dir=args.cache_dir,
-                   max_train_tokens=args.max_train_tokens, cache_exits=_int_list("--cache-exits", args.cache_exits),
-                   command=command_line())
+        """From ``speculant train``'s parsed flags (a bad value's error names its flag)."""
+        with cls.naming_flags():
+            return cls(**RunConfig.args_of(args, lr=1e-3), exit_layer=args.exit_layer, blocks=args.blocks,
+                       draft_vocab=args.draft_vocab, topk=args.topk, batch_tokens=args.batch_tokens,
+                       hard_weight=args.hard_weight, positions=args.positions, cache_dir=args.cache_dir,
+                       max_train_tokens=args.max_train_tokens,
+                       cache_exits=_int_list("--cache-exits", args.cache_exits), command=command_line())
 
 
 @dataclass
@@ -478,9 +479,9 @@ def save_lora(decoder, path: Path, cfg) -> Path:
     """Write the LoRA weights alone (``lora_A``/``lora_B`` of each adapted projection, float32, keyed by our
     decoder's module names; metadata: rank, alpha, targets): a few MB that travel where the merged model does not
     (``speculant train --recipe layerskip`` on a rented accelerator)."""
-    from safetensors.torch import save_file
+    from ..drafters.artifacts import save_safetensors
     sd = {n: p.detach().float().cpu().contiguous() for n, p in decoder.named_parameters() if "lora_" in n}
-    save_file(sd, str(path), metadata={"format": "speculant-lora", "rank": str(cfg.lora_rank),
+    save_safetensors(sd, path, metadata={"format": "speculant-lora", "rank": str(cfg.lora_rank),
                                         "alpha": str(cfg.lora_alpha), "targets": ",".join(LORA_TARGETS)})
     return path
 
@@ -497,14 +498,14 @@ def merge_lora(decoder):
 
 def save_hf_dir(model, out: Path) -> Path:
     """Our decoder -> an HF-format directory ``--model DIR`` loads (tied LM head dropped)."""
-    from safetensors.torch import save_file
+    from ..drafters.artifacts import save_safetensors
     from ..models.loading import ours_to_hf_state
     dec = model.decoder
     sd = ours_to_hf_state(dec)
     if dec.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in sd.items()}, str(out / "model.safetensors"))
+    save_safetensors({k: v.detach().contiguous().cpu() for k, v in sd.items()}, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(dec.config.to_hf_dict(), indent=2))
     if model.tokenizer is not None and hasattr(model.tokenizer, "save_pretrained"):
         model.tokenizer.save_pretrained(str(out))
@@ -523,6 +524,7 @@ class LayerSkipConfig(RunConfig):
         e_scale: early-exit loss scale (:mod:`.losses`, Eq. 2).
         seq_len: tokens per training row; batch: rows per step.
         eval_exit: exit layer whose agreement with the last layer is reported (``None``: none).
+        command: the command line the model card records.
 
     Raises:
         SpeculantError: a value out of range or an unknown curriculum (one line naming it and what is allowed).
@@ -541,6 +543,7 @@ class LayerSkipConfig(RunConfig):
     seq_len: int = 128
     batch: int = 4
     eval_exit: int | None = 8
+    command: str = ""
 
     def __post_init__(self):
         super().__post_init__()
@@ -548,6 +551,8 @@ class LayerSkipConfig(RunConfig):
         check_range("lora_rank", self.lora_rank, 0)
         check_range("seq_len", self.seq_len, 1)
         check_range("batch", self.batch, 1)
+        check_range("rotation", self.rotation, 1)       # checked at the first step otherwise, after the model loads
+        check_range("e_scale", self.e_scale, 0.0)
         if self.exit_curriculum not in CURRICULA:
             raise SpeculantError(f"exit_curriculum={self.exit_curriculum!r} is unknown; "
                                  f"allowed: {', '.join(CURRICULA)}")
@@ -555,11 +560,12 @@ class LayerSkipConfig(RunConfig):
 
     @classmethod
     def from_args(cls, args) -> LayerSkipConfig:
-        """From ``speculant train``'s parsed flags."""
-        return cls(**RunConfig.args_of(args, lr=1e-4), lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                   p_max=args.p_max, dropout_curriculum=args.dropout_curriculum,
-                   exit_curriculum=args.exit_curriculum, rotation=args.rotation, e_scale=args.e_scale,
-                   seq_len=args.seq_len, batch=args.batch, eval_exit=args.eval_exit)
+        """From ``speculant train``'s parsed flags (a bad value's error names its flag)."""
+        with cls.naming_flags():
+            return cls(**RunConfig.args_of(args, lr=1e-4), lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                       p_max=args.p_max, dropout_curriculum=args.dropout_curriculum,
+                       exit_curriculum=args.exit_curriculum, rotation=args.rotation, e_scale=args.e_scale,
+                       seq_len=args.seq_len, batch=args.batch, eval_exit=args.eval_exit, command=command_line())
 
 
 class LayerSkipNet(torch.nn.Module):
@@ -662,6 +668,8 @@ def _finish_layerskip(model, cfg: LayerSkipConfig, out: Path, dist: Dist, ho_rec
                       losses) -> dict:
     """Rank 0: the trained decoder made plain (FSDP's shards gathered, LoRA merged), evaluated and written to
     ``out/model`` with ``out/metrics.json``; the other ranks return ``rank`` and ``steps_done``."""
+    from ..drafters.artifacts import write_card
+    from .head import device_name
     dec = model.decoder
     if dist.active and not cfg.lora_rank:
         unshard(dec)
@@ -674,15 +682,54 @@ def _finish_layerskip(model, cfg: LayerSkipConfig, out: Path, dist: Dist, ho_rec
     dec.requires_grad_(False)
     after = heldout_eval(dec, ho_recs, cfg.eval_tokens, cfg.eval_exit)
     save_hf_dir(model, out / "model")
-    metrics = {"recipe": "layerskip", "steps_done": done, "steps_planned": cfg.steps, "lora_rank": cfg.lora_rank,
-               "p_max": cfg.p_max, "dropout_curriculum": cfg.dropout_curriculum,
+    metrics = {"recipe": "layerskip", "base_model": model.name, "steps_done": done, "steps_planned": cfg.steps,
+               "lora_rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "p_max": cfg.p_max, "dropout_curriculum": cfg.dropout_curriculum,
                "exit_curriculum": cfg.exit_curriculum, "rotation": cfg.rotation, "e_scale": cfg.e_scale,
                "seq_len": cfg.seq_len, "batch": cfg.batch, "lr": cfg.lr, "seed": cfg.seed,
                "train_tokens_per_second": seen / max(secs, 1e-9), "train_seconds": secs,
                "first_losses": losses[:5], "last_losses": losses[-5:], "heldout_before": before,
-               "heldout_after": after, "processes": dist.world}
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+               "heldout_after": after, "processes": dist.world, "trained_on": device_name(dec.device)}
+    write_card(out, metrics, layerskip_card(metrics, cfg.command))
     return metrics
+
+
+def layerskip_card(m: dict, command: str) -> str:
+    """README.md of a LayerSkip run (``out/``): what ``lora.safetensors`` and ``model/`` are, the run's settings,
+    held-out metrics before and after, what it was trained on, and the command."""
+    before, after = m["heldout_before"], m["heldout_after"]
+    lora = (f"- `lora.safetensors`: the LoRA weights alone (rank {m['lora_rank']}, alpha {m['lora_alpha']}, on\n"
+            f"  {', '.join(LORA_TARGETS)}; float32, keyed by speculant's decoder module names)\n"
+            "- `model/`: the base model with them merged (HF format)" if m["lora_rank"] else
+            "- `model/`: the fully fine-tuned model (HF format)")
+    exit_row = ("" if before["exit_top1"] is None else
+                f"| top-1 agreement with the last layer at exit layer {before['exit_layer']} (shared LM head) | "
+                f"{before['exit_top1']:.3f} | {after['exit_top1']:.3f} |\n")
+    return f"""# LayerSkip fine-tune: {m['base_model']}
+
+LayerSkip (Elhoushi et al. 2024, arXiv 2404.16710) fine-tune of {m['base_model']} for speculant: layer dropout and an
+early-exit loss through the shared LM head train the early layers to predict the next token (early-exit
+self-speculative decoding).  Unlike a draft head this changes the model: decoding the merged model is exact with
+respect to it, not to the base model.
+
+{lora}
+
+## Settings
+{m['steps_done']} of {m['steps_planned']} steps x {m['batch']} rows of {m['seq_len']} tokens, AdamW lr {m['lr']}
+(warm-up + cosine), layer dropout p_max {m['p_max']} ({m['dropout_curriculum']}), exit curriculum
+{m['exit_curriculum']} (R = {m['rotation']}), early-exit loss scale {m['e_scale']}, seed {m['seed']};
+{m['train_seconds'] / 60:.1f} min on {m['trained_on']} ({m['train_tokens_per_second']:.0f} tokens/s,
+{m['processes']} process{'es' if m['processes'] > 1 else ''}).
+
+## Held-out metrics (response tokens of the corpus' held-out split, n={after['tokens']})
+| | before | after |
+|---|---|---|
+| last-layer perplexity | {before['ppl']:.3f} | {after['ppl']:.3f} |
+{exit_row}
+## Command
+```
+{command}
+```
+"""
 
 
 def _int_list(flag: str, text: str) -> tuple[int, ...]:
@@ -698,27 +745,52 @@ def command_line() -> str:
     return "speculant " + " ".join(sys.argv[1:])
 
 
+DEVICES = "cpu, cuda, cuda:N"
+"""The ``--device`` values training and the transformers sampler run on (as error messages list them)."""
+
+
+def check_device(device: str, flag: str = "--device") -> torch.device:
+    """``device`` as a torch device, checked without touching it (no CUDA context is made): ``cpu``, or ``cuda`` /
+    ``cuda:N`` when this machine has that CUDA device.
+
+    Raises:
+        SpeculantError: one short line naming ``flag``, the value and what is allowed: another device type or a
+            string torch does not parse, CUDA on a machine without it, or a CUDA index out of range.
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise SpeculantError(f"{flag}={device!r} is not a device training runs on; allowed: {DEVICES}")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise SpeculantError(f"{flag}={device!r} is not available here (no CUDA device); allowed: cpu")
+        if dev.index is not None and dev.index >= count:
+            raise SpeculantError(f"{flag}={device!r} is not available here ({count} CUDA device"
+                                 f"{'s' if count > 1 else ''}); allowed: cpu, cuda, cuda:0..{count - 1}")
+    return dev
+
+
 def on_device(model, device: str):
     """``model`` (in place; ``None`` only checks ``device``) with its decoder moved to the torch device ``device``:
     ``cpu``, ``cuda`` or ``cuda:N``; under torchrun plain ``cuda`` is ``cuda:LOCAL_RANK``.  On CUDA, float32 products
     use TF32 from then on (the teacher's cached features and top-k as well as training: labels, not decoding).
 
     Raises:
-        SpeculantError: another device type, a name torch does not know, or a device this machine lacks.
+        SpeculantError: another device type, a name torch does not know, or a device this machine lacks
+            (:func:`check_device`), or one that fails when first used.
     """
     import os
     if device == "cuda" and "LOCAL_RANK" in os.environ:     # under torchrun: this process' GPU
         device = f"cuda:{os.environ['LOCAL_RANK']}"
+    dev = check_device(device)
     try:
-        dev = torch.device(device)
-        if dev.type not in ("cpu", "cuda"):
-            raise RuntimeError(f"device type {dev.type} is not one training runs on")
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("no CUDA device")
         torch.empty(0, device=dev)
     except RuntimeError as e:
-        raise SpeculantError(f"--device={device!r} is not usable here ({str(e).splitlines()[0]}); allowed: cpu"
-                             + (", cuda" if torch.cuda.is_available() else "")) from None
+        raise SpeculantError(f"--device={device!r} is not usable here ({str(e).strip().splitlines()[0][:200]}); "
+                             "allowed: cpu") from None
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True     # training's products and its labels; never decoding
     if model is not None and dev.type != "cpu":
@@ -742,7 +814,7 @@ def train_from_args(args) -> dict:
     from .distributed import close, from_env
     from .head import DraftHeadConfig, corpus_list, train_draft_head
     if args.recipe not in RECIPES:
-        raise SpeculantError(f"recipe={args.recipe!r} is unknown; allowed: {', '.join(RECIPES)}")
+        raise SpeculantError(f"--recipe={args.recipe!r} is unknown; allowed: {', '.join(RECIPES)}")
     if args.recipe in ("draft-head", "eagle3"):
         from .eagle3 import Eagle3Config, train_eagle3
         config, recipe = ((DraftHeadConfig.from_args(args), train_draft_head) if args.recipe == "draft-head" else
@@ -753,6 +825,7 @@ def train_from_args(args) -> dict:
         if args.recipe == "exit-adapter" and args.device != "cpu":
             raise SpeculantError(f"--device={args.device!r} is not supported by --recipe exit-adapter; allowed: cpu")
         recipe, corpus = (train_exit_adapter if args.recipe == "exit-adapter" else train_layerskip), args.corpus
+    check_device(args.device)                        # a bad --device fails before the model loads
     model = on_device(read_checkpoint(args.model, args.dtype), args.device)
     dist = from_env(model.decoder.device)
     if not dist.main:
