@@ -136,3 +136,22 @@ def test_a_deep_copy_of_a_streamed_gguf_decoder_holds_its_embedding_in_memory(tm
     assert twin.spooled == {} and set(decoder.spooled) == {"embed_tokens.weight"}
     assert torch.equal(twin.embed_tokens.weight, decoder.embed_tokens.weight)
     assert twin.embed_tokens.weight.data_ptr() != decoder.embed_tokens.weight.data_ptr()
+
+
+def test_a_spooled_tensor_reads_the_same_after_its_resident_pages_are_handed_back(tmp_path):
+    """The loader hands back the pages of a spooled embedding after the timings read it whole: later reads map
+    the same values from the file again; the file holds the tensor's bytes from offset 0 (what the packed copy
+    copies); blocks that do not make the shape are refused."""
+    from speculant.models.streaming import spool_rows
+    blocks = [torch.randn(3, 2048), torch.randn(5, 2048)]
+    expect = torch.cat(blocks)
+    tensor, spool = spool_rows(iter(blocks), (8, 2048), tmp_path)
+    assert torch.equal(tensor, expect) and spool.address == tensor.data_ptr()
+    spool.drop_pages()
+    assert torch.equal(tensor, expect)
+    spool.file.seek(0)
+    assert spool.file.read() == expect.numpy().tobytes()
+    with pytest.raises(ValueError, match="3 rows written for a tensor of shape"):
+        spool_rows(iter(blocks[:1]), (8, 2048), tmp_path)
+    with pytest.raises(ValueError, match=r"a block of shape \(3, 2048\) in a tensor of shape \(3, 1024\)"):
+        spool_rows(iter(blocks[:1]), (3, 1024), tmp_path)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -69,26 +70,51 @@ class WithoutWeights:
         return self.checkpoint.take(name)
 
 
+class Spool(NamedTuple):
+    """A tensor spooled to a file (:func:`spool_rows`): the open temporary ``file`` (the tensor's bytes from offset
+    0), the ``address`` of the tensor's data, and its copy-on-write ``mapping`` (an ``mmap.mmap``)."""
+
+    file: object
+    address: int
+    mapping: object
+
+    def drop_pages(self) -> None:
+        """Hand back the mapping's resident pages (``MADV_DONTNEED``): the next read of a row maps it from the file
+        again.  For a tensor nothing has written (a write to a copy-on-write page would be lost): the loader calls
+        it after a timing has read the whole tensor (a tied model's float32 LM head), before packing.  Where the
+        platform lacks ``madvise``, nothing happens."""
+        import mmap
+        if hasattr(mmap, "MADV_DONTNEED") and hasattr(self.mapping, "madvise"):
+            self.mapping.madvise(mmap.MADV_DONTNEED)
+
+
 class SpooledFiles(dict):
-    """A decoder's spooled tensors: state-dict name -> ``(open temporary file, data pointer of the tensor mapped
-    from it)`` (:func:`spool_rows`).  A deep copy of the decoder (a truncated draft model) copies the tensors into
-    memory, so its copy of this is empty: an open file cannot be copied, and the copies are not the file's mapping."""
+    """A decoder's spooled tensors: state-dict name -> :class:`Spool`.  A deep copy of the decoder (a truncated
+    draft model) copies the tensors into memory, so its copy of this is empty: an open file cannot be copied, and the
+    copies are not the file's mapping."""
 
     def __deepcopy__(self, memo) -> "SpooledFiles":
         return SpooledFiles()
 
+    def drop_pages(self) -> None:
+        """:meth:`Spool.drop_pages` of each."""
+        for spool in self.values():
+            spool.drop_pages()
 
-def spool_rows(blocks, shape: tuple[int, int], directory: Path) -> tuple[torch.Tensor, object]:
-    """``(tensor, file)``: the float32 ``[O, I]`` whose consecutive row ``blocks`` are given, written block by block
-    to an unnamed temporary file in ``directory`` and mapped from it copy-on-write (a write stays in this
-    process): its pages are held only where read (a token embedding, of which decoding gathers a few rows a step),
-    never the whole tensor in memory.  ``file``: the open temporary file (its bytes are the tensor's, from offset 0;
-    :func:`~speculant.runtime.store.save_packed` copies them from there without reading the mapping).
+
+def spool_rows(blocks, shape: tuple[int, int], directory: Path) -> Spool:
+    """The float32 ``[O, I]`` tensor whose consecutive row ``blocks`` are given, written block by block to an
+    unnamed temporary file in ``directory`` and mapped from it copy-on-write (a write stays in this process): its
+    pages are held only where read (a token embedding, of which decoding gathers a few rows a step), never the whole
+    tensor in memory.  Returns ``(tensor, spool)``: the :class:`Spool` keeps the open file (its bytes are the
+    tensor's, from offset 0; :func:`~speculant.runtime.store.save_packed` copies them from there without reading
+    the mapping) and the mapping.
 
     Raises:
         ValueError: the blocks do not make ``shape``.
         OSError: the file cannot be written or mapped.
     """
+    import mmap
     import tempfile
 
     import numpy as np
@@ -103,8 +129,9 @@ def spool_rows(blocks, shape: tuple[int, int], directory: Path) -> tuple[torch.T
     if rows != shape[0]:
         raise ValueError(f"{rows} rows written for a tensor of shape {tuple(shape)}")
     f.flush()
-    mapped = np.memmap(f, dtype=np.float32, mode="c", shape=tuple(shape))
-    return torch.from_numpy(mapped), f
+    mapping = mmap.mmap(f.fileno(), rows * shape[1] * 4, access=mmap.ACCESS_COPY)
+    tensor = torch.from_numpy(np.frombuffer(mapping, dtype=np.float32).reshape(tuple(shape)))
+    return tensor, Spool(f, tensor.data_ptr(), mapping)
 
 
 def streamable(cfg: ModelConfig, keys: set[str]) -> bool:
@@ -124,7 +151,8 @@ def open_streamed(path: Path, cfg: ModelConfig, checkpoint=None,
     with ``keys`` and ``take(name)`` of HF names: a GGUF file's
     :class:`~speculant.models.gguf_tensors.GGUFTensors`).  ``spool``: a directory where the token embedding of a
     checkpoint that gives it by blocks of rows (``rows(name)``) is written and mapped from (:func:`spool_rows`;
-    ``decoder.spooled`` then maps its state-dict name to the open file), instead of held in memory.
+    ``decoder.spooled``, a :class:`SpooledFiles`, then maps its state-dict name to its :class:`Spool`), instead of
+    held in memory.
 
     Raises:
         SpeculantError: an unreadable weight file.
@@ -139,9 +167,8 @@ def open_streamed(path: Path, cfg: ModelConfig, checkpoint=None,
         dec = LlamaDecoder(cfg)
     dec.spooled = SpooledFiles()
     if spool is not None and hasattr(checkpoint, "rows") and "model.embed_tokens.weight" in checkpoint.keys:
-        embed, spooled = spool_rows(checkpoint.rows("model.embed_tokens.weight"),
-                                    checkpoint.shape("model.embed_tokens.weight"), spool)
-        dec.spooled["embed_tokens.weight"] = (spooled, embed.data_ptr())
+        embed, dec.spooled["embed_tokens.weight"] = spool_rows(checkpoint.rows("model.embed_tokens.weight"),
+                                                               checkpoint.shape("model.embed_tokens.weight"), spool)
     else:
         embed = checkpoint.take("model.embed_tokens.weight")
     dec.embed_tokens.weight = torch.nn.Parameter(embed, requires_grad=False)

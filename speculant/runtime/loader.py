@@ -168,6 +168,7 @@ def _stream_and_pack(name_or_path: str, weights: str, result, threads: int, inde
     fmt = result.weights if weights == "auto" else check_format(weights)
     if stored:
         fmt = _stored_choice(name_or_path, LoadedModel(name_or_path, decoder, None, source), result, stored, index, log)
+    decoder.spooled.drop_pages()          # the timings read a tied model's spooled embedding whole, as its LM head
     codes = _gguf_codes(name_or_path, cfg, index) if fmt in ("int4", "w4a8") else None
     progress = _Progress(log, f"reading {layers} layers" + ("" if fmt == "fp32" else f" into {fmt}"), layers)
 

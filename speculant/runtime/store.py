@@ -36,16 +36,16 @@ def packed_path(model_dir: Path, fmt: str) -> Path:
 
 def save_packed(decoder: LlamaDecoder, path: Path) -> Path:
     """Write ``decoder`` (weights already in a packed format) to ``path`` (safetensors, atomic: written under a
-    temporary name, renamed into place, removed on any error).  A tensor of ``decoder.spooled`` (name -> (open file,
-    address of its data): :func:`~speculant.models.streaming.spool_rows`) still at that address is copied from its
-    file, not read through its mapping (which would hold all its pages in this process)."""
+    temporary name, renamed into place, removed on any error).  A tensor of ``decoder.spooled`` (name ->
+    :class:`~speculant.models.streaming.Spool`: open file, address of its data, mapping) still at that address is
+    copied from its file, not read through its mapping (which would hold all its pages in this process)."""
     modules = {name: [type(m).__name__, m.in_features, m.out_features]
                for name, m in decoder.named_modules() if isinstance(m, PackedLinear)}
     meta = {"schema": SCHEMA, "format": decoder.weight_format, "config": json.dumps(decoder.config.to_hf_dict()),
             "modules": json.dumps(modules)}
     state = decoder.state_dict()
-    spooled = {k: f for k, (f, ptr) in getattr(decoder, "spooled", {}).items()
-               if k in state and state[k].data_ptr() == ptr and state[k].is_contiguous()}
+    spooled = {k: spool.file for k, spool in getattr(decoder, "spooled", {}).items()
+               if k in state and state[k].data_ptr() == spool.address and state[k].is_contiguous()}
     path = Path(path)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:

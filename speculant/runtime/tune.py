@@ -561,7 +561,7 @@ def measure_prompt_route(executor, lengths=PROMPT_LENGTHS, log=None) -> tuple[in
     try:
         with torch.inference_mode():
             for i, n in enumerate(lengths):
-                hidden = executor.embed(torch.randint(executor.config.vocab_size, (1, n), generator=g))
+                hidden = executor.embed(timing_tokens(executor, (1, n), g))
                 positions, cache = torch.arange(n), executor.new_cache(n)
                 best = {}
                 for rep in range((3 if i == 0 else 2) if n <= 256 else 1):
@@ -607,7 +607,7 @@ def measure_weight_prefetch(executor, distances=WEIGHT_PREFETCH_BYTES, repeats: 
     with torch.inference_mode():
         cache = executor.new_cache(ctx + 1)
         fill_cache(executor, cache, ctx, g)
-        ids = torch.randint(executor.config.vocab_size, (1, 1), generator=g)
+        ids = timing_tokens(executor, (1, 1), g)
         for rep in range(repeats + 1):
             for d in distances:
                 t = time.perf_counter()
@@ -621,12 +621,24 @@ def measure_weight_prefetch(executor, distances=WEIGHT_PREFETCH_BYTES, repeats: 
     return choice, {str(d): round(v * 1e3, 3) for d, v in best.items()}
 
 
+TIMING_VOCAB = 256
+"""The timings draw their random token ids below this: what they measure does not depend on the ids, and ids from
+the whole vocabulary would read a page of the token embedding per token (a later load maps it from the packed copy:
+80 MiB of SmolLM2's 108 read for nothing)."""
+
+
+def timing_tokens(model, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Random token ids ``shape`` (int64) for a timing of ``model`` (anything with ``config.vocab_size``), drawn
+    from ``g`` below :data:`TIMING_VOCAB`."""
+    return torch.randint(min(model.config.vocab_size, TIMING_VOCAB), shape, generator=g)
+
+
 def fill_cache(model, cache, ctx: int, g: torch.Generator) -> None:
     """Write the keys/values of ``ctx`` random tokens (drawn from ``g``) to slots ``0 .. ctx-1`` of ``cache`` with
     ``model``'s layers (an :class:`~speculant.runtime.executor.Executor` or a decoder), without the LM head: a
     prompt's ``[1, ctx, V]`` logits are 512 MiB for a 262k-token vocabulary at ``ctx`` = 512, and a timing only
     needs the cache."""
-    ids = torch.randint(model.config.vocab_size, (1, ctx), generator=g)
+    ids = timing_tokens(model, (1, ctx), g)
     model.run_layers(model.embed(ids), 0, model.num_layers, torch.arange(ctx), None, cache, 0)
 
 
@@ -658,7 +670,7 @@ def measure_kv_cache(executor, repeats: int = 15, log=None) -> tuple[str, dict]:
             caches["float16"] = executor.new_cache(ctx + 1)
             caches["float16"].keys.copy_(caches["float32"].keys)          # what the prompt would store (rounded)
             caches["float16"].values.copy_(caches["float32"].values)
-            ids = torch.randint(executor.config.vocab_size, (1, 1), generator=g)
+            ids = timing_tokens(executor, (1, 1), g)
             for rep in range(repeats + 1):
                 for name, cache in caches.items():
                     t = time.perf_counter()
@@ -707,15 +719,14 @@ def measure_decode_threads(executor, options=None, steps: int = DECODE_THREAD_ST
     if log is not None:
         print(f"speculant: timing decoding with {', '.join(map(str, options))} threads ...", file=log, flush=True)
     g = torch.Generator().manual_seed(6)
-    vocab, ctx = executor.config.vocab_size, 64
-    ctx = min(ctx, executor.config.context_length - steps - 1)
+    ctx = min(64, executor.config.context_length - steps - 1)
     best = {n: float("inf") for n in options}
     start = time.perf_counter()
     try:
         with torch.inference_mode():
             cache = executor.new_cache(ctx + steps + 1)
             fill_cache(executor, cache, ctx, g)
-            ids = torch.randint(vocab, (1, 1), generator=g)
+            ids = timing_tokens(executor, (1, 1), g)
             for r in range(rounds + 1):
                 for n in options if r % 2 == 0 else options[::-1]:
                     torch.set_num_threads(n)
@@ -788,7 +799,7 @@ def measure_forward_rows(decoder, rows=FORWARD_ROWS, repeats: int = 3, log=None)
     with torch.inference_mode():
         cache = decoder.new_cache(ctx + max(rows))
         fill_cache(decoder, cache, ctx, g)
-        ids = {r: torch.randint(decoder.config.vocab_size, (1, r), generator=g) for r in rows}
+        ids = {r: timing_tokens(decoder, (1, r), g) for r in rows}
         for rep in range(repeats + 1):
             for r in rows:
                 t = time.perf_counter()
