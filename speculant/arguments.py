@@ -99,7 +99,8 @@ def method_spec_from_args(args, model=None):
         exit_layer = 1
     elif exit_layer == "auto":
         from .engine.sweeps import best_config
-        best = best_config(model.name, args.exit_adapter if args.exit_adapter != "none" else None)
+        best = best_config(model.name, args.exit_adapter if args.exit_adapter != "none" else None,
+                           model.config.num_hidden_layers)
         exit_layer = best["exit_layer"]
         if k is None and args.method == "early-exit":
             k = best["num_speculations"]

@@ -143,6 +143,8 @@ def test_best_config(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
     with pytest.raises(SpeculantError, match="speculant sweep"):
         best_config("tiny")
+    with pytest.raises(SpeculantError, match=r"speculant sweep --model tiny --exit-layers 4,8,12 --num-spec"):
+        best_config("tiny", num_layers=13)              # exit layers the model has (1 .. 12)
     model = tiny_model(seed=1, scale=2.0)
     out = run_sweep(model, load_prompts("builtin", limit=1)[:1], [1, 2], [2, 3], BenchConfig(max_new_tokens=6),
                     tmp_path / "sw", progress=False)

@@ -139,7 +139,9 @@ def test_save_load_round_trip(model, tmp_path):
 
 
 def test_load_errors_name_the_value(model, head_dir, tmp_path):
-    with pytest.raises(SpeculantError, match="draft head 'nope' not found for model 'tiny'"):
+    with pytest.raises(SpeculantError, match="draft head 'nope' not found for model 'tiny'; allowed: .no shipped draft "
+                                             r"heads. or a directory with config.json; train one with `speculant "
+                                             "train --recipe draft-head`"):
         load_head("nope", model)
     other = tiny_model(layers=4, hidden=32, heads=4, kv_heads=2)
     with pytest.raises(SpeculantError, match="hidden_size=64"):

@@ -155,3 +155,25 @@ def test_a_spooled_tensor_reads_the_same_after_its_resident_pages_are_handed_bac
         spool_rows(iter(blocks[:1]), (8, 2048), tmp_path)
     with pytest.raises(ValueError, match=r"a block of shape \(3, 2048\) in a tensor of shape \(3, 1024\)"):
         spool_rows(iter(blocks[:1]), (3, 1024), tmp_path)
+
+
+@pytest.mark.parametrize("case", ["llama", "gemma3"])
+def test_the_transformers_baseline_of_a_packed_gguf_model_has_its_float32_weights(case, files, tmp_path, monkeypatch,
+                                                                                  in_process):
+    """``bench``'s ``hf-*`` baselines run transformers on the model's float32 weights: a GGUF model loaded in
+    ``w4a8`` has no float32 checkpoint (only its packed copy, which is not one), so the baseline writes it once; its
+    logits are our float32 forward's (Gemma's scaled embedding included)."""
+    from speculant.bench.hf_baselines import hf_model_for
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+    path = str(files[case])
+    packed = load_model(path, weights="w4a8", compile=False)
+    converted = loading.converted_dir(path)
+    assert not (converted / "model.safetensors").exists() and list(converted.glob("packed-*.safetensors"))
+    with pytest.raises(SpeculantError, match="has no \\*.safetensors weight files"):
+        loading.weight_files(converted)                 # the packed copy is not the checkpoint
+    hf = hf_model_for(packed)
+    assert (converted / "model.safetensors").is_file()
+    ours = read_checkpoint(path)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours.decoder(ids), rtol=1e-4, atol=1e-4)

@@ -37,8 +37,14 @@ def hf_model_from_decoder(decoder: LlamaDecoder):
     hf.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         hf.lm_head.weight = hf.model.embed_tokens.weight
-    # non-persistent buffers (RoPE inverse frequencies) were created on the meta device
+    # non-persistent buffers (RoPE inverse frequencies, Gemma's embedding scale) were created on the meta device
     hf.model.rotary_emb = type(hf.model.rotary_emb)(config=cfg)
+    embed = hf.model.embed_tokens
+    if getattr(embed, "embed_scale", None) is not None and embed.embed_scale.is_meta:
+        embed.register_buffer("embed_scale", torch.tensor(decoder.config.embed_scale), persistent=False)
+    left = [n for n, b in hf.named_buffers() if b.is_meta]
+    if left:
+        raise SpeculantError(f"transformers' {type(hf).__name__} has buffers this baseline does not set: {left}")
     return hf.to(decoder.dtype).eval().requires_grad_(False)
 
 
@@ -57,11 +63,14 @@ def truncated_hf_copy(hf, exit_layer: int):
 
 
 def hf_model_for(model: LoadedModel):
-    """transformers' model on ``model``'s float32 weights (read again from its directory when ``model``'s
-    projections are in a packed format)."""
+    """transformers' model on ``model``'s float32 weights (read again when ``model``'s projections are in a packed
+    format: from its directory, or for a GGUF model from its float32 checkpoint, which
+    :func:`~speculant.models.loading.read_checkpoint` writes the first time)."""
     if model.weights == "fp32":
         return hf_model_from_decoder(model.decoder)
-    from ..models.loading import load_hf_dir
+    from ..models.loading import is_gguf_source, load_hf_dir, read_checkpoint
+    if is_gguf_source(model.name):
+        return hf_model_from_decoder(read_checkpoint(model.name).decoder)
     return hf_model_from_decoder(load_hf_dir(model.path, name=model.name).decoder)
 
 

@@ -38,8 +38,11 @@ def resolve_dir(kind: str, what: str, name_or_path: str, model_name: str) -> Pat
     if (q / "config.json").is_file():
         return q
     names = shipped_names(kind, model_name)
+    recipe = {"draft_heads": "draft-head", "exit_adapters": "exit-adapter"}.get(kind)
+    train = f"; train one with `speculant train --recipe {recipe}`" if recipe and not names else ""
     raise SpeculantError(f"{what} {name_or_path!r} not found for model {model_name!r}; allowed: "
-                         f"{', '.join(names) if names else f'(no shipped {what}s)'} or a directory with config.json")
+                         f"{', '.join(names) if names else f'(no shipped {what}s)'} or a directory with config.json"
+                         f"{train}")
 
 
 def read_config(path: Path, fmt: str, what: str) -> dict:

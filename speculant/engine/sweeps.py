@@ -29,8 +29,9 @@ SHIPPED = Path(__file__).resolve().parent.parent / "artifacts" / "sweeps"
 """Sweeps shipped with the package (``<model>.json``): measured defaults for ``--exit-layer auto``."""
 
 
-def best_config(model_name: str, exit_adapter: str | None = None) -> dict:
-    """The best ``{"exit_layer": int, "num_speculations": int}`` for ``model_name``.
+def best_config(model_name: str, exit_adapter: str | None = None, num_layers: int | None = None) -> dict:
+    """The best ``{"exit_layer": int, "num_speculations": int}`` for ``model_name`` (``num_layers``: its layer
+    count, so that the command a missing sweep's message suggests sweeps exit layers the model has).
 
     This machine's stored sweep (:func:`sweep_path`, written by ``speculant sweep``) comes first; without
     one (and without ``exit_adapter``), the sweep shipped for the model under ``speculant/artifacts/sweeps``.
@@ -43,9 +44,11 @@ def best_config(model_name: str, exit_adapter: str | None = None) -> dict:
         path = SHIPPED / f"{_safe(model_name)}.json"
     if not path.is_file():
         adapter = f" --exit-adapter {exit_adapter}" if exit_adapter else ""
+        layers = [e for e in (4, 8, 12, 16, 20, 24) if num_layers is None or e < num_layers] or [1]
         raise SpeculantError(
             f"no sweep stored for model {model_name!r} ({path} is missing); run e.g. "
-            f"`speculant sweep --model {model_name}{adapter} --exit-layers 4,8,12,16,20,24 --num-speculations 2,3,4,6 "
+            f"`speculant sweep --model {model_name}{adapter} --exit-layers {','.join(map(str, layers))} "
+            "--num-speculations 2,3,4,6 "
             f"--dataset builtin --limit 1` first, or give --exit-layer/--num-speculations as integers")
     try:
         best = json.loads(path.read_text())["best"]

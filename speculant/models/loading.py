@@ -657,8 +657,8 @@ def decoder_from_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dtyp
 
 def weight_files(path: Path) -> list[Path]:
     """The safetensors files of the HF checkpoint in ``path``: those listed by ``model.safetensors.index.json``
-    (sharded), else ``model.safetensors``, else every ``*.safetensors`` (other files there, e.g. caches of
-    packed weights, are not the checkpoint's).
+    (sharded), else ``model.safetensors``, else every ``*.safetensors`` but our packed copies (``packed-*``, which
+    a GGUF model's directory holds beside its float32 checkpoint, when it has one).
 
     Raises:
         SpeculantError: no weight file, or an index naming a missing file.
@@ -675,7 +675,7 @@ def weight_files(path: Path) -> list[Path]:
         return [path / n for n in names]
     if (path / "model.safetensors").is_file():
         return [path / "model.safetensors"]
-    files = sorted(path.glob("*.safetensors"))
+    files = sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("packed-"))
     if not files:
         raise SpeculantError(f"{str(path)!r} has no *.safetensors weight files")
     return files

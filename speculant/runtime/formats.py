@@ -215,6 +215,10 @@ LANES = 8
 """Outputs per interleaved group of the ``w4a8``/``w8a8`` layout (one 32-bit lane each of a 256-bit vector)."""
 
 
+PACK_ROWS = 4096
+"""Outputs a block projection's codes are converted and interleaved at a time (a multiple of :data:`LANES`)."""
+
+
 def _interleave(x: torch.Tensor, blocks: int, inverse: bool = False) -> torch.Tensor:
     """Rows ``[O, blocks * W * B]`` (each block ``W`` words of ``B`` elements; ``x`` shaped ``[O, blocks, W, B]``) in the
     kernels' layout: per group of :data:`LANES` rows and block, word ``w`` of every row of the group, row after row
@@ -237,12 +241,22 @@ class _BlockLinear(PackedLinear):
     _WORDS = 0           # 32-bit words of codes per block and output
     prefetch = 0
 
-    def _store(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+    def _store(self, codes, scale: torch.Tensor, offset: torch.Tensor | None,
                dtype: torch.dtype = torch.float16) -> None:
-        """Codes ``[O, G, 32-input block]``, ``scale`` ``[O, G * per_block]`` (``per_block`` scales per block of 32:
-        1, or 2 for groups of 16), ``offset`` ``[O, G]`` or None, scales and offsets stored in ``dtype``."""
-        o, g = codes.shape[:2]
-        self.register_buffer("codes", _interleave(codes.contiguous().view(o, g, self._WORDS, 4), g))
+        """``codes(rows)``: the codes of the output ``rows`` (a slice) as ``[n, G, block bytes]``; ``scale``
+        ``[O, G * per_block]`` (``per_block`` scales per block of 32: 1, or 2 for groups of 16), ``offset`` ``[O, G]``
+        or None, scales and offsets stored in ``dtype``.  The codes are converted and interleaved
+        :data:`PACK_ROWS` outputs at a time (the interleaving is within groups of :data:`LANES` outputs, so the
+        result is the whole matrix's): a 128k-token LM head's temporaries stay a few MiB, not ~3 copies of it."""
+        o, g = self.out_features, self.in_features // INT4_GROUP
+        packed = None
+        for start in range(0, o, PACK_ROWS):
+            end = min(o, start + PACK_ROWS)
+            part = _interleave(codes(slice(start, end)).contiguous().view(end - start, g, self._WORDS, 4), g)
+            if packed is None:
+                packed = torch.empty((o, part.shape[1]), dtype=part.dtype)
+            packed[start:end] = part
+        self.register_buffer("codes", packed)
         for name, v in (("scales", scale), ("offsets", offset)):
             if v is not None:
                 self.register_buffer(name, _interleave(v.to(dtype).view(o, g, -1, 1), g))
@@ -288,10 +302,11 @@ class W4A8Linear(_BlockLinear):
         super().__init__(i, o, bias)
         if gq.bits != 4 or gq.group != INT4_GROUP:
             raise SpeculantError(f"w4a8 takes 4-bit codes in groups of {INT4_GROUP}, got {gq.bits}-bit groups of {gq.group}")
-        c = gq.codes.to(torch.uint8).view(o, i // INT4_GROUP, INT4_GROUP)
+        def codes(rows):               # byte j of a block = code j | code j + 16 << 4
+            c = gq.codes[rows].to(torch.uint8).view(-1, i // INT4_GROUP, INT4_GROUP)
+            return c[..., :16] | (c[..., 16:] << 4)
         offset = gq.offset if gq.offset is not None else torch.zeros_like(gq.scale)
-        self._store(c[..., :16] | (c[..., 16:] << 4), gq.scale, offset,
-                    torch.float32 if gq.scale_dtype == torch.float32 else torch.float16)
+        self._store(codes, gq.scale, offset, torch.float32 if gq.scale_dtype == torch.float32 else torch.float16)
 
     def matmul(self, x):
         return torch.ops.speculant.w4a8_mm(x.float(), self.codes, self.scales, self.offsets, self.prefetch)
@@ -324,7 +339,7 @@ class W8A8Linear(_BlockLinear):
             raise SpeculantError(f"w8a8 takes 8-bit codes with scales per 16 or {INT4_GROUP} inputs (offsets per "
                                  f"{INT4_GROUP}), got {gq.bits}-bit groups of {gq.group}")
         fp16 = gq.group == INT4_GROUP and gq.offset is None and gq.scale_dtype == torch.float16
-        self._store(gq.codes.to(torch.int8).view(o, i // INT4_GROUP, INT4_GROUP), gq.scale, gq.offset,
+        self._store(lambda rows: gq.codes[rows].to(torch.int8).view(-1, i // INT4_GROUP, INT4_GROUP), gq.scale, gq.offset,
                     torch.float16 if fp16 else torch.float32)
 
     def matmul(self, x):

@@ -19,9 +19,9 @@ from ..errors import SpeculantError
 from ..models import loading
 from ..models.config import ModelConfig
 from ..models.loading import DEFAULT_MODEL, LoadedModel
-from . import tune
 from .compiled import enable_compile
 from .executor import Executor
+from . import occupancy, tune
 from .occupancy import ThreadGovernor
 from .formats import FORMATS, apply_weight_format, check_format, format_available
 from .store import load_packed, map_saved, packed_path, save_packed
@@ -332,16 +332,24 @@ def _stored_choice(name_or_path: str, model, result, stored: tuple, index, log) 
     if entry is None or entry.get("candidates") != list(candidates):
         if model is None:
             return None
+        since = occupancy.reading()
         ms = tune.measure_stored_weights(model.decoder, _gguf_codes(name_or_path, model.config, index), candidates,
                                          result.fp32_route)
-        entry = {"candidates": list(candidates), "ms": ms, "weights": tune.keep_default_format(ms, candidates[0])}
+        others = occupancy.other_cores(since)
+        busy = others is not None and others >= occupancy.BUSY_CORE
+        # the formats give different text: a choice from timings of a shared core (w4a8 measured 22x its quiet
+        # time beside another process, and fp32 was taken) keeps the default; `speculant tune` measures again
+        entry = {"candidates": list(candidates), "ms": ms, "busy_cores": None if others is None else round(others, 2),
+                 "weights": candidates[0] if busy else tune.keep_default_format(ms, candidates[0])}
         result.stored_weights[types] = entry
         tune.save(result)
         loading.release_memory()                  # the sample's packed copies
     timings = ", ".join(f"{f} {entry['ms'][f]:.2f} ms" for f in candidates)
-    print(f"{name_or_path} holds {types} weights, taken as stored by {' and '.join(candidates)}: weights auto loads "
+    print(f"speculant: {name_or_path} holds {types} weights, taken as stored by {' and '.join(candidates)}: weights auto loads "
           f"{entry['weights']} (one-row pass measured here: {timings}; {candidates[0]} unless another is faster by "
-          f"more than {tune.CHOICE_NOISE:.0%})", file=log)
+          f"more than {tune.CHOICE_NOISE:.0%}"
+          + (", and kept while other processes kept a core busy" if (entry.get("busy_cores") or 0)
+             >= occupancy.BUSY_CORE else "") + ")", file=log)
     return entry["weights"]
 
 
