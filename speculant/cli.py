@@ -82,7 +82,7 @@ def cmd_tune(args) -> int:
     if args.threads is not None:
         check_range("--threads", args.threads, 1)
     model = read_checkpoint(args.model)
-    result = tune.load_or_measure(model.decoder, args.threads, log=sys.stderr, force=True)
+    result = tune.load_or_measure(model.decoder, args.threads, log=sys.stderr, force=True, model=args.model)
     del model
     if result.weights == "w4a8":             # the prompt route is timed on the model in that format (fused step)
         from .runtime.loader import load_model as load_for_runtime

@@ -172,6 +172,20 @@ def test_the_conversion_is_cached_by_path_size_and_mtime_and_never_left_half_wri
     assert loading.converted_dir(str(path)) != first                 # a changed file is converted again
 
 
+def test_a_known_models_own_file_by_path_is_that_model(tmp_path):
+    """SmolLM2's installed GGUF by its path, or by a link to it, loads as ``smollm2-135m`` (one conversion, one packed
+    copy, its shipped artefacts); any other file, and a name, stay as given."""
+    own = loading.find_gguf(loading.KNOWN_MODELS["smollm2-135m"])
+    link = tmp_path / "my-smollm2.gguf"
+    link.symlink_to(own)
+    assert loading.known_name(str(own)) == loading.known_name(str(link)) == "smollm2-135m"
+    other = write_tiny_gguf(tmp_path / "other.gguf", "Q8_0", layers=1)
+    copy = tmp_path / "copy.gguf"                        # the same bytes elsewhere: another file (keyed by path)
+    copy.write_bytes(own.read_bytes()[:4096])
+    for name in (str(other), str(copy), "smollm2-135m", str(tmp_path)):
+        assert loading.known_name(name) == name
+
+
 def _bad_files(d: Path) -> dict[str, tuple[Path, str]]:
     good = write_tiny_gguf(d / "good.gguf", "Q8_0", layers=1)
     raw = good.read_bytes()
@@ -250,3 +264,31 @@ def test_speculant_models_lists_converted_gguf_files_and_each_models_artefacts(t
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert f"{path.resolve()} file gone" in out and "draft heads: none; exit adapters: none" in out
+
+
+def test_a_conversion_child_is_interrupted_when_its_parent_is_terminated(tmp_path):
+    """The conversion child's guard (``_interrupted_with_parent``): a parent ended by SIGTERM (no Python handler
+    runs, so it cannot interrupt the child itself) leaves a child that is interrupted as by Ctrl-C, not one that
+    converts on alone."""
+    import signal
+    import time
+    marker = tmp_path / "interrupted"
+    child = ("import os, sys, time\nfrom speculant.models.loading import _interrupted_with_parent\n"
+             "_interrupted_with_parent(int(sys.argv[1]))\nopen(sys.argv[2] + '.ready', 'w').close()\n"
+             "try:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    open(sys.argv[2], 'w').close()\n")
+    parent = ("import os, subprocess, sys, time\n"
+              "subprocess.Popen([sys.executable, '-c', sys.argv[1], str(os.getpid()), sys.argv[2]])\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", parent, child, str(marker)])
+    try:
+        deadline = time.monotonic() + 30
+        while not Path(str(marker) + ".ready").exists():
+            assert time.monotonic() < deadline, "the child never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "the child was not interrupted when its parent ended"
+    finally:
+        proc.kill()

@@ -111,7 +111,7 @@ def test_other_cores_is_the_machines_busy_time_less_this_process(monkeypatch):
 
 def test_a_tune_measured_beside_other_work_says_so(tmp_path, monkeypatch):
     """A first measurement while other processes kept a core busy is recorded (``busy_cores``), said on the log with
-    the command that measures again, and shown by the tune's table; a quiet one is recorded and says nothing."""
+    the command that measures again (for the model as it was named), and shown by the tune's table; a quiet one is recorded and says nothing."""
     import io
 
     from speculant.runtime import tune
@@ -122,8 +122,8 @@ def test_a_tune_measured_beside_other_work_says_so(tmp_path, monkeypatch):
     for others, said in ((1.2, True), (0.1, False)):
         monkeypatch.setattr(occupancy, "other_cores", lambda since, now=None, o=others: o)
         log = io.StringIO()
-        result = tune.load_or_measure(model.decoder, threads=1, log=log, force=True)
+        result = tune.load_or_measure(model.decoder, threads=1, log=log, force=True, model="/models/my model.gguf")
         assert result.busy_cores == others and tune.load(result.key).busy_cores == others       # saved with it
         assert ("cores busy while this machine was measured" in log.getvalue()) == said
-        assert ("speculant tune --model" in log.getvalue()) == said
+        assert ("run `speculant tune --model '/models/my model.gguf'` then" in log.getvalue()) == said
         assert ("while other processes kept 1.2 cores busy" in tune.format_table(result)) == said

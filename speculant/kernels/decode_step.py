@@ -28,6 +28,7 @@ fetched again), ~1.2 ms of a 9 ms one-token step on the 2-core AMD EPYC before (
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -138,6 +139,9 @@ class ModelBuffers:
             ``> p - window`` its mask allows (0 where no layer is local).
         rope_cos_local, rope_sin_local: the local layers' RoPE tables, the shape of ``rope_cos`` (``None`` where no
             layer is local).
+        rope_filled: ``rope_filled()`` = the tables' rows computed so far (a decoder computes them as positions come
+            into use, :meth:`~speculant.models.llama.LlamaDecoder.ensure_rope`); a position at or past it is refused
+            as one outside the tables.  ``None``: every row is computed.
     """
 
     hidden: int
@@ -157,6 +161,7 @@ class ModelBuffers:
     window: int = 0
     rope_cos_local: torch.Tensor | None = None
     rope_sin_local: torch.Tensor | None = None
+    rope_filled: Callable[[], int] | None = None
 
     @property
     def has_local(self) -> bool:
@@ -232,6 +237,7 @@ class FusedLayers:
         self.hidden = model.hidden
         self.num_layers = len(model.layers)
         self._rope = (model.rope_cos, model.rope_sin)
+        self._rope_filled = model.rope_filled
         self._rope_local = (model.rope_cos_local, model.rope_sin_local) if model.has_local else None
         self.local_layers = tuple(bool(layer.local) for layer in model.layers)
         self._norm = (model.norm, float(model.norm_eps))
@@ -300,16 +306,17 @@ class FusedLayers:
         if mask is not None:
             mask = mask.contiguous()
         cos, sin = self._rope
+        rows = cos.shape[0] if self._rope_filled is None else self._rope_filled()
         cos_l, sin_l = (table.data_ptr() for table in self._rope_local) if self._rope_local else (None, None)
         status = self.lib.spec_decode_layers(ctypes.byref(self.model), start, end, t, cache_position, cache.max_length,
                                              cache.keys.data_ptr(), cache.values.data_ptr(), cache.keys.stride(0),
                                              attention_kernel.kv_bytes(cache.dtype),
                                              None if mask is None else mask.data_ptr(), x.data_ptr(), out.data_ptr(),
-                                             cos.data_ptr(), sin.data_ptr(), cos.shape[0], positions.data_ptr(),
+                                             cos.data_ptr(), sin.data_ptr(), rows, positions.data_ptr(),
                                              cos_l, sin_l)
         if status == -2:
-            raise IndexError(f"fused step: positions {positions.tolist()} outside the RoPE tables "
-                             f"(allowed: 0 .. {cos.shape[0] - 1})")
+            raise IndexError(f"fused step: positions {positions.tolist()} outside the RoPE tables' computed rows "
+                             f"(allowed: 0 .. {rows - 1})")
         if status != 0:
             raise MemoryError("fused decoding step: cannot allocate its workspace")
         return out

@@ -24,7 +24,7 @@ from torch import nn
 from .config import ModelConfig
 from .kv_cache import KVCache, mark_dynamic
 from .linear import DecodeLinear
-from .rope import rope_tables
+from .rope import fill_rope_rows, rope_block_rows, rope_inv_frequencies
 
 
 class RMSNorm(nn.Module):
@@ -184,16 +184,37 @@ class LlamaDecoder(nn.Module):
         self.set_rope_tables()
 
     def set_rope_tables(self) -> None:
-        """(Re)compute the RoPE tables on the CPU (real tables even in a meta-device skeleton, without importing
-        torch._dynamo): ``rope_cos``/``rope_sin`` ``[P, Dh]``, and for a model with sliding-window layers
-        ``rope_cos_local``/``rope_sin_local`` with the local layers' base (Gemma 3), else ``None``."""
+        """(Re)make the RoPE tables on the CPU (real tables even in a meta-device skeleton, without importing
+        torch._dynamo): ``rope_cos``/``rope_sin`` ``[P, Dh]`` float32 (``P`` = ``config.context_length``), and for a
+        model with sliding-window layers ``rope_cos_local``/``rope_sin_local`` with the local layers' base (Gemma 3),
+        else ``None``.  Their rows are computed as positions come into use (:meth:`ensure_rope`; a KV cache of
+        ``L`` slots computes the first ``L``): the rest of a table is never written, so its pages are never
+        resident (a 32k-token context of Gemma 3's 256-wide heads is 128 MiB of tables)."""
         cfg = self.config
         with torch.device("cpu"):
-            tables = rope_tables(cfg)
-            local = rope_tables(replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)) \
-                if any(cfg.local_layers) else (None, None)
-        for name, table in zip(("rope_cos", "rope_sin", "rope_cos_local", "rope_sin_local"), tables + local):
+            self._rope_inv = [rope_inv_frequencies(cfg)]
+            if any(cfg.local_layers):
+                self._rope_inv.append(rope_inv_frequencies(replace(cfg, rope_theta=cfg.rope_local_theta,
+                                                                   rope_scaling=None)))
+            tables = [torch.empty(cfg.context_length, cfg.head_dim) for _ in range(2 * len(self._rope_inv))]
+        tables += [None] * (4 - len(tables))
+        for name, table in zip(("rope_cos", "rope_sin", "rope_cos_local", "rope_sin_local"), tables):
             self.register_buffer(name, table, persistent=False)
+        self.rope_filled = 0        # rows of the tables computed so far [positions]
+
+    def ensure_rope(self, positions: int) -> None:
+        """Compute the RoPE tables' rows up to position ``positions - 1`` (capped at the tables' length) where they
+        are not yet: whole blocks of rows (:func:`~speculant.models.rope.fill_rope_rows`), so each row has the bits
+        it would have were the table computed at once."""
+        total = self.rope_cos.shape[0]
+        if positions <= self.rope_filled or self.rope_filled >= total:
+            return
+        step = rope_block_rows(self.rope_cos.shape[1])
+        end = min(total, -(-positions // step) * step)
+        pairs = [(self.rope_cos, self.rope_sin), (self.rope_cos_local, self.rope_sin_local)]
+        for (cos, sin), inv_freq in zip(pairs, self._rope_inv):
+            fill_rope_rows(cos, sin, inv_freq, self.rope_filled, end)
+        self.rope_filled = end
 
     @property
     def num_layers(self) -> int:
@@ -208,7 +229,9 @@ class LlamaDecoder(nn.Module):
         return self.embed_tokens.weight.device
 
     def new_cache(self, max_length: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> KVCache:
-        """A static KV cache of ``max_length`` slots for every layer of this model, in ``dtype``."""
+        """A static KV cache of ``max_length`` slots for every layer of this model, in ``dtype``; the RoPE rows of
+        its positions are computed (:meth:`ensure_rope`)."""
+        self.ensure_rope(max_length)
         c = self.config
         return KVCache(self.num_layers, c.num_key_value_heads, c.head_dim, max_length, batch, dtype, self.device)
 
@@ -242,6 +265,7 @@ class LlamaDecoder(nn.Module):
         """
         attention = attention or sdpa_attention
         t = hidden.shape[1]
+        self.ensure_rope(int(positions.max()) + 1 if positions.numel() else 0)
         cos, sin = self.rope_rows(positions, hidden)
         is_causal = False
         mask = attention_mask

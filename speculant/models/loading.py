@@ -104,6 +104,26 @@ def find_gguf(source: GGUFSource) -> Path:
     raise SpeculantError(f"{source.filename} not found in package {source.package!r}; reinstall with: {source.install}")
 
 
+def known_name(name_or_path: str) -> str:
+    """The known model's name when ``name_or_path`` is the path of its installed GGUF file (a chunk package's only once
+    assembled), else ``name_or_path`` unchanged: a file given by its path then shares the name's caches (one
+    conversion, one packed copy) and its shipped artefacts (exit adapter, draft heads)."""
+    if name_or_path in KNOWN_MODELS or not gguf_files.is_gguf_path(name_or_path) or not os.path.isfile(name_or_path):
+        return name_or_path
+    resolved = Path(name_or_path).resolve()
+    for name, source in KNOWN_MODELS.items():
+        if source.assembled:
+            path = cache_root() / "packages" / source.filename
+        else:
+            try:
+                path = find_gguf(source)
+            except SpeculantError:
+                continue
+        if path.is_file() and path.resolve() == resolved:
+            return name
+    return name_or_path
+
+
 def _assembled_gguf(source: GGUFSource) -> Path:
     """The GGUF file a chunk package writes (its ``assemble(output_path)``, which checks the file's SHA-256), kept in
     ``$SPECULANT_CACHE/packages/<filename>`` (assembled under a temporary name and renamed into place, so a file
@@ -187,7 +207,7 @@ def convert_gguf_in_child(name: str, out_dir: Path, meanwhile=None, progress=Non
     code = ("import sys; from speculant.models.loading import convert_in_child_main; convert_in_child_main(sys.argv[1:])")
     with tempfile.TemporaryFile("w+", errors="replace") as errors:
         what = "weights" if weights else "description"
-        proc = subprocess.Popen([sys.executable, "-c", code, name, str(out_dir), what], env=env,
+        proc = subprocess.Popen([sys.executable, "-c", code, name, str(out_dir), what, str(os.getpid())], env=env,
                                 stdout=subprocess.DEVNULL, stderr=errors)
         finished = threading.Event()
         relay = threading.Thread(target=_relay_progress, args=(errors.fileno(), progress, finished), daemon=True)
@@ -236,12 +256,32 @@ def _relay_progress(fd: int, out, finished) -> None:
                 print(line.decode(errors="replace"), file=out, flush=True)
 
 
-def convert_in_child_main(argv: list[str]) -> None:
-    """The child of :func:`convert_gguf_in_child`: ``argv`` = ``[known name or GGUF path, output directory,
-    "weights" or "description"]``; a :class:`SpeculantError` is printed as its one line (exit status 2)."""
+def _interrupted_with_parent(parent: int) -> None:
+    """Have SIGINT (``KeyboardInterrupt``) delivered to this process when its parent ``parent`` ends (Linux
+    ``prctl(PR_SET_PDEATHSIG)``; elsewhere nothing); raises ``KeyboardInterrupt`` at once if it has already ended."""
+    import ctypes
+    import signal
     import sys
 
-    name, out_dir, what = argv
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGINT), 0, 0, 0)      # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        raise KeyboardInterrupt
+
+
+def convert_in_child_main(argv: list[str]) -> None:
+    """The child of :func:`convert_gguf_in_child`: ``argv`` = ``[known name or GGUF path, output directory,
+    "weights" or "description", the parent's pid]``; a :class:`SpeculantError` is printed as its one line (exit
+    status 2).  Where the parent ends without interrupting it (SIGTERM, SIGKILL), the child is interrupted as by
+    Ctrl-C (Linux: ``PR_SET_PDEATHSIG``), so it removes its partial output and does not convert on alone."""
+    import sys
+
+    name, out_dir, what, parent = argv
+    _interrupted_with_parent(int(parent))
     try:
         convert_gguf(KNOWN_MODELS[name] if name in KNOWN_MODELS else Path(name), Path(out_dir), what == "weights")
     except SpeculantError as e:
@@ -738,7 +778,8 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def read_checkpoint(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str = torch.float32) -> LoadedModel:
-    """Read a known model by name (see :data:`KNOWN_MODELS`), a GGUF file or an HF-format directory by path, with
+    """Read a known model by name (see :data:`KNOWN_MODELS`; also by its GGUF file's path, :func:`known_name`), a GGUF
+    file or an HF-format directory by path, with
     float (trainable ``nn.Linear``) projections and eager steps: what training and evaluation need.
     For decoding, :func:`speculant.runtime.loader.load_model` (``speculant.load_model``) adds the
     weight formats, tuned kernels and compiled steps.
@@ -753,6 +794,7 @@ def read_checkpoint(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str 
     """
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
+    name_or_path = known_name(name_or_path)
     if is_gguf_source(name_or_path):
         out = converted_dir(name_or_path)
         if not (out / "model.safetensors").is_file():

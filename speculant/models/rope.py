@@ -113,9 +113,38 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None = None,
     return inv_freq
 
 
+ROPE_BLOCK_VALUES = 32768
+"""Values of one block of table rows computed in one pass [count]: torch's parallel grain
+(``at::internal::GRAIN_SIZE``), so each block is computed by one thread in one vectorized loop and a row's bits do
+not depend on the thread count or on which rows were computed first."""
+
+
+def rope_block_rows(head_dim: int) -> int:
+    """Rows of a RoPE table computed together by :func:`fill_rope_rows` (blocks start at multiples of it)."""
+    return max(1, ROPE_BLOCK_VALUES // head_dim)
+
+
+def fill_rope_rows(cos: torch.Tensor, sin: torch.Tensor, inv_freq: torch.Tensor, start: int, end: int) -> None:
+    """Compute rows ``start .. end-1`` of the tables ``cos``/``sin`` ``[P, Dh]`` in place (any dtype or device: the
+    rows are computed in float32 on the CPU and copied in), whole blocks of :func:`rope_block_rows` rows at a time
+    (``start`` a block boundary; the last block may end at ``P``): cos, and sin with the first half negated, of
+    ``position * inv_freq`` (``inv_freq`` ``[Dh / 2]`` float32, :func:`inv_frequencies`)."""
+    step = rope_block_rows(cos.shape[1])
+    for a in range(start, min(end, cos.shape[0]), step):
+        b = min(a + step, cos.shape[0])
+        freqs = torch.outer(torch.arange(a, b, dtype=torch.float32, device="cpu"), inv_freq)
+        cos[a:b].copy_(torch.cat((freqs, freqs), dim=-1).cos())
+        sin[a:b].copy_(torch.cat((-freqs.sin(), freqs.sin()), dim=-1))
+
+
+def rope_inv_frequencies(cfg: "ModelConfig") -> torch.Tensor:
+    """``inv_freq`` ``[head_dim / 2]`` float32 of ``cfg``'s RoPE base and scaling (:func:`inv_frequencies`)."""
+    return inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+
+
 def rope_tables(cfg: "ModelConfig") -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE tables ``[cfg.context_length, head_dim]`` (fp32): cos, and sin with the first half negated (so
-    rotate_half becomes a roll, see :func:`speculant.models.llama.apply_rope`)."""
-    inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-    freqs = torch.outer(torch.arange(cfg.context_length, dtype=torch.float32), inv_freq)
-    return torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+    """RoPE tables ``[cfg.context_length, head_dim]`` (fp32), every row computed (:func:`fill_rope_rows`): cos, and
+    sin with the first half negated (so rotate_half becomes a roll, see :func:`speculant.models.llama.apply_rope`)."""
+    cos, sin = (torch.empty(cfg.context_length, cfg.head_dim) for _ in range(2))
+    fill_rope_rows(cos, sin, rope_inv_frequencies(cfg), 0, cfg.context_length)
+    return cos, sin

@@ -96,6 +96,9 @@ def model_buffers(decoder: LlamaDecoder) -> decode_step.ModelBuffers | str:
         layers.append(layer)
     attn = decoder.layers[0].self_attn if decoder.num_layers else None
     local = any(layer.local for layer in layers)
+    shared = decoder.rope_cos.dtype == torch.float32 and decoder.rope_cos.is_contiguous()
+    if not shared:                   # the step gets a float32 copy: every row of it computed first
+        decoder.ensure_rope(decoder.rope_cos.shape[0])
     return decode_step.ModelBuffers(
         cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
         cfg.rms_norm_eps, layers, decoder.rope_cos.float().contiguous(), decoder.rope_sin.float().contiguous(),
@@ -105,7 +108,8 @@ def model_buffers(decoder: LlamaDecoder) -> decode_step.ModelBuffers | str:
         q_scale=float(attn.q_scale) if attn is not None and attn.q_scale is not None else 1.0,
         window=int(cfg.sliding_window or 0) if local else 0,
         rope_cos_local=decoder.rope_cos_local.float().contiguous() if local else None,
-        rope_sin_local=decoder.rope_sin_local.float().contiguous() if local else None)
+        rope_sin_local=decoder.rope_sin_local.float().contiguous() if local else None,
+        rope_filled=(lambda: decoder.rope_filled) if shared else None)      # rows computed as positions come
 
 
 def why_not_fused(decoder: LlamaDecoder, kv_dtype: torch.dtype) -> str | None:
@@ -310,6 +314,7 @@ class Executor:
                 counts[i] += t
             return out.to(hidden.dtype)
         dec = self.decoder
+        dec.ensure_rope(int(positions.max()) + 1)
         cos, sin = dec.rope_rows(positions, hidden)
         layers = dec.layers
         # Gemma 3's sliding-window layers: their own RoPE rows and the window in their mask (local_rows)

@@ -105,7 +105,7 @@ def _read_and_pack(name_or_path: str, dtype: torch.dtype, weights: str, result, 
             return model, result, fmt
     model = loading.read_checkpoint(name_or_path, dtype)
     if result is None and dtype == torch.float32:
-        result = tune.load_or_measure(model.decoder, threads, log=log)
+        result = tune.load_or_measure(model.decoder, threads, log=log, model=name_or_path)
         loading.release_memory()            # the tuner's packed copies, before the model is packed
     fmt = "fp32" if result is None else (result.weights if weights == "auto" else check_format(weights))
     if stored and result is not None:
@@ -163,7 +163,7 @@ def _stream_and_pack(name_or_path: str, weights: str, result, threads: int, inde
     if result is None or stored:          # the tuner's sample (and that of the stored-format choice) in float32
         streaming.fill_layers(decoder, checkpoint, tune.sample_layers(layers, tune.projection_shapes(cfg)))
     if result is None:
-        result = tune.load_or_measure(decoder, threads, log=log)
+        result = tune.load_or_measure(decoder, threads, log=log, model=name_or_path)
         loading.release_memory()            # the tuner's packed copies, before the model is packed
     fmt = result.weights if weights == "auto" else check_format(weights)
     if stored:
@@ -230,7 +230,8 @@ class _Progress:
 def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile: bool = True,
                dtype: torch.dtype | str = torch.float32, threads: int | None = None, log=None,
                blocks: bool = True, kv_cache: str = "auto") -> LoadedModel:
-    """Load ``name_or_path`` (a known name, a GGUF file or an HF-format directory) for decoding.
+    """Load ``name_or_path`` (a known name, a GGUF file or an HF-format directory) for decoding; a known model's own
+    GGUF file by path loads as its name (:func:`~speculant.models.loading.known_name`).
 
     Args:
         weights: a weight format (``fp32``, ``bf16``, ``int8``, ``int4``, ``w4a8``; see
@@ -264,6 +265,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
             attention kernel does not run.
     """
     log = log or sys.stderr
+    name_or_path = loading.known_name(name_or_path)     # a known model's own file by path: the name's caches
     if isinstance(dtype, str):
         dtype = loading.parse_dtype(dtype)
     if kv_cache not in KV_CACHE_CHOICES:
@@ -302,7 +304,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
         probe = Executor(model.decoder, _KV_DTYPES[explicit_kv] if explicit_kv else tune.attention_dtype(result))
         if explicit_kv:
             set_kv_cache(probe, explicit_kv)
-        measured = tune.complete_for_fused(result, probe, log=log)
+        measured = tune.complete_for_fused(result, probe, log=log, model=name_or_path)
         del probe
         if measured:
             loading.release_memory()        # the measurements' KV caches and workspaces, once they are dropped

@@ -61,6 +61,7 @@ def ragged_run_layers(executor, blocks: list[Block], end: int | None = None,
         if tuple(mask.shape) != (t, b.cache_position + t):
             raise SpeculantError(f"mask shape {tuple(mask.shape)} does not match the block; "
                                  f"allowed: ({t}, {b.cache_position + t})")
+        decoder.ensure_rope(int(b.positions.max()) + 1)
         local = decoder.local_rows(b.positions, b.hidden, mask, torch.arange(b.cache_position + t), range(end))
         masks.append((mask, local[2] if local else None))   # (global, sliding-window layers') masks: Gemma 3
         tables.append((decoder.rope_cos[b.positions], decoder.rope_sin[b.positions])

@@ -57,6 +57,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import sys
 import time
 import warnings
@@ -97,6 +98,10 @@ KV_CACHE_CONTEXT = 512
 """Cached tokens of the one-token forward that :func:`measure_kv_cache` times."""
 DECODE_THREAD_STEPS = 32
 """One-token steps of the decode loop that :func:`measure_decode_threads` times per thread count."""
+DECODE_THREAD_SECONDS = 20.0
+"""Wall time after which :func:`measure_decode_threads` times no further round [s]: on a machine where another
+process keeps a core busy a thread count that waits for that core makes each step many times slower (one such
+timing took 120 s), and the round already measured says so."""
 CHOICE_NOISE = 0.05
 """A choice other than the default (a thread count other than torch's, a float32 KV cache, the torch layer step for
 a prompt length) is taken only if it is faster by more than this fraction: timings of a shared machine differ by a
@@ -700,10 +705,11 @@ def keep_default_threads(ms: dict, default: int, noise: float = CHOICE_NOISE) ->
 
 
 def measure_decode_threads(executor, options=None, steps: int = DECODE_THREAD_STEPS, rounds: int = 3,
-                           log=None) -> tuple[int, dict]:
+                           log=None, seconds: float = DECODE_THREAD_SECONDS) -> tuple[int, dict]:
     """Time a decode loop of ``steps`` one-token steps of ``executor``'s fused step (all layers, final norm, LM head;
     a 64-token prompt first) with each thread count of ``options`` (default: 1, 2, 4, 8 below the count in force,
-    and that count), counts alternated, best of ``rounds``; the count in force is restored.  A one-row pass timed
+    and that count), counts alternated, best of ``rounds`` (of fewer once ``seconds`` of wall time have passed
+    after a measured round); the count in force is restored.  A one-row pass timed
     in isolation misjudges threads (it picked 1 thread where 2 decoded 15-30 % faster end to end): the loop
     includes what a step does besides its products.
 
@@ -736,6 +742,8 @@ def measure_decode_threads(executor, options=None, steps: int = DECODE_THREAD_ST
                         executor(ids, None, None, cache, ctx + i)
                     if r:                                                # the first round is a warm-up
                         best[n] = min(best[n], (time.perf_counter() - t) / steps)
+                if r and time.perf_counter() - start > seconds:
+                    break
     finally:
         torch.set_num_threads(before)
     ms = {str(n): round(v * 1e3, 3) for n, v in best.items()}
@@ -746,13 +754,13 @@ def measure_decode_threads(executor, options=None, steps: int = DECODE_THREAD_ST
     return choice, ms
 
 
-def complete_for_fused(result: TuneResult, executor, log=None) -> bool:
+def complete_for_fused(result: TuneResult, executor, log=None, model: str | None = None) -> bool:
     """The measurements that need the model in its fused-step format, run on ``executor`` where ``result`` lacks
     them (once per machine and model: the first load in that format; ``speculant tune`` runs them again): the KV
     cache dtype, the weight prefetch distance, the prompt route, the decoding thread count and the T-row forward
     costs.  ``result`` is
     updated and saved; the executor is left as it was (the caller builds one from ``result``).  Returns whether
-    anything was measured."""
+    anything was measured.  ``model``: the name or path the model was loaded by, for the advice of :func:`note_busy`."""
     if executor.fused_layers() is None:
         return False
     measured, start = False, occupancy.reading()
@@ -777,7 +785,7 @@ def complete_for_fused(result: TuneResult, executor, log=None) -> bool:
             torch.set_num_threads(before)
         measured = True
     if measured:
-        note_busy(result, occupancy.other_cores(start), log)
+        note_busy(result, occupancy.other_cores(start), log, model)
         save(result)
     return measured
 
@@ -871,25 +879,27 @@ def load(key: dict) -> TuneResult | None:
     return result
 
 
-def load_or_measure(decoder, threads: int | None = None, log=None, force: bool = False) -> TuneResult:
+def load_or_measure(decoder, threads: int | None = None, log=None, force: bool = False,
+                    model: str | None = None) -> TuneResult:
     """The cached :class:`TuneResult` for this machine and model, measuring (and caching) it when absent or ``force``
-    (with the work other processes did meanwhile, :func:`note_busy`)."""
+    (with the work other processes did meanwhile, :func:`note_busy`; ``model``: the name or path it was loaded by)."""
     threads = threads or torch.get_num_threads()
     key = tune_key(decoder.config, threads)
     result = None if force else load(key)
     if result is None:
         start = occupancy.reading()
         result = measure(decoder, threads, log=log)
-        note_busy(result, occupancy.other_cores(start), log)
+        note_busy(result, occupancy.other_cores(start), log, model)
         save(result)
     return result
 
 
-def note_busy(result: TuneResult, others: float | None, log=None) -> None:
+def note_busy(result: TuneResult, others: float | None, log=None, model: str | None = None) -> None:
     """Record in ``result.busy_cores`` that other processes did ``others`` cores' worth of work while it was measured
     (:func:`speculant.runtime.occupancy.other_cores`; ``None``: unknown) and, from
     :data:`~speculant.runtime.occupancy.BUSY_CORE` on, say on ``log`` (else as a warning) that the choices may not
-    hold on a quiet machine and how to measure again: timings taken while a core is shared are noise (a first load
+    hold on a quiet machine and how to measure again (``speculant tune --model`` with ``model``, the name or path the
+    model was loaded by; ``None``: a placeholder): timings taken while a core is shared are noise (a first load
     beside another process once kept int8 and 1 thread, ~5x slower than the w4a8 a quiet re-tune chose)."""
     if others is None:
         return
@@ -898,7 +908,7 @@ def note_busy(result: TuneResult, others: float | None, log=None) -> None:
         msg = (f"speculant: other processes kept {others:.1f} of {os.cpu_count()} cores busy while this machine was "
                f"measured: its choices (weights {result.weights}, {result.threads} thread"
                f"{'s' if result.threads != 1 else ''}) may not hold when it is "
-               "quiet; run `speculant tune --model MODEL` then")
+               f"quiet; run `speculant tune --model {shlex.quote(model) if model else 'MODEL'}` then")
         if log is not None:
             print(msg, file=log, flush=True)
         else:
