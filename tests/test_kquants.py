@@ -12,6 +12,7 @@ and greedy decoding of every method equals ``ar``; types we do not take are refu
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -26,13 +27,14 @@ from speculant.kernels import build, qgemm
 from speculant.models import loading
 from speculant.models.gguf_codes import IndexedTensor, _decode
 from speculant.runtime import occupancy, tune
-from speculant.runtime.formats import StackedLinear, W4A8Linear, W8A8Linear, block_linear, format_available
+from speculant.runtime.formats import (StackedLinear, W4A8Linear, W6A8Linear, W8A8Linear, block_linear,
+                                       format_available)
 from speculant.runtime.loader import load_model
 
 needs_kernel = pytest.mark.skipif(not qgemm.available(), reason=f"our kernels: {qgemm.unavailable_reason()}")
 TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 KERNEL_CLASS = {"Q4_0": W4A8Linear, "Q4_1": W4A8Linear, "Q4_K": W4A8Linear, "Q8_0": W8A8Linear, "Q5_0": W8A8Linear,
-                "Q5_1": W8A8Linear, "Q5_K": W8A8Linear, "Q6_K": W8A8Linear}
+                "Q5_1": W8A8Linear, "Q5_K": W8A8Linear, "Q6_K": W6A8Linear}
 
 
 def _raw(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -149,6 +151,32 @@ def test_every_variant_computes_the_dequantized_product_bit_for_bit_alike(kind, 
     assert torch.equal(rows(x), want[:, [28, 3, 17, 0, 9]])
 
 
+@needs_kernel
+def test_q6k_in_six_bits_gives_the_eight_bit_layouts_bits_from_fewer_bytes(tmp_path, monkeypatch):
+    """Q6_K packed in 6 bits with int8 sub-block scales and float32 super-block scales (``W6A8Linear``) multiplies
+    exactly as the same codes unpacked to bytes with folded float32 scales (``W8A8Linear``, group 16) on every kernel
+    variant, in 0.83 bytes a weight instead of 1.25, and reads back as stored; codes whose scales do not factor into a
+    super-block scale times integers (made elsewhere) keep the 8-bit layout."""
+    rng = np.random.default_rng(33)
+    gq = _codes("Q6_K", _raw("Q6_K", 43, 768, rng), tmp_path)            # 5 groups of 8 and 3 rows by row
+    six, eight = block_linear(gq), W8A8Linear(gq)
+    assert type(six) is W6A8Linear
+    back = six.group_quantized()
+    assert torch.equal(back.codes, gq.codes) and torch.equal(back.scale, gq.scale)
+    assert torch.equal(back.super_scale, gq.super_scale)
+    size = lambda lin: sum(t.numel() * t.element_size() for t in lin.buffers()) / gq.codes.numel()   # noqa: E731
+    assert size(six) == 0.75 + 1 / 16 + 4 / 256 and size(eight) == 1.25
+    x = torch.from_numpy(rng.standard_normal((17, 768)).astype(np.float32))
+    for name in ("in use", *VARIANTS):
+        monkeypatch.setattr(build, "_LIB", build.load() if name == "in use" else build.load_variant(name))
+        for rows in (1, 3, 8, 17):
+            assert torch.equal(six(x[:rows]), eight(x[:rows])), (name, rows)
+    odd = replace(gq, super_scale=gq.super_scale * 3.0)                  # scale / super_scale not integers
+    assert type(block_linear(odd)) is W8A8Linear and type(block_linear(replace(gq, super_scale=None))) is W8A8Linear
+    with pytest.raises(SpeculantError, match="w6a8 takes Q6_K codes"):
+        W6A8Linear(odd)
+
+
 MIXED = {"token_embd.weight": "Q4_K", "output.weight": "Q6_K",
          "blk.0.attn_q.weight": "Q4_K", "blk.0.attn_k.weight": "Q4_K", "blk.0.attn_v.weight": "Q6_K",
          "blk.0.attn_output.weight": "Q5_0", "blk.0.ffn_gate.weight": "Q4_K", "blk.0.ffn_up.weight": "Q5_K",
@@ -192,13 +220,14 @@ def test_a_mixed_k_quant_llama_runs_w4a8_on_its_stored_types_close_to_transforme
     assert model.weights == "w4a8" and model.fused                 # auto: as stored, on our kernels
     l0, l1 = model.decoder.layers
     qkv0 = l0.self_attn.qkv_proj
-    assert type(qkv0) is StackedLinear and [type(p) for p in qkv0.parts] == [W4A8Linear, W8A8Linear]
+    assert type(qkv0) is StackedLinear and [type(p) for p in qkv0.parts] == [W4A8Linear, W6A8Linear]
     assert qkv0.parts[0].scales.dtype == torch.float32 and qkv0.parts[1].scale_group == 16
-    assert type(l0.mlp.gate_up_proj) is StackedLinear and type(l0.mlp.down_proj) is W8A8Linear
+    assert type(l0.mlp.gate_up_proj) is StackedLinear and type(l0.mlp.down_proj) is W6A8Linear
     assert type(l1.self_attn.qkv_proj) is W8A8Linear and l1.self_attn.qkv_proj.offsets.dtype == torch.float32
     assert type(l1.mlp.gate_up_proj) is W4A8Linear and l1.mlp.gate_up_proj.scales.dtype == torch.float16
     head = model.decoder.lm_head_proj
-    assert type(head) is (W4A8Linear if tie else W8A8Linear) and head.scales.dtype == torch.float32
+    assert type(head) is (W4A8Linear if tie else W6A8Linear)
+    assert head.scales.dtype == (torch.float32 if tie else torch.int8)
     fp32 = load_model(str(path), weights="fp32", compile=False)
     ids = torch.tensor([PROMPT])
     with torch.inference_mode():

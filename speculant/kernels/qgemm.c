@@ -138,6 +138,29 @@ INLINE __m256 load_s8(const void *p, int64_t i, int f32) {
     return f32 ? _mm256_loadu_ps((const float *)p + i) : load_h8((const uint16_t *)p + i);
 }
 
+/* Q6_K's 6-bit layout (spec_w6a8k; below): word c (0..7) of a block's 8-bit layout, codes q in -32..31, from the
+ * block's 4 vectors of low nibbles nib (word c in nib[c % 4]'s low nibbles for c < 4, high ones after) and 2 of high
+ * bit pairs hb (word c's at bits 2 (c % 4), + 1 of hb[c / 4]).  The 16-bit shifts move bits across a byte boundary
+ * only into bits the 0x30 mask clears. */
+INLINE __m256i q6_word(const __m256i *nib, const __m256i *hb, int c) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
+    const __m256i lo = c < 4 ? _mm256_and_si256(nib[c], m4) : _mm256_and_si256(_mm256_srli_epi16(nib[c - 4], 4), m4);
+    const int k = c % 4;
+    const __m256i h = hb[c / 4];
+    const __m256i hi = _mm256_and_si256(k == 3 ? _mm256_srli_epi16(h, 2) : k == 2 ? h
+                                        : _mm256_slli_epi16(h, 4 - 2 * k), m2);
+    return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+}
+
+/* The 8 outputs' float32 scales of the first (half 0) or last 16 inputs of block g in the 6-bit layout: int8 sub-block
+ * scales sc (16 per block: the first half's 8, then the last half's) times float32 super-block scales dd (8 per 8
+ * blocks); the product is exact (an fp16 value times an integer of at most 8 bits), so it is the 8-bit layout's
+ * stored float32 scale bit for bit. */
+INLINE __m256 q6_scales(const int8_t *sc, const float *dd, int64_t g, int half) {
+    const __m128i v = _mm_loadl_epi64((const __m128i *)(sc + g * 16 + 8 * half));
+    return _mm256_mul_ps(_mm256_loadu_ps(dd + (g / 8) * LANES), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
+}
+
 /* Q4_1, one group of 8 outputs (codes wc, scales wd, mins wm of the group: G x 128 bytes, G x 8, G x 8; fp16, or
  * float32 with f32 set, a constant after inlining) by R rows starting at row m0 (R <= MB, a constant after inlining);
  * writes y[m0 + r, n0 .. n0+7].
@@ -402,14 +425,33 @@ void spec_w8a8(const int8_t *xq, const float *xd, int64_t M, int64_t K,
  * layouts on 256-bit groups and, in the 512-bit variants, pairs (qgemm_pairs.h's q8k_pair), never on AMX tiles.
  * Every variant computes the same bits. */
 
+/* Word c (4 signed codes of each of 8 outputs) of block g times rows m0 .. m0 + R - 1's activations, added to the
+ * int32 lanes of s (c < 4: the block's first 16 inputs) or s2 (its last 16): vpmaddubsw(|w|, sign(x, w)) as
+ * llama.cpp does, each int16 lane <= 2 * 128 * 127 < 2^15 (any int8 code but -128), or vpdpbusd. */
+INLINE void word_sums(__m256i w, int c, const int8_t *xq, int64_t m0, int R, int64_t K, int64_t g, __m256i *s,
+                      __m256i *s2) {
+    const __m256i aw = _mm256_sign_epi8(w, w);
+    for (int r = 0; r < R; r++) {
+        const __m256i p = _mm256_sign_epi8(bcast4(xq + (m0 + r) * K + g * QK + 4 * c), w);
+#ifdef SPEC_DPBUSD
+        if (c < 4) s[r] = dpbusd(s[r], aw, p);
+        else s2[r] = dpbusd(s2[r], aw, p);
+#else
+        const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, p), _mm256_set1_epi16(1));
+        if (c < 4) s[r] = _mm256_add_epi32(s[r], d);
+        else s2[r] = _mm256_add_epi32(s2[r], d);
+#endif
+        PIN(s[r]);
+        PIN(s2[r]);
+    }
+}
+
 /* 8-bit codes with float32 scales per `sub` inputs (a constant after inlining) and optional float32 offsets wm
  * (NULL: none), one group of 8 outputs by R rows from m0.  Int16 partial sums (AVX2): |code| <= 32 here (any int8
  * code but -128 keeps each vpmaddubsw lane <= 2 * 127 * 128 < 2^15). */
 INLINE void q8k_group(const int8_t *wc, const float *wd, const float *wm, const int8_t *xq, const float *xd,
                       const float *xs, int64_t m0, int R, int64_t K, int64_t G, float *y, int64_t N, int64_t n0,
                       int64_t ahead, int sub) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    (void)ones;
     __m256 acc[MB];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
@@ -417,22 +459,7 @@ INLINE void q8k_group(const int8_t *wc, const float *wd, const float *wm, const 
         prefetch_ahead(b, ahead, 4);
         __m256i s[MB], s2[MB];        /* the first and the last 16 inputs' sums (int32 lanes) */
         for (int r = 0; r < R; r++) s[r] = s2[r] = _mm256_setzero_si256();
-        for (int c = 0; c < 8; c++) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 32 * c)), aw = _mm256_sign_epi8(w, w);
-            for (int r = 0; r < R; r++) {
-                const __m256i p = _mm256_sign_epi8(bcast4(xq + (m0 + r) * K + g * QK + 4 * c), w);
-#ifdef SPEC_DPBUSD
-                if (c < 4) s[r] = dpbusd(s[r], aw, p);
-                else s2[r] = dpbusd(s2[r], aw, p);
-#else
-                const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, p), ones);
-                if (c < 4) s[r] = _mm256_add_epi32(s[r], d);
-                else s2[r] = _mm256_add_epi32(s2[r], d);
-#endif
-                PIN(s[r]);
-                PIN(s2[r]);
-            }
-        }
+        for (int c = 0; c < 8; c++) word_sums(_mm256_loadu_si256((const __m256i *)(b + 32 * c)), c, xq, m0, R, K, g, s, s2);
         const float *sc = wd + g * LANES * (QK / sub);
         const __m256 d0 = _mm256_loadu_ps(sc), d1 = sub == 16 ? _mm256_loadu_ps(sc + LANES) : d0;
         for (int r = 0; r < R; r++) {
@@ -445,6 +472,31 @@ INLINE void q8k_group(const int8_t *wc, const float *wd, const float *wm, const 
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s[r], s2[r])), _mm256_mul_ps(d0, x), acc[r]);
             }
             if (wm) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wm + g * LANES), _mm256_set1_ps(xs[mg]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
+}
+
+/* Q6_K in 6 bits (the layout of spec_w6a8k), one group of 8 outputs by R rows from m0: q8k_group's operations with
+ * sub = 16 on the words q6_word unpacks, so the same bits. */
+INLINE void q6k_group(const uint8_t *wc, const int8_t *sc, const float *dd, const int8_t *xq, const float *xd,
+                      int64_t m0, int R, int64_t K, int64_t G, float *y, int64_t N, int64_t n0, int64_t ahead) {
+    __m256 acc[MB];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *b = wc + g * 192;
+        prefetch_ahead(b, ahead, 3);
+        __m256i nib[4], hb[2];
+        for (int i = 0; i < 4; i++) nib[i] = _mm256_loadu_si256((const __m256i *)(b + 32 * i));
+        for (int i = 0; i < 2; i++) hb[i] = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * i));
+        __m256i s[MB], s2[MB];
+        for (int r = 0; r < R; r++) s[r] = s2[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) word_sums(q6_word(nib, hb, c), c, xq, m0, R, K, g, s, s2);
+        const __m256 d0 = q6_scales(sc, dd, g, 0), d1 = q6_scales(sc, dd, g, 1);
+        for (int r = 0; r < R; r++) {
+            const __m256 x = _mm256_set1_ps(xd[(m0 + r) * G + g]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(d0, x), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s2[r]), _mm256_mul_ps(d1, x), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
@@ -538,6 +590,54 @@ int spec_w8a8k(const int8_t *xq, const float *xd, const float *xs, int64_t M, in
     return 0;
 }
 
+/* y [M, N] for Q6_K in 6 bits: codes [N, K * 3/4] uint8, sub-block scales sc [N, K/16] int8, super-block scales dd
+ * [N, K/256] float32 (K a multiple of 256), per group of 8 outputs and block of 32 inputs 192 bytes of codes: the
+ * 8-bit layout's 256 bytes as q + 32 (0..63), 128 bytes of low nibbles (word c < 4 low, word c + 4 high) and 64 of
+ * high bit pairs (bits 2k, 2k + 1 of byte 32h + j: word 4h + k's byte j); sc and dd interleaved as the 8-bit layout's
+ * float32 scales are.  The last N % 8 outputs row by row: per block 16 bytes of nibbles (code j low, j + 16 high),
+ * 8 of high pairs (bits 2k, 2k + 1 of byte j: code j + 8k's), sc [K/16], dd [K/256].  The float sequence of the 8-bit
+ * layout with sub = 16 on the same codes and scales: its bits, from 0.82 bytes a weight instead of 1.25. */
+static void tail_outputs_q6(const uint8_t *codes, const int8_t *sc, const float *dd, const int8_t *xq, const float *xd,
+                            int64_t M, int64_t K, int64_t N, float *y) {
+    const int64_t G = K / QK;
+    for (int64_t n = N / LANES * LANES; n < N; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float acc = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                const uint8_t *b = codes + n * G * 24 + g * 24;
+                const int8_t *x = xq + m * K + g * QK;
+                int32_t half[2] = {0, 0};
+                for (int i = 0; i < QK; i++) {
+                    const int q = (((b[i % 16] >> (4 * (i / 16))) & 0x0F) | (((b[16 + i % 8] >> (2 * (i / 8))) & 3) << 4)) - 32;
+                    half[i / 16] += q * (int32_t)x[i];
+                }
+                const float xg = xd[m * G + g], d = dd[n * (K / 256) + g / 8];
+                acc = fmaf((float)half[0], (d * (float)sc[n * (K / 16) + 2 * g]) * xg, acc);
+                acc = fmaf((float)half[1], (d * (float)sc[n * (K / 16) + 2 * g + 1]) * xg, acc);
+            }
+            y[m * N + n] = acc;
+        }
+}
+
+void spec_w6a8k(const int8_t *xq, const float *xd, int64_t M, int64_t K, const uint8_t *codes, const int8_t *sc,
+                const float *dd, int64_t N, float *y, int64_t ahead) {
+    const int64_t G = K / QK;
+#define Q6_CALL(R) q6k_group(codes + t * LANES * G * 24, sc + t * LANES * (K / 16), dd + t * LANES * (K / 256), xq, xd, \
+                             m0, R, K, G, y, N, t * LANES, ahead)
+#ifdef SPEC_ZMM
+#define Q6_PAIR(R) q6k_pair(codes + t * LANES * G * 24, codes + (t + 1) * LANES * G * 24, sc + t * LANES * (K / 16),   \
+                            sc + (t + 1) * LANES * (K / 16), dd + t * LANES * (K / 256), dd + (t + 1) * LANES * (K / 256), \
+                            xq, xd, m0, R, K, G, y, N, t * LANES, ahead)
+#else
+#define Q6_PAIR Q6_CALL
+#endif
+#define Q6_AMX do { (void)amx; ROW_TILES(Q6_PAIR); } while (0)     /* no AMX tiles for this layout: 512-bit pairs */
+    FOR_GROUPS(Q6_CALL, Q6_PAIR, tail_outputs_q6(codes, sc, dd, xq, xd, M, K, N, y), Q6_AMX);
+#undef Q6_AMX
+#undef Q6_PAIR
+#undef Q6_CALL
+}
+
 /* The same products on float32 rows x [M, K]: quantize (workspace of our own), then multiply. Returns 0, or -1 when
  * the workspace cannot be allocated (y is then untouched). */
 static int quantized_workspace(const float *x, int64_t M, int64_t K, int8_t **xq, float **xd, float **xs) {
@@ -573,6 +673,15 @@ int spec_w4a8k_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, c
     int8_t *xq; float *xd, *xs;
     if (quantized_workspace(x, M, K, &xq, &xd, &xs)) return -1;
     spec_w4a8k(xq, xd, xs, M, K, codes, wd, wm, N, y, ahead);
+    free(xq); free(xd);
+    return 0;
+}
+
+int spec_w6a8k_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, const int8_t *sc, const float *dd,
+                   int64_t N, float *y, int64_t ahead) {
+    int8_t *xq; float *xd, *xs;
+    if (quantized_workspace(x, M, K, &xq, &xd, &xs)) return -1;
+    spec_w6a8k(xq, xd, M, K, codes, sc, dd, N, y, ahead);
     free(xq); free(xd);
     return 0;
 }

@@ -117,6 +117,22 @@ def _w8a8k_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offset
     return y
 
 
+def _w6a8k_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, supers: torch.Tensor,
+              prefetch: int = 0) -> torch.Tensor:
+    """``x`` ``[M, K]`` float32 times the transpose of GGUF's Q6_K weight in 6 bits, ``w[n, k] = (supers[n, k // 256] *
+    scales[n, k // 16]) * q[n, k]`` -> ``[M, N]`` float32 (``torch.ops.speculant.w6a8k_mm``): ``codes``
+    ``[N, K * 3 / 4]`` uint8 (``q + 32`` in 0..63 as low nibbles and high bit pairs), ``scales`` ``[N, K / 16]``
+    int8, ``supers`` ``[N, K / 256]`` float32, rows interleaved by groups of 8 outputs (``qgemm.c``'s 6-bit layout;
+    :class:`~speculant.runtime.formats.W6A8Linear` makes them); the bits of :func:`_w8a8k_mm` with ``group`` 16 on
+    the same codes and the scales ``supers * scales``; ``prefetch`` as for :func:`_w4a8_mm`.
+
+    Raises:
+        SpeculantError: the kernel cannot run here.
+        MemoryError: the quantized-activation workspace cannot be allocated.
+    """
+    return _product("spec_w6a8k_f32", x, codes, scales, supers, prefetch=prefetch)
+
+
 def _w8a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, prefetch: int = 0) -> torch.Tensor:
     """``x`` ``[M, K]`` float32 times the transpose of the 8-bit weight ``w[n, k] = scales[n, k // 32] * codes[n, k]``
     (``codes`` ``[N, K]`` int8, ``scales`` ``[N, K/32]`` float16; GGUF's Q8_0; rows interleaved by groups of 8
@@ -139,6 +155,8 @@ _OPS.impl("w4a8_mm", _w4a8_mm, "CPU")
 _OPS.define("w8a8k_mm(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group, int prefetch=0) -> Tensor")
 _OPS.impl("w8a8_mm", _w8a8_mm, "CPU")
 _OPS.impl("w8a8k_mm", _w8a8k_mm, "CPU")
+_OPS.define("w6a8k_mm(Tensor x, Tensor codes, Tensor scales, Tensor supers, int prefetch=0) -> Tensor")
+_OPS.impl("w6a8k_mm", _w6a8k_mm, "CPU")
 
 
 @torch.library.register_fake("speculant::w4a8_mm")
@@ -153,4 +171,9 @@ def _(x, codes, scales, prefetch=0):
 
 @torch.library.register_fake("speculant::w8a8k_mm")
 def _(x, codes, scales, offsets, group, prefetch=0):
+    return x.new_empty(x.shape[0], codes.shape[0])
+
+
+@torch.library.register_fake("speculant::w6a8k_mm")
+def _(x, codes, scales, supers, prefetch=0):
     return x.new_empty(x.shape[0], codes.shape[0])

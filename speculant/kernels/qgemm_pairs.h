@@ -31,6 +31,14 @@ INLINE v16i v16_sign8(v16i x, v16i w) {
     return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
 }
 INLINE v16f v16_cvt(v16i a) { return _mm512_cvtepi32_ps(a); }
+INLINE v16i v16_join(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+INLINE v16i v16_or(v16i a, v16i b) { return _mm512_or_si512(a, b); }
+INLINE v16i v16_sub8(v16i a, v16i b) { return _mm512_sub_epi8(a, b); }
+INLINE v16i v16_srli16(v16i a, int n) { return _mm512_srli_epi16(a, n); }
+INLINE v16i v16_slli16(v16i a, int n) { return _mm512_slli_epi16(a, n); }
+INLINE v16f v16_join_f(__m256 a, __m256 b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(a)), _mm256_castps_pd(b), 1));
+}
 INLINE v16f v16_load_h16(const uint16_t *a, const uint16_t *b) {   /* 8 fp16 at a, 8 at b -> 16 float32 (exact) */
     return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
                                                    _mm_loadu_si128((const __m128i *)b), 1));
@@ -71,6 +79,12 @@ INLINE v16i v16_sign8(v16i x, v16i w) {
                   _mm256_blendv_epi8(x.hi, _mm256_sub_epi8(z, x.hi), w.hi)};
 }
 INLINE v16f v16_cvt(v16i a) { return (v16f){_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+INLINE v16i v16_join(__m256i a, __m256i b) { return (v16i){a, b}; }
+INLINE v16i v16_or(v16i a, v16i b) { return (v16i){_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+INLINE v16i v16_sub8(v16i a, v16i b) { return (v16i){_mm256_sub_epi8(a.lo, b.lo), _mm256_sub_epi8(a.hi, b.hi)}; }
+INLINE v16i v16_srli16(v16i a, int n) { return (v16i){_mm256_srli_epi16(a.lo, n), _mm256_srli_epi16(a.hi, n)}; }
+INLINE v16i v16_slli16(v16i a, int n) { return (v16i){_mm256_slli_epi16(a.lo, n), _mm256_slli_epi16(a.hi, n)}; }
+INLINE v16f v16_join_f(__m256 a, __m256 b) { return (v16f){a, b}; }
 INLINE v16f v16_load_h16(const uint16_t *a, const uint16_t *b) { return (v16f){load_h8(a), load_h8(b)}; }
 INLINE v16f v16_load_f2(const float *a, const float *b) { return (v16f){_mm256_loadu_ps(a), _mm256_loadu_ps(b)}; }
 INLINE v16f v16_set1_f(float v) { return (v16f){_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
@@ -201,6 +215,50 @@ INLINE void q8k_pair(const int8_t *wa, const int8_t *wb, const float *da, const 
                 acc[r] = v16_fma(v16_cvt(v16_add32(s[r], s2[r])), v16_mul(d0, x), acc[r]);
             }
             if (ma) acc[r] = v16_fma(v16_load_f2(ma + g * LANES, mb + g * LANES), v16_set1_f(xs[mg]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) v16_store(y + (m0 + r) * N + n0, acc[r]);
+}
+
+/* Q6_K in 6 bits (qgemm.c's spec_w6a8k layout), groups t and t + 1 (codes wa, wb; int8 sub-block scales sa, sb;
+ * float32 super-block scales da, db) by R rows from m0: the words unpacked as q6k_group does (q6_word's operations
+ * on both groups' bytes in one 512-bit vector), then q8k_pair's operations with sub = 16; writes y[m0 + r, n0 .. n0 + 15]. */
+INLINE void q6k_pair(const uint8_t *wa, const uint8_t *wb, const int8_t *sa, const int8_t *sb, const float *da,
+                     const float *db, const int8_t *xq, const float *xd, int64_t m0, int R, int64_t K, int64_t G,
+                     float *y, int64_t N, int64_t n0, int64_t ahead) {
+    v16f acc[MB];
+    for (int r = 0; r < R; r++) acc[r] = v16_zero_f();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *a = wa + g * 192, *b = wb + g * 192;
+        prefetch_ahead(a, ahead, 3);
+        prefetch_ahead(b, ahead, 3);
+        v16i nib[4], hbits[2];        /* each: group t's 32 bytes (low half), group t + 1's (high half) */
+        for (int i = 0; i < 4; i++) nib[i] = v16_load2(a + 32 * i, b + 32 * i);
+        for (int i = 0; i < 2; i++) hbits[i] = v16_load2(a + 128 + 32 * i, b + 128 + 32 * i);
+        const v16i m4 = v16_set1_i8(0x0F), m2 = v16_set1_i8(0x30), bias = v16_set1_i8(32);
+        v16i s[MB], s2[MB];           /* the first and the last 16 inputs' sums */
+        for (int r = 0; r < R; r++) s[r] = s2[r] = v16_zero();
+        for (int c = 0; c < 8; c++) {
+            /* q6_word's operations on both halves at once */
+            const v16i lo = c < 4 ? v16_and(nib[c], m4) : v16_and(v16_srli16(nib[c - 4], 4), m4);
+            const int k = c % 4;
+            const v16i h = hbits[c / 4];
+            const v16i hi = v16_and(k == 3 ? v16_srli16(h, 2) : k == 2 ? h : v16_slli16(h, 4 - 2 * k), m2);
+            const v16i w = v16_sub8(v16_or(lo, hi), bias), aw = v16_abs8(w);
+            for (int r = 0; r < R; r++) {
+                const v16i p = v16_sign8(v16_bcast4(xq + (m0 + r) * K + g * QK + 4 * c), w);
+                if (c < 4) s[r] = v16_dpbusd(s[r], aw, p);
+                else s2[r] = v16_dpbusd(s2[r], aw, p);
+                V16_PIN(s[r]);
+                V16_PIN(s2[r]);
+            }
+        }
+        const v16f d0 = v16_join_f(q6_scales(sa, da, g, 0), q6_scales(sb, db, g, 0));
+        const v16f d1 = v16_join_f(q6_scales(sa, da, g, 1), q6_scales(sb, db, g, 1));
+        for (int r = 0; r < R; r++) {
+            const v16f x = v16_set1_f(xd[(m0 + r) * G + g]);
+            acc[r] = v16_fma(v16_cvt(s[r]), v16_mul(d0, x), acc[r]);
+            acc[r] = v16_fma(v16_cvt(s2[r]), v16_mul(d1, x), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) v16_store(y + (m0 + r) * N + n0, acc[r]);

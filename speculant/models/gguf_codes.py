@@ -55,6 +55,9 @@ class GroupQuantized:
         scale_dtype: ``torch.float16`` where every scale and offset is an fp16 value as stored (Q4_0, Q4_1, Q8_0,
             Q5_0, Q5_1), ``torch.float32`` where they are K-quant products, exact in float32 only.
         kind: the GGUF block type the codes were read from (``None``: made here).
+        super_scale: Q6_K's fp16 super-block scale ``d`` per 256 inputs, ``[O, I / 256]`` float32 (``scale`` is
+            ``d * sc_j`` exactly), or ``None``: what :class:`~speculant.runtime.formats.W6A8Linear` stores instead
+            of the folded scales.
     """
 
     codes: torch.Tensor
@@ -64,6 +67,7 @@ class GroupQuantized:
     group: int = GROUP
     scale_dtype: torch.dtype = torch.float16
     kind: str | None = None
+    super_scale: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -80,8 +84,9 @@ class GroupQuantized:
     def rows(self, index) -> "GroupQuantized":
         """The same weight restricted (or permuted) to output rows ``index``."""
         off = None if self.offset is None else self.offset[index]
+        sup = None if self.super_scale is None else self.super_scale[index]
         return GroupQuantized(self.codes[index], self.scale[index], off, self.bits, self.group, self.scale_dtype,
-                              self.kind)
+                              self.kind, sup)
 
     def layout(self) -> tuple:
         """What a kernel layout depends on: codes of the same layout can share one projection."""
@@ -101,8 +106,9 @@ class GroupQuantized:
                                  + ", ".join(str(p.kind) for p in parts) + ") into one")
         off = None if first.offset is None else torch.cat([p.offset for p in parts])
         kinds = {p.kind for p in parts}
+        sup = None if any(p.super_scale is None for p in parts) else torch.cat([p.super_scale for p in parts])
         return GroupQuantized(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), off,
-                              first.bits, first.group, first.scale_dtype, kinds.pop() if len(kinds) == 1 else None)
+                              first.bits, first.group, first.scale_dtype, kinds.pop() if len(kinds) == 1 else None, sup)
 
 
 def _blocks(raw: np.ndarray, rows: int, block_bytes: int) -> np.ndarray:
@@ -157,7 +163,10 @@ def _decode_k(kind: str, b: np.ndarray) -> GroupQuantized:
         qh = b[..., 128:192].reshape(rows, blocks, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
         q = (ql & 0x0F).reshape(rows, blocks, 8, 32) | ((qh & 0x03).reshape(rows, blocks, 8, 32) << 4)
         sc = b[..., 192:208].copy().view(np.int8).astype(np.float32)
-        return _gq(q.astype(np.int16) - 32, _half(b, 208)[..., None] * sc, None, 8, kind, 16, torch.float32)
+        d = _half(b, 208)
+        gq = _gq(q.astype(np.int16) - 32, d[..., None] * sc, None, 8, kind, 16, torch.float32)
+        gq.super_scale = torch.from_numpy(np.ascontiguousarray(d.reshape(rows, -1)))
+        return gq
     sc, m = Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12))
     scale = _half(b, 0)[..., None] * sc.reshape(rows, blocks, 8).astype(np.float32)
     offset = -(_half(b, 2)[..., None] * m.reshape(rows, blocks, 8).astype(np.float32))
@@ -193,7 +202,7 @@ def decode_blocks(kind: str, raw: np.ndarray) -> GroupQuantized:
         return _decode_rows(kind, raw)
     first = _decode_rows(kind, raw[:DECODE_ROWS])
     out = {}
-    for name in ("codes", "scale", "offset"):
+    for name in ("codes", "scale", "offset", "super_scale"):
         part = getattr(first, name)
         if part is not None:
             out[name] = torch.empty((rows, *part.shape[1:]), dtype=part.dtype)
@@ -202,7 +211,8 @@ def decode_blocks(kind: str, raw: np.ndarray) -> GroupQuantized:
         part = _decode_rows(kind, raw[start:start + DECODE_ROWS])
         for name, whole in out.items():
             whole[start:start + DECODE_ROWS] = getattr(part, name)
-    return replace(first, codes=out["codes"], scale=out["scale"], offset=out.get("offset"))
+    return replace(first, codes=out["codes"], scale=out["scale"], offset=out.get("offset"),
+                   super_scale=out.get("super_scale"))
 
 
 def _decode_rows(kind: str, raw: np.ndarray) -> GroupQuantized:

@@ -39,7 +39,7 @@ def default_kv_dtype(head_dim: int) -> torch.dtype:
 def _projection_buffers(module) -> decode_step.ProjectionBuffers | None:
     """A W4A8/W8A8 projection's buffers for the fused step (a stack of them: its parts'), or ``None`` for any other
     module."""
-    from .formats import StackedLinear, W4A8Linear, W8A8Linear
+    from .formats import StackedLinear, W4A8Linear, W6A8Linear, W8A8Linear
     if type(module) is StackedLinear:
         parts = tuple(_projection_buffers(p) for p in module.parts)
         if any(p is None for p in parts):
@@ -50,6 +50,8 @@ def _projection_buffers(module) -> decode_step.ProjectionBuffers | None:
         bits, offsets = 4, module.offsets
     elif type(module) is W8A8Linear:
         bits, offsets = 8, getattr(module, "offsets", None)
+    elif type(module) is W6A8Linear:
+        bits, offsets = 6, module.supers
     else:
         return None
     return decode_step.ProjectionBuffers(bits, module.in_features, module.out_features, module.codes, module.scales,
@@ -175,7 +177,7 @@ class Executor:
         :class:`~speculant.models.linear.DecodeLinear` ones, the weight prefetch distance on the block-quantized ones
         (called at construction; call it again after replacing projections)."""
         from ..models.linear import DecodeLinear
-        from .formats import W4A8Linear, W8A8Linear
+        from .formats import _BlockLinear
         routes = None
         if self.fp32_route is not None:
             from .tune import FP32_ROUTES
@@ -183,7 +185,7 @@ class Executor:
         for m in self.decoder.modules():
             if routes is not None and isinstance(m, DecodeLinear):
                 m.routes = routes
-            elif self.weight_prefetch is not None and isinstance(m, (W4A8Linear, W8A8Linear)):
+            elif self.weight_prefetch is not None and isinstance(m, _BlockLinear):
                 m.prefetch = self.weight_prefetch
 
     def activate(self, set_threads: bool = True) -> None:

@@ -22,7 +22,8 @@ read them rounded to bfloat16 and return bfloat16, which is converted back to fl
 weight-only: each projection quantizes its input rows to int8 per block of 32 and returns float32, as
 llama.cpp's CPU backend does; its LM head is ``w8a8`` (the GGUF's own Q8_0 codes, same activations).  A GGUF's
 projections of other types run as stored (:func:`block_linear`): Q4_K in ``w4a8`` with float32 scales, Q8_0, Q5_0,
-Q5_1, Q5_K and Q6_K in ``w8a8`` (float32 scales per 32 or 16 where the type needs them), a fused projection whose
+Q5_1 and Q5_K in ``w8a8`` (float32 scales per 32 where the type needs them), Q6_K in its own 6 bits with its integer
+sub-block scales (:class:`W6A8Linear`), a fused projection whose
 tensors differ in type as a :class:`StackedLinear`.  A projection
 whose shape a kernel cannot take (int4 needs ``O % 16 == 0`` and ``I % 32 == 0``; w4a8 needs ``I % 32 == 0``) falls
 back to the next format in ``w4a8 -> int8``, ``int4 -> int8 -> bf16``.
@@ -357,14 +358,138 @@ class W8A8Linear(_BlockLinear):
                               8, self.scale_group, self.scales.dtype)
 
 
+Q6K_SUPER = 256
+"""Inputs per Q6_K super-block (one fp16 scale ``d``)."""
+
+
+def _q6k_sub_scales(gq: GroupQuantized) -> torch.Tensor | None:
+    """Q6_K's int8 sub-block scales ``sc_j`` ``[O, I / 16]`` with ``scale == super_scale * sc_j`` exactly (float32),
+    or ``None`` where ``gq`` is not such a weight (no super-block scales, or scales that do not factor so)."""
+    if gq.super_scale is None or gq.bits != 8 or gq.group != 16 or gq.offset is not None:
+        return None
+    o, i = gq.shape
+    if i % Q6K_SUPER or tuple(gq.super_scale.shape) != (o, i // Q6K_SUPER):
+        return None
+    d = gq.super_scale.float().repeat_interleave(Q6K_SUPER // 16, dim=1)
+    sc = torch.where(d != 0, gq.scale / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(d)).round()
+    if sc.abs().max() > 128 or not torch.equal(d * sc, gq.scale) or sc.max() > 127:
+        return None
+    return sc.to(torch.int8)
+
+
+class W6A8Linear(_BlockLinear):
+    """GGUF's Q6_K as stored, 6 bits a weight, on int8 activations: ``W[o, i] = (d[o, i // 256] * sc[o, i // 16]) *
+    q[o, i]``, ``q`` in -32..31 (the file's 6-bit code minus 32), ``sc`` int8 (the file's sub-block scales), ``d``
+    float32 (its fp16 super-block scale); ``d * sc`` is exact in float32, so the products are
+    :class:`W8A8Linear`'s on the same codes bit for bit, from 0.82 bytes a weight instead of 1.25
+    (:mod:`speculant.kernels.qgemm`'s 6-bit layout, ``torch.ops.speculant.w6a8k_mm``):
+
+    * ``codes`` ``[O, I * 3 / 4]`` uint8: per group of 8 outputs and block of 32 inputs, the 8-bit layout's 256 bytes
+      (:class:`W8A8Linear`: 32-byte words ``c`` = 0..7, each 4 codes of each output) as ``q + 32``: 128 bytes of low
+      nibbles (word ``c`` in the low nibbles of bytes ``32c ..``, word ``c + 4`` in their high ones, ``c`` < 4), then
+      64 bytes of high bit pairs (bits ``2k, 2k + 1`` of byte ``32h + j``: those of word ``4h + k``'s byte ``j``); the
+      last ``O % 8`` outputs row by row, per block 16 bytes of nibbles (code ``j`` low, ``j + 16`` high) and 8 of
+      high pairs (bits ``2k, 2k + 1`` of byte ``j``: code ``j + 8k``'s);
+    * ``scales`` ``[O, I / 16]`` int8 and ``supers`` ``[O, I / 256]`` float32, interleaved by groups of 8 outputs
+      like :class:`W8A8Linear`'s float32 scales.
+
+    Raises:
+        SpeculantError: codes that are not Q6_K's with their super-block scales (:func:`block_linear` then takes
+            :class:`W8A8Linear`).
+    """
+
+    format = "w8a8"
+    _WORDS = 6           # 24 bytes per block and output
+
+    def __init__(self, gq: GroupQuantized, bias: torch.Tensor | None = None):
+        o, i = gq.shape
+        super().__init__(i, o, bias)
+        sc = _q6k_sub_scales(gq)
+        if sc is None:
+            raise SpeculantError("w6a8 takes Q6_K codes (8-bit codes in -32..31, scales per 16 that are an fp16 "
+                                 "super-block scale per 256 times int8 sub-block scales)")
+        g = i // INT4_GROUP
+        t = o // LANES * LANES
+        packed = torch.empty((o, g * 24), dtype=torch.uint8)
+        for start in range(0, o, PACK_ROWS):          # PACK_ROWS is a multiple of LANES: groups never split
+            end = min(o, start + PACK_ROWS)
+            packed[start:end] = _pack6(gq.codes[start:end], max(0, min(end, t) - start))
+        self.register_buffer("codes", packed)
+        self.register_buffer("scales", _interleave(sc.view(o, g, 2, 1), g))
+        self.register_buffer("supers", _interleave(gq.super_scale.float().view(o, i // Q6K_SUPER, 1, 1),
+                                                   i // Q6K_SUPER))
+
+    @property
+    def scale_group(self) -> int:
+        return 16
+
+    def matmul(self, x):
+        return torch.ops.speculant.w6a8k_mm(x.float(), self.codes, self.scales, self.supers, self.prefetch)
+
+    def group_quantized(self):
+        o, i = self.out_features, self.in_features
+        g = i // INT4_GROUP
+        sc = _interleave(self.scales.view(o, g, 2, 1), g, inverse=True).view(o, -1).float()
+        d = _interleave(self.supers.view(o, i // Q6K_SUPER, 1, 1), i // Q6K_SUPER, inverse=True).view(o, -1)
+        t = o // LANES * LANES
+        codes = torch.cat([_unpack6(self.codes[:t], t), _unpack6(self.codes[t:], 0)]).view(o, i)
+        return GroupQuantized(codes, d.repeat_interleave(Q6K_SUPER // 16, dim=1) * sc, None, 8, 16, torch.float32,
+                              "Q6_K", d.clone())
+
+
+def _pack6(codes: torch.Tensor, grouped: int) -> torch.Tensor:
+    """Codes ``[n, I]`` int8 (-32..31) -> :class:`W6A8Linear`'s ``codes`` rows ``[n, I * 3 / 4]``: the first
+    ``grouped`` rows (a multiple of 8) interleaved by groups of 8, the rest row by row."""
+    n, i = codes.shape
+    g = i // INT4_GROUP
+    u = (codes.to(torch.int16) + 32).to(torch.uint8)
+    grouped_rows = torch.empty((0, g * 24), dtype=torch.uint8)
+    if grouped:
+        head = _interleave(u[:grouped].contiguous().view(grouped, g, 8, 4), g).view(grouped // LANES, g, 8, 32)
+        lo, hi = head & 0x0F, head >> 4
+        nib = lo[:, :, :4] | (lo[:, :, 4:] << 4)                                    # [n/8, g, 4, 32]
+        pairs = torch.stack([sum(hi[:, :, 4 * h + k] << (2 * k) for k in range(4)) for h in range(2)], 2)
+        grouped_rows = torch.cat([nib, pairs], 2).reshape(grouped, g * 24)
+    tail = u[grouped:].view(n - grouped, g, 32)
+    tlo, thi = tail & 0x0F, tail >> 4
+    tnib = tlo[..., :16] | (tlo[..., 16:] << 4)
+    tpairs = sum(thi[..., 8 * k:8 * k + 8] << (2 * k) for k in range(4))
+    tail_rows = torch.cat([tnib, tpairs], -1).reshape(n - grouped, g * 24)
+    return torch.cat([grouped_rows, tail_rows])
+
+
+def _unpack6(packed: torch.Tensor, grouped: int) -> torch.Tensor:
+    """The inverse of :func:`_pack6` for rows that are all grouped (``grouped == len(packed)``) or all row by row
+    (``grouped == 0``): codes ``[n, I]`` int8."""
+    n = packed.shape[0]
+    g = packed.shape[1] // 24
+    if grouped:
+        b = packed.view(n // LANES, g, 6, 32)
+        nib, pairs = b[:, :, :4], b[:, :, 4:]
+        lo = torch.cat([nib & 0x0F, nib >> 4], 2)                                   # [n/8, g, 8, 32]
+        hi = torch.stack([(pairs[:, :, h] >> (2 * k)) & 3 for h in range(2) for k in range(4)], 2)
+        u = (lo | (hi << 4)).reshape(n, g, 8, 4)
+        u = _interleave(u, g, inverse=True).view(n, g * 32)
+    else:
+        b = packed.view(n, g, 24)
+        nib, pairs = b[..., :16], b[..., 16:]
+        lo = torch.cat([nib & 0x0F, nib >> 4], -1)
+        hi = torch.cat([(pairs >> (2 * k)) & 3 for k in range(4)], -1)
+        u = (lo | (hi << 4)).view(n, g * 32)
+    return (u.to(torch.int16) - 32).to(torch.int8)
+
+
 def block_linear(gq: GroupQuantized, bias: torch.Tensor | None = None) -> "_BlockLinear":
-    """The projection of GGUF codes ``gq`` as stored on our kernels: 4-bit codes :class:`W4A8Linear`, 8-bit ones
-    :class:`W8A8Linear` (each in the layout of its scales; no requantization).
+    """The projection of GGUF codes ``gq`` as stored on our kernels: 4-bit codes :class:`W4A8Linear`, Q6_K's with their
+    super-block scales :class:`W6A8Linear`, other 8-bit ones :class:`W8A8Linear` (each in the layout of its scales;
+    no requantization).
 
     Raises:
         SpeculantError: codes no layout takes (groups other than 16 or 32).
     """
-    return (W4A8Linear if gq.bits == 4 else W8A8Linear)(gq, bias)
+    if gq.bits == 4:
+        return W4A8Linear(gq, bias)
+    return (W6A8Linear if _q6k_sub_scales(gq) is not None else W8A8Linear)(gq, bias)
 
 
 class StackedLinear(PackedLinear):
@@ -395,7 +520,7 @@ class StackedLinear(PackedLinear):
         return torch.cat([p.dequantized_weight() for p in self.parts])
 
 
-PACKED_CLASSES = {cls.__name__: cls for cls in (Bf16Linear, Int8Linear, Int4Linear, W4A8Linear, W8A8Linear,
+PACKED_CLASSES = {cls.__name__: cls for cls in (Bf16Linear, Int8Linear, Int4Linear, W4A8Linear, W8A8Linear, W6A8Linear,
                                                 StackedLinear)}
 
 
