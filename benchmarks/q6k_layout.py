@@ -1,8 +1,10 @@
-"""Usage: python benchmarks/q6k_layout.py [ROWS]
+"""Usage: python benchmarks/q6k_layout.py [ROWS] [KIND]
 
-One-row (and four-row) product through a Llama-3.2-1B-shaped LM head ``[ROWS (128256), 2048]`` of random Q6_K
-blocks: the 6-bit layout (``W6A8Linear``) against the 8-bit one (``W8A8Linear``) on the same codes, outputs checked
-equal, alternated 30 times each, 2 threads; prints MB read, best and median time (BENCHMARKS.md AT.1)."""
+One-row (and four-row) product through a Llama-3.2-1B-shaped matrix ``[ROWS, 2048]`` of random K-quant blocks, the
+layout as stored against the folded one on the same codes, outputs checked equal, alternated 30 times each, 2
+threads; prints MB read, best and median time.  KIND ``Q6_K`` (default; ROWS 128256, the LM head): the 6-bit layout
+(``W6A8Linear``) against the 8-bit one (``W8A8Linear``), BENCHMARKS.md AT.1; ``Q4_K`` (ROWS e.g. 16384, gate|up):
+integer scales and mins (``W4A8KLinear``) against float32 ones (``W4A8Linear``), BENCHMARKS.md AU."""
 import statistics
 import sys
 import time
@@ -15,16 +17,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))     # the
 from gguf_helpers import k_quant_blocks  # noqa: E402
 
 from speculant.models.gguf_codes import decode_blocks  # noqa: E402
-from speculant.runtime.formats import W6A8Linear, W8A8Linear  # noqa: E402
+from speculant.runtime.formats import W4A8KLinear, W4A8Linear, W6A8Linear, W8A8Linear  # noqa: E402
 
 torch.set_num_threads(2)
 rows, cols = int(sys.argv[1]) if len(sys.argv) > 1 else 128256, 2048
-gq = decode_blocks("Q6_K", k_quant_blocks(rows, cols, "Q6_K", np.random.default_rng(0)).reshape(rows, -1))
-layouts = {"6-bit": W6A8Linear(gq), "8-bit": W8A8Linear(gq)}
+kind = sys.argv[2] if len(sys.argv) > 2 else "Q6_K"
+gq = decode_blocks(kind, k_quant_blocks(rows, cols, kind, np.random.default_rng(0)).reshape(rows, -1))
+layouts = ({"6-bit": W6A8Linear(gq), "8-bit": W8A8Linear(gq)} if kind == "Q6_K" else
+           {"int8 scales": W4A8KLinear(gq), "float32 scales": W4A8Linear(gq)})
+first, second = layouts
 size = {k: sum(b.numel() * b.element_size() for b in lin.buffers()) / 1e6 for k, lin in layouts.items()}
 for m in (1, 4):
     x = torch.randn(m, cols)
-    assert torch.equal(layouts["6-bit"](x), layouts["8-bit"](x))
+    assert torch.equal(layouts[first](x), layouts[second](x))
     times = {k: [] for k in layouts}
     for _ in range(30):
         for name, lin in layouts.items():

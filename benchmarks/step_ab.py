@@ -13,6 +13,10 @@ that, from 69cf18e on: the layer struct gained the q/k norm weights).
                                                        # (speculant.kernels.build.ISA_VARIANTS) as the baseline
     python benchmarks/step_ab.py --weight-prefetch 0   # this build with another weight prefetch distance [bytes]
                                                        # as the baseline (this build: the tuned one)
+    python benchmarks/step_ab.py --folded-scales Q4_K --model gemma3-270m
+                                                       # a GGUF's Q4_K / Q6_K projections as stored (this build)
+                                                       # against the same codes with float32 scales folded per
+                                                       # sub-block (W4A8Linear / W8A8Linear: the same bits)
 """
 
 from __future__ import annotations
@@ -41,22 +45,31 @@ def main() -> None:
                        help="this checkout's kernels built in another variant")
     which.add_argument("--weight-prefetch", type=int, metavar="BYTES",
                        help="this build with the products' weight prefetch at BYTES ahead (0: none)")
+    which.add_argument("--folded-scales", choices=("Q4_K", "Q6_K", "both"),
+                       help="baseline: that type's projections with their scales folded into float32")
+    ap.add_argument("--model", default="smollm2-135m", help="a known model's name or a model path")
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=60)
     args = ap.parse_args()
     here = build.load()
     if here is None:
         raise SystemExit(f"our kernels do not run here: {build.unavailable_reason()}")
-    model = load_model(weights="w4a8")                  # its executor passes the tuned weight prefetch
+    model = load_model(args.model, weights="w4a8")      # its executor passes the tuned weight prefetch
     prefetch = {"this build": model.executor.weight_prefetch or 0, "baseline": args.weight_prefetch}
     runs = {"this build": model.executor, "baseline": model.executor}
-    if args.weight_prefetch is not None:
+    other = here
+    if args.folded_scales:
+        folded = _folded(model.decoder, args.folded_scales)
+        if folded is None:
+            raise SystemExit(f"step_ab: {args.model} has no {args.folded_scales} projection stored with integer scales")
+        runs["baseline"] = model.executor.like(folded)
+        runs["this build"] = model.executor.like(_folded(model.decoder, None))   # a copy too: memory alike
+    elif args.weight_prefetch is not None:
         try:
             build.check_weight_prefetch(args.weight_prefetch)
         except ValueError as e:
             raise SystemExit(f"step_ab: {e}") from None
         runs["baseline"] = model.executor.replace(weight_prefetch=args.weight_prefetch)
-        other = here
     elif args.variant:
         try:
             other = build.load_variant(args.variant)
@@ -82,7 +95,10 @@ def main() -> None:
     times = {(name, t): [] for name in ("baseline", "this build") for t in (1, 5)}
     with torch.inference_mode():
         cache = model.executor.new_cache(ctx + 16)
-        model.executor(torch.randint(0, model.config.vocab_size, (1, ctx), generator=g), None, None, cache, 0)
+        prompt = torch.randint(0, model.config.vocab_size, (1, ctx), generator=g)
+        for dec in {id(d): d for d in runs.values()}.values():     # each decoder's RoPE rows (same K/V bits)
+            dec.decoder.ensure_rope(ctx + 16)
+            dec(prompt, None, None, cache, 0)
         for _ in range(args.repeats):
             for name, lib in (("baseline", other), ("this build", here)):
                 dec = runs[name]
@@ -99,7 +115,7 @@ def main() -> None:
     build._LIB = here
     print(f"CPU: {cpu_description()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; "
           f"context {ctx}, {args.repeats} alternated repeats; this build: kernels {build.loaded_isa()}; baseline: "
-          f"{args.baseline or ('kernels ' + args.variant if args.variant else '')}; weight prefetch [bytes]: this build "
+          f"{args.baseline or ('kernels ' + args.variant if args.variant else '') or (f'{args.folded_scales} scales folded into float32' if args.folded_scales else '')}; weight prefetch [bytes]: this build "
           f"{prefetch['this build']}, baseline {prefetch['baseline'] if prefetch['baseline'] is not None else prefetch['this build']}\n")
     print("| build | T=1 min / median [ms] | T=5 min / median [ms] | T=5 / T=1 (min) |")
     print("|---|---|---|---|")
@@ -107,6 +123,33 @@ def main() -> None:
         one, five = times[name, 1], times[name, 5]
         print(f"| {name} | {min(one) * 1e3:.2f} / {statistics.median(one) * 1e3:.2f} | "
               f"{min(five) * 1e3:.2f} / {statistics.median(five) * 1e3:.2f} | {min(five) / min(one):.2f} |")
+
+
+def _folded(decoder, kind: str):
+    """A copy of ``decoder`` whose W4A8KLinear (``kind`` Q4_K or both) / W6A8Linear (Q6_K or both) projections (and
+    stacks' parts) are W4A8Linear / W8A8Linear on the same codes with float32 scales, or ``None`` where it has none."""
+    import copy
+
+    from speculant.runtime.formats import W4A8KLinear, W4A8Linear, W6A8Linear, W8A8Linear
+    unfold = {W4A8KLinear: W4A8Linear, W6A8Linear: W8A8Linear}
+    unfold = {k: v for k, v in unfold.items() if kind in ("both", {W4A8KLinear: "Q4_K", W6A8Linear: "Q6_K"}[k])}
+    if kind is None:                                # a plain copy
+        return copy.deepcopy(decoder)
+    out, changed = copy.deepcopy(decoder), 0
+
+    def swap(module):
+        nonlocal changed
+        if type(module) in unfold:
+            changed += 1
+            lin = unfold[type(module)](module.group_quantized(), module.bias)
+            lin.prefetch = module.prefetch
+            return lin
+        return module
+
+    for parent in list(out.modules()):             # a stack's parts too (children of its ModuleList)
+        for name, child in list(parent.named_children()):
+            setattr(parent, name, swap(child))
+    return out if changed else None
 
 
 if __name__ == "__main__":

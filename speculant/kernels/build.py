@@ -325,8 +325,8 @@ def load_variant(isa: str, cc: str | None = None) -> ctypes.CDLL:
     lib.spec_w4a8k_f32.argtypes = [p, i, i, p, p, p, i, p, i]
     lib.spec_w8a8k_f32.argtypes = [p, i, i, p, p, p, i, i, p, i]
     lib.spec_w4a8k_f32.restype = lib.spec_w8a8k_f32.restype = ctypes.c_int
-    lib.spec_w6a8k_f32.argtypes = [p, i, i, p, p, p, i, p, i]
-    lib.spec_w6a8k_f32.restype = ctypes.c_int
+    lib.spec_w6a8k_f32.argtypes = lib.spec_w4a8q4k_f32.argtypes = [p, i, i, p, p, p, i, p, i]
+    lib.spec_w6a8k_f32.restype = lib.spec_w4a8q4k_f32.restype = ctypes.c_int
     lib.spec_attention.argtypes = [p, p, p, i, p, i, i, i, i, i, ctypes.c_float, i, p]
     lib.spec_attention.restype = ctypes.c_int
     lib.spec_attention_ragged.argtypes = [i, p, p, p, p, p, p, i, p, p, p, p, i, i, i, ctypes.c_float, i, p]

@@ -40,9 +40,11 @@ typedef struct spec_projection {
     int64_t in_features, out_features;
     const void *codes;             /* in qgemm.c's layout (outputs interleaved by 8) */
     const void *scales, *offsets;  /* float16 (scale_bytes 2; offsets: 4-bit only) or float32 (scale_bytes 4, the
-                                    * K-quant layouts: offsets optional with 8-bit codes) */
+                                    * K-quant layouts: offsets optional with 8-bit codes); 4-bit codes with scale_bytes
+                                    * 1: Q4_K as stored (qgemm.c's spec_w4a8q4k: int8 scales and mins [N, 2K/32],
+                                    * float32 d and -dmin [N, 2K/256] in offsets) */
     const float *bias;             /* [N] or NULL */
-    int64_t scale_bytes;           /* 2 or 4 */
+    int64_t scale_bytes;           /* 2 or 4, or 1 (int8: Q4_K, Q6_K as stored) */
     int64_t group;                 /* inputs per scale: 32, or 16 (8-bit codes, float32 scales: Q6_K) */
     const struct spec_projection *parts;  /* nparts > 0: a stacked projection (q|k|v or gate|up stored in different
                                            * types): its outputs are the parts' outputs in order, then bias */
@@ -93,6 +95,9 @@ static void project_quantized(const spec_projection *p, int64_t M, const int8_t 
     if (p->bits == 6)
         spec_w6a8k(xq, xd, M, K, (const uint8_t *)p->codes, (const int8_t *)p->scales, (const float *)p->offsets, N, y,
                    ahead);
+    else if (p->scale_bytes == 1 && p->bits == 4)
+        spec_w4a8q4k(xq, xd, xs, M, K, (const uint8_t *)p->codes, (const int8_t *)p->scales, (const float *)p->offsets,
+                     N, y, ahead);
     else if (p->scale_bytes == 4 && p->bits == 4)
         spec_w4a8k(xq, xd, xs, M, K, (const uint8_t *)p->codes, p->scales, p->offsets, N, y, ahead);
     else if (p->scale_bytes == 4)

@@ -96,7 +96,7 @@ class ProjectionBuffers:
         ptr = lambda t: 0 if t is None else t.data_ptr()           # noqa: E731
         return _Projection(self.bits, self.in_features, self.out_features, ptr(self.codes), ptr(self.scales),
                            ptr(self.offsets), ptr(self.bias),
-                           4 if self.scales is not None and self.scales.dtype == torch.float32 else 2,
+                           0 if self.scales is None else self.scales.element_size(),
                            self.scale_group, parts, len(self.parts))
 
 

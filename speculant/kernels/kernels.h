@@ -10,6 +10,8 @@ void spec_w8a8(const int8_t *xq, const float *xd, int64_t M, int64_t K,
                const int8_t *codes, const uint16_t *wd, int64_t N, float *y, int64_t ahead);
 void spec_w4a8k(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, const uint8_t *codes,
                 const float *wd, const float *wm, int64_t N, float *y, int64_t ahead);
+void spec_w4a8q4k(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, const uint8_t *codes,
+                  const int8_t *sm, const float *dm, int64_t N, float *y, int64_t ahead);
 int spec_w8a8k(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, const int8_t *codes,
                const float *wd, const float *wm, int64_t sub, int64_t N, float *y, int64_t ahead);
 void spec_w6a8k(const int8_t *xq, const float *xd, int64_t M, int64_t K, const uint8_t *codes, const int8_t *sc,

@@ -161,17 +161,47 @@ INLINE __m256 q6_scales(const int8_t *sc, const float *dd, int64_t g, int half) 
     return _mm256_mul_ps(_mm256_loadu_ps(dd + (g / 8) * LANES), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
 }
 
-/* Q4_1, one group of 8 outputs (codes wc, scales wd, mins wm of the group: G x 128 bytes, G x 8, G x 8; fp16, or
- * float32 with f32 set, a constant after inlining) by R rows starting at row m0 (R <= MB, a constant after inlining);
+/* The scale layouts of 4-bit codes (q4_group's, q4_pair's and amx_pair's sk; a constant after inlining):
+ *   SK_F16: scales wd and mins wm per block of 32 in fp16 (Q4_0, Q4_1: the file's values);
+ *   SK_F32: the same in float32 (Q4_K's super-block scales folded: d * sc_j and -(dmin * m_j));
+ *   SK_Q4K: Q4_K as stored: wd int8, per group of 8 outputs and block the 8 outputs' 6-bit sub-block scales sc_j
+ *           then their mins m_j (16 bytes); wm float32, per group and super-block of 256 the 8 outputs' d then their
+ *           -dmin (16 floats).  d * sc_j and -dmin * m_j are exact in float32 (an fp16 value times an integer of 6
+ *           bits), so the scales are SK_F32's bit for bit, from 0.59 bytes a weight instead of 0.75. */
+#define SK_F16 0
+#define SK_F32 1
+#define SK_Q4K 2
+
+/* SK_Q4K: the 8 outputs' float32 scales (dw) and mins (mw) of block g from the group's 16 int8 of the block (sm)
+ * and the super-block's d and -dmin (sd, smn) */
+INLINE void q4k_block(const void *sm, int64_t g, __m256 sd, __m256 smn, __m256 *dw, __m256 *mw) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)((const int8_t *)sm + g * 16));
+    *dw = _mm256_mul_ps(sd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
+    *mw = _mm256_mul_ps(smn, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v))));
+}
+
+/* The 8 outputs' scales (dw) and mins (mw) of block g in scale layout sk (wd, wm: the group's buffers) */
+INLINE void q4_scales(const void *wd, const void *wm, int64_t g, int sk, __m256 *dw, __m256 *mw) {
+    if (sk == SK_Q4K) {
+        const float *s = (const float *)wm + (g / 8) * 16;
+        q4k_block(wd, g, _mm256_loadu_ps(s), _mm256_loadu_ps(s + 8), dw, mw);
+    } else {
+        *dw = load_s8(wd, g * LANES, sk == SK_F32);
+        *mw = load_s8(wm, g * LANES, sk == SK_F32);
+    }
+}
+
+/* Q4_1, one group of 8 outputs (codes wc, scales wd and mins wm of the group in scale layout sk: G x 128 bytes of
+ * codes) by R rows starting at row m0 (R <= MB, a constant after inlining);
  * writes y[m0 + r, n0 .. n0+7].
  * Int16 partial sums: each vpmaddubsw lane is 2 products of a code (0..15) and an activation (|xq| <= 127), so
  * |.| <= 3810, and 8 of them (a lane's whole block) stay <= 30480 < 2^15. */
 INLINE void q4_group(const uint8_t *wc, const void *wd, const void *wm, const int8_t *xq, const float *xd,
                      const float *xs, int64_t m0, int R, int64_t K, int64_t G, float *y, int64_t N, int64_t n0,
-                     int64_t ahead, int f32) {
+                     int64_t ahead, int sk) {
     const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     (void)ones;                       /* unused with VNNI */
-    __m256 acc[MB];
+    __m256 acc[MB], sd = _mm256_setzero_ps(), smn = sd;      /* SK_Q4K: the super-block's d and -dmin */
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *b = wc + g * 128;
@@ -199,7 +229,16 @@ INLINE void q4_group(const uint8_t *wc, const void *wd, const void *wm, const in
                 PIN(s[r]);
             }
         }
-        const __m256 dw = load_s8(wd, g * LANES, f32), mw = load_s8(wm, g * LANES, f32);
+        __m256 dw, mw;
+        if (sk == SK_Q4K) {
+            if (g % 8 == 0) {
+                sd = _mm256_loadu_ps((const float *)wm + (g / 8) * 16);
+                smn = _mm256_loadu_ps((const float *)wm + (g / 8) * 16 + 8);
+            }
+            q4k_block(wd, g, sd, smn, &dw, &mw);
+        } else {
+            q4_scales(wd, wm, g, sk, &dw, &mw);
+        }
         for (int r = 0; r < R; r++) {
             const int64_t mg = (m0 + r) * G + g;
 #ifdef SPEC_DPBUSD
@@ -370,17 +409,17 @@ void spec_w4a8(const int8_t *xq, const float *xd, const float *xs, int64_t M, in
                const uint8_t *codes, const uint16_t *wd, const uint16_t *wm, int64_t N, float *y, int64_t ahead) {
     const int64_t G = K / QK;
 #define Q4_CALL(R) q4_group(codes + t * LANES * (K / 2), wd + t * LANES * G, wm + t * LANES * G, xq, xd, xs, m0, R, K, G, \
-                            y, N, t * LANES, ahead, 0)
+                            y, N, t * LANES, ahead, SK_F16)
 #ifdef SPEC_ZMM
 #define Q4_PAIR(R) q4_pair(codes + t * LANES * (K / 2), codes + (t + 1) * LANES * (K / 2), wd + t * LANES * G,      \
                            wd + (t + 1) * LANES * G, wm + t * LANES * G, wm + (t + 1) * LANES * G, xq, xd, xs, m0, R, \
-                           K, G, y, N, t * LANES, ahead, 0)
+                           K, G, y, N, t * LANES, ahead, SK_F16)
 #else
 #define Q4_PAIR Q4_CALL  /* never reached: no pairs */
 #endif
 #define Q4_AMX AMX_ROW_TILES(4, codes + t * LANES * (K / 2), codes + (t + 1) * LANES * (K / 2), wd + t * LANES * G,   \
                               wd + (t + 1) * LANES * G, wm + t * LANES * G, wm + (t + 1) * LANES * G, xs, t * LANES, \
-                              Q4_PAIR, 0)
+                              Q4_PAIR, SK_F16)
     FOR_GROUPS(Q4_CALL, Q4_PAIR, tail_outputs(codes, 0, wd, wm, xq, xd, xs, M, K, N, y), Q4_AMX);
 #undef Q4_AMX
 #undef Q4_CALL
@@ -544,21 +583,65 @@ void spec_w4a8k(const int8_t *xq, const float *xd, const float *xs, int64_t M, i
                 const float *wd, const float *wm, int64_t N, float *y, int64_t ahead) {
     const int64_t G = K / QK;
 #define Q4K_CALL(R) q4_group(codes + t * LANES * (K / 2), wd + t * LANES * G, wm + t * LANES * G, xq, xd, xs, m0, R, K, \
-                             G, y, N, t * LANES, ahead, 1)
+                             G, y, N, t * LANES, ahead, SK_F32)
 #ifdef SPEC_ZMM
 #define Q4K_PAIR(R) q4_pair(codes + t * LANES * (K / 2), codes + (t + 1) * LANES * (K / 2), wd + t * LANES * G,     \
                             wd + (t + 1) * LANES * G, wm + t * LANES * G, wm + (t + 1) * LANES * G, xq, xd, xs, m0, R, \
-                            K, G, y, N, t * LANES, ahead, 1)
+                            K, G, y, N, t * LANES, ahead, SK_F32)
 #else
 #define Q4K_PAIR Q4K_CALL
 #endif
 #define Q4K_AMX AMX_ROW_TILES(4, codes + t * LANES * (K / 2), codes + (t + 1) * LANES * (K / 2), wd + t * LANES * G,  \
                               wd + (t + 1) * LANES * G, wm + t * LANES * G, wm + (t + 1) * LANES * G, xs, t * LANES, \
-                              Q4K_PAIR, 1)
+                              Q4K_PAIR, SK_F32)
     FOR_GROUPS(Q4K_CALL, Q4K_PAIR, tail_outputs_k(4, codes, wd, wm, 32, xq, xd, xs, M, K, N, y), Q4K_AMX);
 #undef Q4K_AMX
 #undef Q4K_PAIR
 #undef Q4K_CALL
+}
+
+/* The last N % 8 outputs of the Q4_K layout (row by row: codes [N, K/2], per block sc_j then m_j in sm, per
+ * super-block d then -dmin in dm), every row: a vector lane's float sequence (tail_outputs_k's with bits 4). */
+static void tail_outputs_q4k(const uint8_t *codes, const int8_t *sm, const float *dm, const int8_t *xq,
+                             const float *xd, const float *xs, int64_t M, int64_t K, int64_t N, float *y) {
+    const int64_t G = K / QK;
+    for (int64_t n = N / LANES * LANES; n < N; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float acc = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                const int32_t isum = block_isum_u(codes + n * (K / 2) + g * (QK / 2), xq + m * K + g * QK);
+                const float *s = dm + n * (G / 4) + 2 * (g / 8);
+                const float d = s[0] * (float)sm[n * 2 * G + 2 * g], mn = s[1] * (float)sm[n * 2 * G + 2 * g + 1];
+                acc = fmaf((float)isum, d * xd[m * G + g], acc);
+                acc = fmaf(mn, xs[m * G + g], acc);
+            }
+            y[m * N + n] = acc;
+        }
+}
+
+/* y [M, N] for Q4_K as stored (K a multiple of 256): codes [N, K/2] as spec_w4a8's, int8 sub-block scales and mins
+ * sm [N, 2K/32] and float32 d, -dmin dm [N, 2K/256] (SK_Q4K's layout, rows interleaved by groups of 8 outputs; the
+ * last N % 8 outputs row by row, per block sc_j, m_j and per super-block d, -dmin): spec_w4a8k's bits on the same
+ * codes with the scales folded. */
+void spec_w4a8q4k(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, const uint8_t *codes,
+                  const int8_t *sm, const float *dm, int64_t N, float *y, int64_t ahead) {
+    const int64_t G = K / QK;
+#define Q4C_CALL(R) q4_group(codes + t * LANES * (K / 2), sm + t * LANES * 2 * G, dm + t * LANES * (G / 4), xq, xd, xs, \
+                             m0, R, K, G, y, N, t * LANES, ahead, SK_Q4K)
+#ifdef SPEC_ZMM
+#define Q4C_PAIR(R) q4_pair(codes + t * LANES * (K / 2), codes + (t + 1) * LANES * (K / 2), sm + t * LANES * 2 * G,   \
+                            sm + (t + 1) * LANES * 2 * G, dm + t * LANES * (G / 4), dm + (t + 1) * LANES * (G / 4), xq, \
+                            xd, xs, m0, R, K, G, y, N, t * LANES, ahead, SK_Q4K)
+#else
+#define Q4C_PAIR Q4C_CALL
+#endif
+#define Q4C_AMX AMX_ROW_TILES(4, codes + t * LANES * (K / 2), codes + (t + 1) * LANES * (K / 2), sm + t * LANES * 2 * G, \
+                              sm + (t + 1) * LANES * 2 * G, dm + t * LANES * (G / 4), dm + (t + 1) * LANES * (G / 4), xs,  \
+                              t * LANES, Q4C_PAIR, SK_Q4K)
+    FOR_GROUPS(Q4C_CALL, Q4C_PAIR, tail_outputs_q4k(codes, sm, dm, xq, xd, xs, M, K, N, y), Q4C_AMX);
+#undef Q4C_AMX
+#undef Q4C_PAIR
+#undef Q4C_CALL
 }
 
 /* y [M, N] for 8-bit codes with float32 scales [N, K/sub] (sub 32 or 16) and float32 offsets [N, K/32] or NULL
@@ -673,6 +756,15 @@ int spec_w4a8k_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, c
     int8_t *xq; float *xd, *xs;
     if (quantized_workspace(x, M, K, &xq, &xd, &xs)) return -1;
     spec_w4a8k(xq, xd, xs, M, K, codes, wd, wm, N, y, ahead);
+    free(xq); free(xd);
+    return 0;
+}
+
+int spec_w4a8q4k_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, const int8_t *sm, const float *dm,
+                     int64_t N, float *y, int64_t ahead) {
+    int8_t *xq; float *xd, *xs;
+    if (quantized_workspace(x, M, K, &xq, &xd, &xs)) return -1;
+    spec_w4a8q4k(xq, xd, xs, M, K, codes, sm, dm, N, y, ahead);
     free(xq); free(xd);
     return 0;
 }

@@ -77,8 +77,11 @@ def _w4a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets
     The weight is ``w[n, k] = scales[n, g] * q[n, k] + offsets[n, g]`` (``g = k // 32``, ``q`` in 0..15), packed
     in ``codes`` ``[N, K/2]`` uint8 as GGUF does (byte j of a block: code j in the low nibble, code j+16 in the
     high one); ``scales``/``offsets`` ``[N, K/32]`` float16 (GGUF's Q4_0/Q4_1 values), or float32 (Q4_K's
-    super-block scales folded exactly into per-32 values; ``qgemm.c``'s K layouts); the rows of all three interleaved by groups of 8
-    outputs (the layout in ``qgemm.c``'s header; :class:`~speculant.runtime.formats.W4A8Linear` makes it).
+    super-block scales folded exactly into per-32 values; ``qgemm.c``'s K layouts), or Q4_K as stored (``scales``
+    ``[N, 2K/32]`` int8: each block's 6-bit scale ``sc`` and min ``m``; ``offsets`` ``[N, 2K/256]`` float32: each
+    super-block's ``d`` and ``-dmin``; ``w = (d * sc) * q + (-dmin * m)``, ``qgemm.c``'s ``SK_Q4K``: the float32
+    layout's bits); the rows of all three interleaved by groups of 8 outputs (the layout in ``qgemm.c``'s header;
+    :class:`~speculant.runtime.formats.W4A8Linear` makes it).
     ``x`` is quantized per block of 32 to int8 first (:func:`quantize_rows`).  ``prefetch``: bytes ahead that the
     product prefetches its codes (0: none; a multiple of 64; measured per machine by the tuner; never changes the
     result).
@@ -87,7 +90,7 @@ def _w4a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets
         SpeculantError: the kernel cannot run here.
         MemoryError: the quantized-activation workspace cannot be allocated.
     """
-    entry = "spec_w4a8k_f32" if scales.dtype == torch.float32 else "spec_w4a8_f32"
+    entry = {torch.float32: "spec_w4a8k_f32", torch.int8: "spec_w4a8q4k_f32"}.get(scales.dtype, "spec_w4a8_f32")
     return _product(entry, x, codes, scales, offsets, prefetch=prefetch)
 
 

@@ -113,11 +113,12 @@ INLINE void amx_weights(uint8_t *bt, const uint8_t *wa, const uint8_t *wb, int b
 }
 
 /* Groups t and t + 1 by R rows from m0 (AMX_MIN_ROWS <= R <= 16), tiles configured for R rows: Q4 (bits 4; codes
- * wa, wb, scales da, db, mins ma, mb; fp16, or float32 with f32 set: Q4_K) or Q8 (bits 8; no mins; fp16 scales);
+ * wa, wb, scales da, db, mins ma, mb in scale layout sk, qgemm.c's SK_*) or Q8 (bits 8; no mins; fp16 scales, sk
+ * SK_F16);
  * writes y[m0 + r, n0 .. n0 + 15]. */
 static void amx_pair(int bits, const uint8_t *wa, const uint8_t *wb, const void *da, const void *db,
                      const void *ma, const void *mb, const int8_t *xq, const float *xd, const float *xs,
-                     int64_t m0, int R, int64_t K, int64_t G, float *y, int64_t N, int64_t n0, int64_t ahead, int f32) {
+                     int64_t m0, int R, int64_t K, int64_t G, float *y, int64_t N, int64_t n0, int64_t ahead, int sk) {
     _Alignas(64) uint8_t bt[AMX_CHUNK][8 * 64];          /* the chunk's B tiles */
     _Alignas(64) int32_t isum[AMX_CHUNK][AMX_ROWS][16];  /* the chunk's integer sums */
     _Alignas(64) float acc[AMX_ROWS][16];
@@ -141,15 +142,16 @@ static void amx_pair(int bits, const uint8_t *wa, const uint8_t *wb, const void 
         }
         for (int64_t i = 0; i < n; i++) {
             const int64_t g = g0 + i;
-            const v16f dw = v16_load_s16(da, db, g * LANES, f32);
+            v16f dw, mw;
             if (bits == 4) {
-                const v16f mw = v16_load_s16(ma, mb, g * LANES, f32);
+                v16_q4_scales(da, db, ma, mb, g, sk, &dw, &mw);
                 for (int r = 0; r < R; r++) {
                     const int64_t mg = (m0 + r) * G + g;
                     v16f a = v16_fma(v16_cvt(v16_load_i(isum[i][r])), v16_mul(dw, v16_set1_f(xd[mg])), v16_load_f(acc[r]));
                     v16_store(acc[r], v16_fma(mw, v16_set1_f(xs[mg]), a));
                 }
             } else {
+                dw = v16_load_s16(da, db, g * LANES, 0);
                 for (int r = 0; r < R; r++) {
                     const int64_t mg = (m0 + r) * G + g;
                     v16_store(acc[r], v16_fma(v16_cvt(v16_load_i(isum[i][r])), v16_mul(dw, v16_set1_f(xd[mg])),
@@ -164,7 +166,7 @@ static void amx_pair(int bits, const uint8_t *wa, const uint8_t *wb, const void 
 /* Rows 0 .. M-1 of groups t, t + 1 (outputs N0 ..) in near-equal tiles of at most 16 rows (more than 16 rows: tiles
  * of 9 or more): by tiles when they have AMX_MIN_ROWS or more and amx is set (configuring the tiles when the size
  * changes; shaped: the size configured on this thread, 0: none), else by PAIR_CALL (qgemm_pairs.h). */
-#define AMX_ROW_TILES(BITS, WA, WB, DA, DB, MA, MB_, XS, N0, PAIR_CALL, F32)                          \
+#define AMX_ROW_TILES(BITS, WA, WB, DA, DB, MA, MB_, XS, N0, PAIR_CALL, SK)                          \
     do {                                                                                             \
         const int64_t tiles_ = (M + AMX_ROWS - 1) / AMX_ROWS, base_ = M / (tiles_ + !tiles_);          \
         const int64_t extra_ = M - base_ * tiles_;                                                   \
@@ -173,7 +175,7 @@ static void amx_pair(int bits, const uint8_t *wa, const uint8_t *wb, const void 
         for (int64_t i_ = 0; i_ < tiles_; i_++) {                                                    \
             const int rows_ = (int)(base_ + (i_ < extra_));                                          \
             if (shaped != rows_) { amx_config c_; amx_shape(&c_, rows_); amx_configure(&c_); shaped = rows_; } \
-            amx_pair(BITS, WA, WB, DA, DB, MA, MB_, xq, xd, XS, m0, rows_, K, G, y, N, N0, ahead, F32);    \
+            amx_pair(BITS, WA, WB, DA, DB, MA, MB_, xq, xd, XS, m0, rows_, K, G, y, N, N0, ahead, SK);    \
             m0 += rows_;                                                                             \
         }                                                                                            \
     } while (0)

@@ -31,6 +31,7 @@ INLINE v16i v16_sign8(v16i x, v16i w) {
     return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
 }
 INLINE v16f v16_cvt(v16i a) { return _mm512_cvtepi32_ps(a); }
+INLINE v16f v16_cvt_i8(__m128i a) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a)); }  /* 16 int8 -> float */
 INLINE v16i v16_join(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
 INLINE v16i v16_or(v16i a, v16i b) { return _mm512_or_si512(a, b); }
 INLINE v16i v16_sub8(v16i a, v16i b) { return _mm512_sub_epi8(a, b); }
@@ -79,6 +80,10 @@ INLINE v16i v16_sign8(v16i x, v16i w) {
                   _mm256_blendv_epi8(x.hi, _mm256_sub_epi8(z, x.hi), w.hi)};
 }
 INLINE v16f v16_cvt(v16i a) { return (v16f){_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+INLINE v16f v16_cvt_i8(__m128i a) {
+    return (v16f){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)),
+                  _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(a, a)))};
+}
 INLINE v16i v16_join(__m256i a, __m256i b) { return (v16i){a, b}; }
 INLINE v16i v16_or(v16i a, v16i b) { return (v16i){_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
 INLINE v16i v16_sub8(v16i a, v16i b) { return (v16i){_mm256_sub_epi8(a.lo, b.lo), _mm256_sub_epi8(a.hi, b.hi)}; }
@@ -111,6 +116,31 @@ INLINE v16f v16_load_s16(const void *a, const void *b, int64_t i, int f32) {
                : v16_load_h16((const uint16_t *)a + i, (const uint16_t *)b + i);
 }
 
+/* SK_Q4K: the 16 outputs' scales (dw) and mins (mw) of block g of groups a and b from their 16 int8 of the block
+ * (sa, sb) and the super-block's d and -dmin of both groups (sd, smn) */
+INLINE void v16_q4k_block(const void *sa, const void *sb, int64_t g, v16f sd, v16f smn, v16f *dw, v16f *mw) {
+    const __m128i a = _mm_loadu_si128((const __m128i *)((const int8_t *)sa + g * 16));
+    const __m128i b = _mm_loadu_si128((const __m128i *)((const int8_t *)sb + g * 16));
+    *dw = v16_mul(sd, v16_cvt_i8(_mm_unpacklo_epi64(a, b)));
+    *mw = v16_mul(smn, v16_cvt_i8(_mm_unpackhi_epi64(a, b)));
+}
+
+/* SK_Q4K: the super-block's d (which 0) or -dmin (which 1) of block g of groups a and b (ma, mb: their supers) */
+INLINE v16f v16_q4k_super(const void *ma, const void *mb, int64_t g, int which) {
+    return v16_load_f2((const float *)ma + (g / 8) * 16 + 8 * which, (const float *)mb + (g / 8) * 16 + 8 * which);
+}
+
+/* The 16 outputs' scales (dw) and mins (mw) of block g of groups a and b in scale layout sk (qgemm.c's SK_*) */
+INLINE void v16_q4_scales(const void *da, const void *db, const void *ma, const void *mb, int64_t g, int sk,
+                          v16f *dw, v16f *mw) {
+    if (sk == SK_Q4K) {
+        v16_q4k_block(da, db, g, v16_q4k_super(ma, mb, g, 0), v16_q4k_super(ma, mb, g, 1), dw, mw);
+    } else {
+        *dw = v16_load_s16(da, db, g * LANES, sk == SK_F32);
+        *mw = v16_load_s16(ma, mb, g * LANES, sk == SK_F32);
+    }
+}
+
 /* 4 activation bytes at p in every 32-bit lane */
 INLINE v16i v16_bcast4(const int8_t *p) {
     int32_t v;
@@ -118,13 +148,12 @@ INLINE v16i v16_bcast4(const int8_t *p) {
     return v16_set1_i32(v);
 }
 
-/* Q4_1, groups t and t + 1 (codes wa, wb; scales da, db; mins ma, mb: fp16, or float32 with f32 set, the Q4_K
- * layout) by R rows from m0: q4_group's operations, with int32 sums by vpdpbusd; writes y[m0 + r, n0 .. n0 + 15]. */
+/* Q4_1, groups t and t + 1 (codes wa, wb; scales da, db and mins ma, mb in scale layout sk, qgemm.c's SK_*) by R rows from m0: q4_group's operations, with int32 sums by vpdpbusd; writes y[m0 + r, n0 .. n0 + 15]. */
 INLINE void q4_pair(const uint8_t *wa, const uint8_t *wb, const void *da, const void *db, const void *ma,
                     const void *mb, const int8_t *xq, const float *xd, const float *xs, int64_t m0, int R,
-                    int64_t K, int64_t G, float *y, int64_t N, int64_t n0, int64_t ahead, int f32) {
+                    int64_t K, int64_t G, float *y, int64_t N, int64_t n0, int64_t ahead, int sk) {
     const v16i mask = v16_set1_i8(0x0F);
-    v16f acc[MB];
+    v16f acc[MB], sd = v16_zero_f(), smn = sd;             /* SK_Q4K: the super-block's d and -dmin */
     for (int r = 0; r < R; r++) acc[r] = v16_zero_f();
     for (int64_t g = 0; g < G; g++) {
         prefetch_ahead(wa + g * 128, ahead, 2);
@@ -142,7 +171,16 @@ INLINE void q4_pair(const uint8_t *wa, const uint8_t *wb, const void *da, const 
                 V16_PIN(s2[r]);
             }
         }
-        const v16f dw = v16_load_s16(da, db, g * LANES, f32), mw = v16_load_s16(ma, mb, g * LANES, f32);
+        v16f dw, mw;
+        if (sk == SK_Q4K) {
+            if (g % 8 == 0) {
+                sd = v16_q4k_super(ma, mb, g, 0);
+                smn = v16_q4k_super(ma, mb, g, 1);
+            }
+            v16_q4k_block(da, db, g, sd, smn, &dw, &mw);
+        } else {
+            v16_q4_scales(da, db, ma, mb, g, sk, &dw, &mw);
+        }
         for (int r = 0; r < R; r++) {
             const int64_t mg = (m0 + r) * G + g;
             acc[r] = v16_fma(v16_cvt(v16_add32(s[r], s2[r])), v16_mul(dw, v16_set1_f(xd[mg])), acc[r]);

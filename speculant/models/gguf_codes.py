@@ -55,9 +55,11 @@ class GroupQuantized:
         scale_dtype: ``torch.float16`` where every scale and offset is an fp16 value as stored (Q4_0, Q4_1, Q8_0,
             Q5_0, Q5_1), ``torch.float32`` where they are K-quant products, exact in float32 only.
         kind: the GGUF block type the codes were read from (``None``: made here).
-        super_scale: Q6_K's fp16 super-block scale ``d`` per 256 inputs, ``[O, I / 256]`` float32 (``scale`` is
-            ``d * sc_j`` exactly), or ``None``: what :class:`~speculant.runtime.formats.W6A8Linear` stores instead
-            of the folded scales.
+        super_scale: Q6_K's and Q4_K's fp16 super-block scale ``d`` per 256 inputs, ``[O, I / 256]`` float32
+            (``scale`` is ``d * sc_j`` exactly), or ``None``: what :class:`~speculant.runtime.formats.W6A8Linear`
+            and :class:`~speculant.runtime.formats.W4A8KLinear` store instead of the folded scales.
+        super_min: Q4_K's fp16 super-block min ``dmin`` per 256 inputs, ``[O, I / 256]`` float32 (``offset`` is
+            ``-(dmin * m_j)`` exactly), or ``None``.
     """
 
     codes: torch.Tensor
@@ -68,6 +70,7 @@ class GroupQuantized:
     scale_dtype: torch.dtype = torch.float16
     kind: str | None = None
     super_scale: torch.Tensor | None = None
+    super_min: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -85,8 +88,9 @@ class GroupQuantized:
         """The same weight restricted (or permuted) to output rows ``index``."""
         off = None if self.offset is None else self.offset[index]
         sup = None if self.super_scale is None else self.super_scale[index]
+        smin = None if self.super_min is None else self.super_min[index]
         return GroupQuantized(self.codes[index], self.scale[index], off, self.bits, self.group, self.scale_dtype,
-                              self.kind, sup)
+                              self.kind, sup, smin)
 
     def layout(self) -> tuple:
         """What a kernel layout depends on: codes of the same layout can share one projection."""
@@ -107,8 +111,10 @@ class GroupQuantized:
         off = None if first.offset is None else torch.cat([p.offset for p in parts])
         kinds = {p.kind for p in parts}
         sup = None if any(p.super_scale is None for p in parts) else torch.cat([p.super_scale for p in parts])
+        smin = None if any(p.super_min is None for p in parts) else torch.cat([p.super_min for p in parts])
         return GroupQuantized(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), off,
-                              first.bits, first.group, first.scale_dtype, kinds.pop() if len(kinds) == 1 else None, sup)
+                              first.bits, first.group, first.scale_dtype, kinds.pop() if len(kinds) == 1 else None, sup,
+                              smin)
 
 
 def _blocks(raw: np.ndarray, rows: int, block_bytes: int) -> np.ndarray:
@@ -173,7 +179,10 @@ def _decode_k(kind: str, b: np.ndarray) -> GroupQuantized:
     low = b[..., -128:].reshape(rows, blocks, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)
     q = (low & 0x0F).reshape(rows, blocks, 8, 32)
     if kind == "Q4_K":
-        return _gq(q, scale, offset, 4, kind, GROUP, torch.float32)
+        gq = _gq(q, scale, offset, 4, kind, GROUP, torch.float32)
+        gq.super_scale = torch.from_numpy(np.ascontiguousarray(_half(b, 0)))
+        gq.super_min = torch.from_numpy(np.ascontiguousarray(_half(b, 2)))
+        return gq
     high = b[..., 16:48].reshape(rows, blocks, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
     return _gq(q | ((high & 0x01) << 4), scale, offset, 8, kind, GROUP, torch.float32)
 
@@ -202,7 +211,7 @@ def decode_blocks(kind: str, raw: np.ndarray) -> GroupQuantized:
         return _decode_rows(kind, raw)
     first = _decode_rows(kind, raw[:DECODE_ROWS])
     out = {}
-    for name in ("codes", "scale", "offset", "super_scale"):
+    for name in ("codes", "scale", "offset", "super_scale", "super_min"):
         part = getattr(first, name)
         if part is not None:
             out[name] = torch.empty((rows, *part.shape[1:]), dtype=part.dtype)
@@ -212,7 +221,7 @@ def decode_blocks(kind: str, raw: np.ndarray) -> GroupQuantized:
         for name, whole in out.items():
             whole[start:start + DECODE_ROWS] = getattr(part, name)
     return replace(first, codes=out["codes"], scale=out["scale"], offset=out.get("offset"),
-                   super_scale=out.get("super_scale"))
+                   super_scale=out.get("super_scale"), super_min=out.get("super_min"))
 
 
 def _decode_rows(kind: str, raw: np.ndarray) -> GroupQuantized:
