@@ -42,13 +42,12 @@ def _scales(out_features: int, blocks: int, g: torch.Generator) -> torch.Tensor:
 
 
 def random_w4a8(in_features: int, out_features: int, g: torch.Generator) -> W4A8Linear:
-    """A projection ``[O, I]`` of random Q4_0 blocks (codes 0..15, offset -8 x scale), in the kernel's layout
-    (random bytes need no interleaving: any permutation of random codes is random codes)."""
+    """A projection ``[O, I]`` of random Q4_0 blocks (codes 0..15, offset -8 x scale, computed by the kernel as for a
+    GGUF's Q4_0), in the kernel's layout (random bytes need no interleaving: any permutation of random codes is random
+    codes)."""
     blocks = in_features // 32
     codes = torch.randint(0, 256, (out_features, in_features // 2), generator=g, dtype=torch.uint8)
-    scales = _scales(out_features, blocks, g)
-    return W4A8Linear.empty(in_features, out_features, {"codes": codes, "scales": scales,
-                                                        "offsets": (-8.0 * scales.float()).to(torch.float16)})
+    return W4A8Linear.empty(in_features, out_features, {"codes": codes, "scales": _scales(out_features, blocks, g)})
 
 
 def random_w8a8(in_features: int, out_features: int, g: torch.Generator) -> W8A8Linear:

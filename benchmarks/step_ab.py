@@ -45,7 +45,7 @@ def main() -> None:
                        help="this checkout's kernels built in another variant")
     which.add_argument("--weight-prefetch", type=int, metavar="BYTES",
                        help="this build with the products' weight prefetch at BYTES ahead (0: none)")
-    which.add_argument("--folded-scales", choices=("Q4_K", "Q6_K", "both"),
+    which.add_argument("--folded-scales", choices=("Q4_K", "Q6_K", "both", "Q4_0"),
                        help="baseline: that type's projections with their scales folded into float32")
     ap.add_argument("--model", default="smollm2-135m", help="a known model's name or a model path")
     ap.add_argument("--context", type=int, default=300)
@@ -125,26 +125,33 @@ def main() -> None:
               f"{min(five) * 1e3:.2f} / {statistics.median(five) * 1e3:.2f} | {min(five) / min(one):.2f} |")
 
 
-def _folded(decoder, kind: str):
-    """A copy of ``decoder`` whose W4A8KLinear (``kind`` Q4_K or both) / W6A8Linear (Q6_K or both) projections (and
-    stacks' parts) are W4A8Linear / W8A8Linear on the same codes with float32 scales, or ``None`` where it has none."""
+def _folded(decoder, kind: str | None):
+    """A copy of ``decoder`` whose projections stored more compactly than their float scales are rebuilt with those
+    scales (the same bits): ``kind`` Q4_K (or both) W4A8KLinear -> W4A8Linear with float32 scales and offsets, Q6_K
+    (or both) W6A8Linear -> W8A8Linear, Q4_0 W4A8Linear without offsets -> with fp16 offsets ``-8 d`` (a stack's
+    parts too); ``None`` where none is (``kind`` None: a plain copy)."""
     import copy
 
     from speculant.runtime.formats import W4A8KLinear, W4A8Linear, W6A8Linear, W8A8Linear
-    unfold = {W4A8KLinear: W4A8Linear, W6A8Linear: W8A8Linear}
-    unfold = {k: v for k, v in unfold.items() if kind in ("both", {W4A8KLinear: "Q4_K", W6A8Linear: "Q6_K"}[k])}
-    if kind is None:                                # a plain copy
-        return copy.deepcopy(decoder)
     out, changed = copy.deepcopy(decoder), 0
+    if kind is None:
+        return out
 
     def swap(module):
         nonlocal changed
-        if type(module) in unfold:
-            changed += 1
-            lin = unfold[type(module)](module.group_quantized(), module.bias)
-            lin.prefetch = module.prefetch
-            return lin
-        return module
+        t = type(module)
+        if t is W4A8KLinear and kind in ("Q4_K", "both") or t is W6A8Linear and kind in ("Q6_K", "both"):
+            lin = {W4A8KLinear: W4A8Linear, W6A8Linear: W8A8Linear}[t](module.group_quantized(), module.bias)
+        elif t is W4A8Linear and kind == "Q4_0" and not hasattr(module, "offsets"):
+            buffers = {"codes": module.codes, "scales": module.scales, "offsets": (-8.0 * module.scales.float()).half()}
+            if module.bias is not None:
+                buffers["bias"] = module.bias
+            lin = W4A8Linear.empty(module.in_features, module.out_features, buffers)
+        else:
+            return module
+        changed += 1
+        lin.prefetch = module.prefetch
+        return lin
 
     for parent in list(out.modules()):             # a stack's parts too (children of its ModuleList)
         for name, child in list(parent.named_children()):

@@ -205,6 +205,29 @@ def test_q4k_with_integer_scales_gives_the_float32_layouts_bits_from_fewer_bytes
         W4A8KLinear(replace(gq, super_scale=gq.super_scale * 3.0))
 
 
+@needs_kernel
+def test_q4_0_without_stored_mins_gives_the_stored_mins_bits(tmp_path, monkeypatch):
+    """Q4_0's mins are ``-8 d``: ``W4A8Linear`` keeps its fp16 scales only (0.56 bytes a weight instead of 0.63) and
+    the kernel computes the mins, every variant giving the bits of the same codes with the mins stored in fp16;
+    Q4_1's mins stay stored; the weight reads back as stored."""
+    rng = np.random.default_rng(35)
+    gq = _codes("Q4_0", _raw("Q4_0", 43, 512, rng), tmp_path)
+    lin = block_linear(gq)
+    assert type(lin) is W4A8Linear and not hasattr(lin, "offsets")
+    assert hasattr(block_linear(_codes("Q4_1", _raw("Q4_1", 8, 512, rng), tmp_path)), "offsets")
+    back = lin.group_quantized()
+    assert torch.equal(back.codes, gq.codes) and torch.equal(back.scale, gq.scale) and torch.equal(back.offset, gq.offset)
+    stored = W4A8Linear.empty(512, 43, {"codes": lin.codes, "scales": lin.scales,
+                                        "offsets": (-8.0 * lin.scales.float()).half()})
+    size = lambda m: sum(t.numel() * t.element_size() for t in m.buffers()) / gq.codes.numel()   # noqa: E731
+    assert size(lin) == 0.5 + 2 / 32 and size(stored) == 0.5 + 4 / 32
+    x = torch.from_numpy(rng.standard_normal((17, 512)).astype(np.float32))
+    for name in ("in use", *VARIANTS):
+        monkeypatch.setattr(build, "_LIB", build.load() if name == "in use" else build.load_variant(name))
+        for rows in (1, 3, 8, 17):
+            assert torch.equal(lin(x[:rows]), stored(x[:rows])), (name, rows)
+
+
 MIXED = {"token_embd.weight": "Q4_K", "output.weight": "Q6_K",
          "blk.0.attn_q.weight": "Q4_K", "blk.0.attn_k.weight": "Q4_K", "blk.0.attn_v.weight": "Q6_K",
          "blk.0.attn_output.weight": "Q5_0", "blk.0.ffn_gate.weight": "Q4_K", "blk.0.ffn_up.weight": "Q5_K",

@@ -39,7 +39,7 @@ typedef struct spec_projection {
                                     * float32 super-block scales [N, K/256] in offsets) */
     int64_t in_features, out_features;
     const void *codes;             /* in qgemm.c's layout (outputs interleaved by 8) */
-    const void *scales, *offsets;  /* float16 (scale_bytes 2; offsets: 4-bit only) or float32 (scale_bytes 4, the
+    const void *scales, *offsets;  /* float16 (scale_bytes 2; offsets: 4-bit only, NULL for Q4_0's -8 d) or float32 (scale_bytes 4, the
                                     * K-quant layouts: offsets optional with 8-bit codes); 4-bit codes with scale_bytes
                                     * 1: Q4_K as stored (qgemm.c's spec_w4a8q4k: int8 scales and mins [N, 2K/32],
                                     * float32 d and -dmin [N, 2K/256] in offsets) */

@@ -167,10 +167,13 @@ INLINE __m256 q6_scales(const int8_t *sc, const float *dd, int64_t g, int half) 
  *   SK_Q4K: Q4_K as stored: wd int8, per group of 8 outputs and block the 8 outputs' 6-bit sub-block scales sc_j
  *           then their mins m_j (16 bytes); wm float32, per group and super-block of 256 the 8 outputs' d then their
  *           -dmin (16 floats).  d * sc_j and -dmin * m_j are exact in float32 (an fp16 value times an integer of 6
- *           bits), so the scales are SK_F32's bit for bit, from 0.59 bytes a weight instead of 0.75. */
+ *           bits), so the scales are SK_F32's bit for bit, from 0.59 bytes a weight instead of 0.75;
+ *   SK_Q40: Q4_0 as stored: wd fp16 d per block, no wm; the mins -8 d are computed (exact in float32), SK_F16's bits
+ *           on the mins -8 d stored in fp16, from 0.56 bytes a weight instead of 0.63. */
 #define SK_F16 0
 #define SK_F32 1
 #define SK_Q4K 2
+#define SK_Q40 3         /* Q4_0: fp16 scales d per 32 in wd, no wm: the mins are -8 d (exact in float32) */
 
 /* SK_Q4K: the 8 outputs' float32 scales (dw) and mins (mw) of block g from the group's 16 int8 of the block (sm)
  * and the super-block's d and -dmin (sd, smn) */
@@ -185,6 +188,9 @@ INLINE void q4_scales(const void *wd, const void *wm, int64_t g, int sk, __m256 
     if (sk == SK_Q4K) {
         const float *s = (const float *)wm + (g / 8) * 16;
         q4k_block(wd, g, _mm256_loadu_ps(s), _mm256_loadu_ps(s + 8), dw, mw);
+    } else if (sk == SK_Q40) {
+        *dw = load_h8((const uint16_t *)wd + g * LANES);
+        *mw = _mm256_mul_ps(*dw, _mm256_set1_ps(-8.0f));
     } else {
         *dw = load_s8(wd, g * LANES, sk == SK_F32);
         *mw = load_s8(wm, g * LANES, sk == SK_F32);
@@ -328,7 +334,8 @@ static void tail_outputs(const uint8_t *c4, const int8_t *c8, const uint16_t *wd
                 const int32_t isum = c4 ? block_isum_u(c4 + n * (K / 2) + g * (QK / 2), x) : block_isum_s(c8 + n * K + g * QK, x);
                 const float s = _cvtsh_ss(wd[n * G + g]) * xd[m * G + g];
                 acc = fmaf((float)isum, s, acc);
-                if (wm) acc = fmaf(_cvtsh_ss(wm[n * G + g]), xs[m * G + g], acc);
+                if (c4)           /* Q4: the min, stored (Q4_1) or -8 d (Q4_0 without stored mins) */
+                    acc = fmaf(wm ? _cvtsh_ss(wm[n * G + g]) : -8.0f * _cvtsh_ss(wd[n * G + g]), xs[m * G + g], acc);
             }
             y[m * N + n] = acc;
         }
@@ -404,23 +411,30 @@ static void tail_outputs(const uint8_t *c4, const int8_t *c8, const uint16_t *wd
     } while (0)
 #endif
 
-/* y [M, N] = dequant(codes [N, K/2] uint8, wd, wm [N, K/32] fp16; the layout above) applied to the quantized rows */
+/* y [M, N] = dequant(codes [N, K/2] uint8, wd, wm [N, K/32] fp16; the layout above) applied to the quantized rows;
+ * wm NULL: Q4_0 without stored mins (SK_Q40: the mins -8 wd, computed) */
 void spec_w4a8(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K,
                const uint8_t *codes, const uint16_t *wd, const uint16_t *wm, int64_t N, float *y, int64_t ahead) {
     const int64_t G = K / QK;
 #define Q4_CALL(R) q4_group(codes + t * LANES * (K / 2), wd + t * LANES * G, wm + t * LANES * G, xq, xd, xs, m0, R, K, G, \
-                            y, N, t * LANES, ahead, SK_F16)
+                            y, N, t * LANES, ahead, SK)
 #ifdef SPEC_ZMM
 #define Q4_PAIR(R) q4_pair(codes + t * LANES * (K / 2), codes + (t + 1) * LANES * (K / 2), wd + t * LANES * G,      \
                            wd + (t + 1) * LANES * G, wm + t * LANES * G, wm + (t + 1) * LANES * G, xq, xd, xs, m0, R, \
-                           K, G, y, N, t * LANES, ahead, SK_F16)
+                           K, G, y, N, t * LANES, ahead, SK)
 #else
 #define Q4_PAIR Q4_CALL  /* never reached: no pairs */
 #endif
 #define Q4_AMX AMX_ROW_TILES(4, codes + t * LANES * (K / 2), codes + (t + 1) * LANES * (K / 2), wd + t * LANES * G,   \
                               wd + (t + 1) * LANES * G, wm + t * LANES * G, wm + (t + 1) * LANES * G, xs, t * LANES, \
-                              Q4_PAIR, SK_F16)
-    FOR_GROUPS(Q4_CALL, Q4_PAIR, tail_outputs(codes, 0, wd, wm, xq, xd, xs, M, K, N, y), Q4_AMX);
+                              Q4_PAIR, SK)
+    if (wm) {
+        const int SK = SK_F16;
+        FOR_GROUPS(Q4_CALL, Q4_PAIR, tail_outputs(codes, 0, wd, wm, xq, xd, xs, M, K, N, y), Q4_AMX);
+    } else {             /* Q4_0 without stored mins */
+        const int SK = SK_Q40;
+        FOR_GROUPS(Q4_CALL, Q4_PAIR, tail_outputs(codes, 0, wd, wm, xq, xd, xs, M, K, N, y), Q4_AMX);
+    }
 #undef Q4_AMX
 #undef Q4_CALL
 #undef Q4_PAIR

@@ -62,21 +62,23 @@ def _product(entry: str, x: torch.Tensor, codes: torch.Tensor, *weight_tensors: 
     x = x.contiguous()
     y = torch.empty(x.shape[0], codes.shape[0])
     status = getattr(build._LIB or require(), entry)(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(),
-                                                     *(t.data_ptr() for t in weight_tensors), codes.shape[0],
+                                                     *(0 if t is None else t.data_ptr() for t in weight_tensors),
+                                                     codes.shape[0],
                                                      y.data_ptr(), prefetch)
     if status != 0:
         raise MemoryError("speculant qgemm: cannot allocate the quantized-activation workspace")
     return y
 
 
-def _w4a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+def _w4a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
              prefetch: int = 0) -> torch.Tensor:
     """``x`` ``[M, K]`` float32 times the transpose of the 4-bit weight ``[N, K]`` -> ``[M, N]`` float32
     (``torch.ops.speculant.w4a8_mm``).
 
     The weight is ``w[n, k] = scales[n, g] * q[n, k] + offsets[n, g]`` (``g = k // 32``, ``q`` in 0..15), packed
     in ``codes`` ``[N, K/2]`` uint8 as GGUF does (byte j of a block: code j in the low nibble, code j+16 in the
-    high one); ``scales``/``offsets`` ``[N, K/32]`` float16 (GGUF's Q4_0/Q4_1 values), or float32 (Q4_K's
+    high one); ``scales``/``offsets`` ``[N, K/32]`` float16 (GGUF's Q4_0/Q4_1 values; ``offsets`` ``None``: Q4_0's
+    ``-8 * scales``, computed in float32, exact), or float32 (Q4_K's
     super-block scales folded exactly into per-32 values; ``qgemm.c``'s K layouts), or Q4_K as stored (``scales``
     ``[N, 2K/32]`` int8: each block's 6-bit scale ``sc`` and min ``m``; ``offsets`` ``[N, 2K/256]`` float32: each
     super-block's ``d`` and ``-dmin``; ``w = (d * sc) * q + (-dmin * m)``, ``qgemm.c``'s ``SK_Q4K``: the float32
@@ -91,6 +93,8 @@ def _w4a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets
         MemoryError: the quantized-activation workspace cannot be allocated.
     """
     entry = {torch.float32: "spec_w4a8k_f32", torch.int8: "spec_w4a8q4k_f32"}.get(scales.dtype, "spec_w4a8_f32")
+    if offsets is None and entry != "spec_w4a8_f32":
+        raise ValueError(f"w4a8_mm: {scales.dtype} scales need offsets")
     return _product(entry, x, codes, scales, offsets, prefetch=prefetch)
 
 
@@ -152,7 +156,7 @@ def _w8a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, prefetc
 # Registered with the dispatcher directly (torch.library.custom_op's Python wrapper cost ~20 us a call, as
 # much as a projection's kernel); the fake (meta) versions give compiled graphs the output shape.
 _OPS = torch.library.Library("speculant", "FRAGMENT")
-_OPS.define("w4a8_mm(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int prefetch=0) -> Tensor")
+_OPS.define("w4a8_mm(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int prefetch=0) -> Tensor")
 _OPS.define("w8a8_mm(Tensor x, Tensor codes, Tensor scales, int prefetch=0) -> Tensor")
 _OPS.impl("w4a8_mm", _w4a8_mm, "CPU")
 _OPS.define("w8a8k_mm(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group, int prefetch=0) -> Tensor")

@@ -135,6 +135,9 @@ INLINE void v16_q4_scales(const void *da, const void *db, const void *ma, const 
                           v16f *dw, v16f *mw) {
     if (sk == SK_Q4K) {
         v16_q4k_block(da, db, g, v16_q4k_super(ma, mb, g, 0), v16_q4k_super(ma, mb, g, 1), dw, mw);
+    } else if (sk == SK_Q40) {
+        *dw = v16_load_h16((const uint16_t *)da + g * LANES, (const uint16_t *)db + g * LANES);
+        *mw = v16_mul(*dw, v16_set1_f(-8.0f));
     } else {
         *dw = v16_load_s16(da, db, g * LANES, sk == SK_F32);
         *mw = v16_load_s16(ma, mb, g * LANES, sk == SK_F32);

@@ -47,7 +47,7 @@ def _projection_buffers(module) -> decode_step.ProjectionBuffers | None:
         return decode_step.ProjectionBuffers(0, module.in_features, module.out_features, None, None, None,
                                              module.bias, parts=parts)
     if type(module) is W4A8Linear:
-        bits, offsets = 4, module.offsets
+        bits, offsets = 4, getattr(module, "offsets", None)
     elif type(module) is W8A8Linear:
         bits, offsets = 8, getattr(module, "offsets", None)
     elif type(module) is W6A8Linear:

@@ -291,7 +291,8 @@ class _BlockLinear(PackedLinear):
 class W4A8Linear(_BlockLinear):
     """4-bit codes in blocks of 32 on int8 activations: ``W[o, i] = scales[o, g] * q[o, i] + offsets[o, g]``,
     ``q`` in 0..15 packed two per byte as in GGUF, ``scales``/``offsets`` float16 (a GGUF's Q4_0/Q4_1 values exactly;
-    others are rounded to float16) or float32 (codes whose ``scale_dtype`` is float32: Q4_K's super-block scales
+    others are rounded to float16; no ``offsets`` where they are ``-8 * scales``, Q4_0's: the kernel computes them,
+    0.56 bytes a weight instead of 0.63) or float32 (codes whose ``scale_dtype`` is float32: Q4_K's super-block scales
     folded exactly per sub-block of 32), the rows of ``codes`` ``[O, I/2]``, ``scales``, ``offsets`` ``[O, I/32]``
     interleaved by groups of 8 outputs (:mod:`speculant.kernels.qgemm`'s layout; :meth:`group_quantized` undoes it).
     The input is quantized per row and block of 32 to int8 (llama.cpp's Q8_1) inside the kernel."""
@@ -305,6 +306,8 @@ class W4A8Linear(_BlockLinear):
         if gq.bits != 4 or gq.group != INT4_GROUP:
             raise SpeculantError(f"w4a8 takes 4-bit codes in groups of {INT4_GROUP}, got {gq.bits}-bit groups of {gq.group}")
         offset = gq.offset if gq.offset is not None else torch.zeros_like(gq.scale)
+        if gq.scale_dtype == torch.float16 and torch.equal(offset, -8.0 * gq.scale):
+            offset = None                          # Q4_0: the kernel computes -8 d
         self._store(lambda rows: self.block_bytes(gq.codes[rows], i), gq.scale, offset,
                     torch.float32 if gq.scale_dtype == torch.float32 else torch.float16)
 
@@ -321,13 +324,15 @@ class W4A8Linear(_BlockLinear):
         return torch.cat([blocks & 0x0F, blocks >> 4], -1).reshape(out_features, in_features)
 
     def matmul(self, x):
-        return torch.ops.speculant.w4a8_mm(x.float(), self.codes, self.scales, self.offsets, self.prefetch)
+        return torch.ops.speculant.w4a8_mm(x.float(), self.codes, self.scales, getattr(self, "offsets", None),
+                                           self.prefetch)
 
     def group_quantized(self):
         o, i = self.out_features, self.in_features
-        return GroupQuantized(self.codes_of(self._rows("codes", self._WORDS), o, i),
-                              self._rows("scales", 1).view(o, -1).float(), self._rows("offsets", 1).view(o, -1).float(),
-                              4, INT4_GROUP, self.scales.dtype)
+        scale = self._rows("scales", 1).view(o, -1).float()
+        offset = -8.0 * scale if getattr(self, "offsets", None) is None else self._rows("offsets", 1).view(o, -1).float()
+        return GroupQuantized(self.codes_of(self._rows("codes", self._WORDS), o, i), scale, offset, 4, INT4_GROUP,
+                              self.scales.dtype)
 
 
 class W4A8KLinear(_BlockLinear):
