@@ -747,58 +747,45 @@ static int quantized_workspace(const float *x, int64_t M, int64_t K, int8_t **xq
     return 0;
 }
 
+/* The body of a product on float32 rows x [M, K]: quantize them into a workspace of our own, then CALL (xq, xd, xs
+ * in scope); returns 0, or -1 when the workspace cannot be allocated (y untouched). */
+#define ON_FLOAT_ROWS(CALL)                                                                           \
+    do {                                                                                             \
+        int8_t *xq; float *xd, *xs;                                                                  \
+        if (quantized_workspace(x, M, K, &xq, &xd, &xs)) return -1;                                  \
+        CALL;                                                                                        \
+        free(xq); free(xd);                                                                          \
+        return 0;                                                                                    \
+    } while (0)
+
 int spec_w4a8_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *wd, const uint16_t *wm,
                   int64_t N, float *y, int64_t ahead) {
-    int8_t *xq; float *xd, *xs;
-    if (quantized_workspace(x, M, K, &xq, &xd, &xs)) return -1;
-    spec_w4a8(xq, xd, xs, M, K, codes, wd, wm, N, y, ahead);
-    free(xq); free(xd);
-    return 0;
+    ON_FLOAT_ROWS(spec_w4a8(xq, xd, xs, M, K, codes, wd, wm, N, y, ahead));
 }
 
 int spec_w8a8_f32(const float *x, int64_t M, int64_t K, const int8_t *codes, const uint16_t *wd, int64_t N, float *y,
                   int64_t ahead) {
-    int8_t *xq; float *xd, *xs;
-    if (quantized_workspace(x, M, K, &xq, &xd, &xs)) return -1;
-    spec_w8a8(xq, xd, M, K, codes, wd, N, y, ahead);
-    free(xq); free(xd);
-    return 0;
+    ON_FLOAT_ROWS(spec_w8a8(xq, xd, M, K, codes, wd, N, y, ahead));
 }
 
 int spec_w4a8k_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *wd, const float *wm,
                    int64_t N, float *y, int64_t ahead) {
-    int8_t *xq; float *xd, *xs;
-    if (quantized_workspace(x, M, K, &xq, &xd, &xs)) return -1;
-    spec_w4a8k(xq, xd, xs, M, K, codes, wd, wm, N, y, ahead);
-    free(xq); free(xd);
-    return 0;
+    ON_FLOAT_ROWS(spec_w4a8k(xq, xd, xs, M, K, codes, wd, wm, N, y, ahead));
 }
 
 int spec_w4a8q4k_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, const int8_t *sm, const float *dm,
                      int64_t N, float *y, int64_t ahead) {
-    int8_t *xq; float *xd, *xs;
-    if (quantized_workspace(x, M, K, &xq, &xd, &xs)) return -1;
-    spec_w4a8q4k(xq, xd, xs, M, K, codes, sm, dm, N, y, ahead);
-    free(xq); free(xd);
-    return 0;
+    ON_FLOAT_ROWS(spec_w4a8q4k(xq, xd, xs, M, K, codes, sm, dm, N, y, ahead));
 }
 
 int spec_w6a8k_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, const int8_t *sc, const float *dd,
                    int64_t N, float *y, int64_t ahead) {
-    int8_t *xq; float *xd, *xs;
-    if (quantized_workspace(x, M, K, &xq, &xd, &xs)) return -1;
-    spec_w6a8k(xq, xd, M, K, codes, sc, dd, N, y, ahead);
-    free(xq); free(xd);
-    return 0;
+    ON_FLOAT_ROWS(spec_w6a8k(xq, xd, M, K, codes, sc, dd, N, y, ahead));
 }
 
 /* Returns 0, -1 when the workspace cannot be allocated, -2 for a sub other than 16 or 32 (y untouched). */
 int spec_w8a8k_f32(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *wd, const float *wm,
                    int64_t sub, int64_t N, float *y, int64_t ahead) {
-    int8_t *xq; float *xd, *xs;
     if (sub != 16 && sub != 32) return -2;
-    if (quantized_workspace(x, M, K, &xq, &xd, &xs)) return -1;
-    spec_w8a8k(xq, xd, xs, M, K, codes, wd, wm, sub, N, y, ahead);
-    free(xq); free(xd);
-    return 0;
+    ON_FLOAT_ROWS(spec_w8a8k(xq, xd, xs, M, K, codes, wd, wm, sub, N, y, ahead));
 }
