@@ -49,18 +49,25 @@ HEAD_METHODS = [dict(method="eagle", num_speculations=1), dict(method="eagle", n
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("spec", HEAD_METHODS, ids=lambda s: "-".join(map(str, s.values())))
-def test_head_methods_match_ar_under_greedy(model, head_dir, spec, prompt):
+def test_head_methods_match_ar_under_greedy(model, head_dir, spec, prompt, monkeypatch):
     ar, _, _ = run(model, PROMPTS[prompt], method="ar")
     out, stats, _ = run(model, PROMPTS[prompt], draft_head=str(head_dir), **spec)
     assert out == ar
     assert stats.drafted_tokens > 0 and stats.new_tokens == 40
+    monkeypatch.setattr(DraftHeadDrafter, "prompt_window", 3)      # the head's entries from the last 3 prompt tokens
+    out, stats, _ = run(model, PROMPTS[prompt], draft_head=str(head_dir), **spec)
+    assert out == ar and stats.drafted_tokens > 0
 
 
-def test_drafts_equal_the_head_run_over_the_whole_sequence(model):
+@pytest.mark.parametrize("window", [None, 5])
+def test_drafts_equal_the_head_run_over_the_whole_sequence(model, window):
     """The incremental head cache (catch-up entries, tree entries, commit/rollback) gives the same
-    draft logits as running the head from scratch over target features of the whole sequence."""
+    draft logits as running the head from scratch over target features of the whole sequence (with a prompt
+    window: of the sequence from the window's first prompt position on, at the target's positions)."""
     head = random_head(model, feature="pre-norm", seed=3)
     drafter = DraftHeadDrafter(head)
+    drafter.prompt_window = window
+    start = 0 if window is None else len(PROMPTS["varied"]) - window
     seen = []
     inner = drafter.draft_vocab_logits                    # what drafting reads: logits over the draft vocabulary
 
@@ -80,15 +87,15 @@ def test_drafts_equal_the_head_run_over_the_whole_sequence(model):
         for tokens, tree_tokens, parents, first_entry, out in seen:
             n = len(tokens) - 1
             feats = target_features(dec, dec.run_layers(dec.embed(torch.tensor([tokens[:n]])), 0, 4,
-                                                        torch.arange(n)), "pre-norm")
-            pred = head(feats, torch.tensor([tokens[1:n + 1]]), torch.arange(n))
+                                                        torch.arange(n)), "pre-norm")[:, start:]
+            pred = head(feats, torch.tensor([tokens[start + 1:n + 1]]), torch.arange(start, n))
             if first_entry == 0:
                 want = head.logits(pred[0, -1:])
             else:                           # depth-2 nodes: entries (f^_root, x_k) after the committed ones
                 k = first_entry - 1
                 assert parents[k] == -1
                 f = torch.cat([feats, pred[:, -1:]], 1)
-                pred2 = head(f, torch.tensor([tokens[1:n + 1] + [tree_tokens[k]]]), torch.arange(n + 1))
+                pred2 = head(f, torch.tensor([tokens[start + 1:n + 1] + [tree_tokens[k]]]), torch.arange(start, n + 1))
                 want = head.logits(pred2[0, -1:])
                 out = out[:1]
             torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)

@@ -10,6 +10,12 @@ and its tree ancestors.  After verification those tree entries are dropped (thei
 head's own predictions); the accepted path's *target* features become the next round's catch-up
 entries.  Each depth of a tree is one head forward over the whole frontier
 (:class:`~speculant.drafters.base.ModelDrafterBase`), so chains, RSD-C, RSD-S and SpecInfer trees work alike.
+
+A long prompt's head entries are its last ``prompt_window`` positions only (``offset`` = the positions before them;
+slot ``i - offset`` holds entry ``i``, RoPE positions stay the target's): the head's catch-up over a 900-token
+prompt costs ~6 target steps, paid by the first drafting round whether drafting then pays or not, and a one-layer
+head's drafts rest on the recent context.  Drafts never change what is emitted (verification decides), only how
+many are accepted.
 """
 
 from __future__ import annotations
@@ -25,22 +31,28 @@ from .base import (DecodingState, DrafterCapabilities, ModelDrafterBase, ModelDr
 from .draft_head import DraftHead
 
 
+PROMPT_WINDOW: int | None = None
+"""The prompt positions a head's catch-up runs over by default (the last ones; ``None``: all)."""
+
+
 @dataclass
 class HeadState(ModelDraftState):
     """One generation's drafting state (``state.drafter_state``), made by :meth:`DraftHeadDrafter.begin` and
     given the prompt's features by :meth:`DraftHeadDrafter.prefill`.
 
     Attributes:
-        cache: the head's KV cache; slots ``0 .. cache.length-1`` hold committed entries.
+        cache: the head's KV cache; slots ``0 .. cache.length-1`` hold committed entries ``offset ..``.
+        offset: prompt positions without head entries (a prompt longer than the drafter's ``prompt_window``).
         pending: target features ``[P, D]`` of committed positions ``cache.length .. cache.length+P-1``
             whose entries the head has not run yet (the next root step runs them).
         block_features: target features ``[N+1, D]`` of the last verified block (root first).
         predicted: the head's predicted features ``[1, D]`` of each block entry drafted from so far this
             round (root at index 0), by block entry.
-    Invariant after each commit: ``cache.length + P == `` the target cache's length.
+    Invariant after each commit: ``offset + cache.length + P == `` the target cache's length.
     """
 
     cache: KVCache | None = None
+    offset: int = 0
     pending: torch.Tensor | None = None
     block_features: torch.Tensor | None = None
     predicted: list[torch.Tensor] = field(default_factory=list)
@@ -58,9 +70,17 @@ class DraftHeadDrafter(ModelDrafterBase[HeadState]):
 
     name = "eagle"
     capabilities = DrafterCapabilities(own_prefill=True, needs_features=True, draft_confidence=True)
+    prompt_window = PROMPT_WINDOW
 
     def __init__(self, head: DraftHead):
         self.head = head
+
+    def keep_prompt_features(self, state: DecodingState[HeadState], features: torch.Tensor) -> None:
+        """The prompt's features ``[T, F]`` as the head's pending entries: the last :attr:`prompt_window` of them
+        (``None``: all), the positions before them the state's ``offset``."""
+        st = state.drafter_state
+        st.offset = max(0, len(features) - self.prompt_window) if self.prompt_window is not None else 0
+        st.pending = features[st.offset:]
 
     # ---------------------------------------------------------------- target forwards
     def begin(self, state: DecodingState[HeadState]) -> HeadState:
@@ -72,7 +92,7 @@ class DraftHeadDrafter(ModelDrafterBase[HeadState]):
         target = state.target
         ids = torch.tensor([state.tokens], dtype=torch.long)
         h = state.run_layers(target.embed(ids), 0, target.num_layers, torch.arange(ids.shape[1]), None, 0)
-        state.drafter_state.pending = target_features(target, h, self.head.feature)[0]
+        self.keep_prompt_features(state, target_features(target, h, self.head.feature)[0])
         return last_position_logits(target, h)
 
     def verification_hidden(self, state: DecodingState, tree, hidden: torch.Tensor) -> None:
@@ -81,7 +101,7 @@ class DraftHeadDrafter(ModelDrafterBase[HeadState]):
     def commit(self, state: DecodingState, path: list[int]) -> None:
         st = state.drafter_state
         n = len(state.tokens) - 1                        # the root's position, before the tokens grow
-        st.cache.crop(min(st.cache.length, n))          # drop this round's tree entries
+        st.cache.crop(min(st.cache.length, n - st.offset))   # drop this round's tree entries
         kept = st.block_features[[0] + [i + 1 for i in path]]
         st.pending = torch.cat([st.pending, kept]) if len(st.pending) else kept
         st.block_features = None
@@ -101,15 +121,15 @@ class DraftHeadDrafter(ModelDrafterBase[HeadState]):
         ``first_entry .. N`` (the frontier, depth ``depth``): the catch-up of committed entries first when
         ``first_entry == 0``, then one head call over the frontier (:meth:`DraftHead.step`)."""
         st, head = state.drafter_state, self.head
-        n = state.n
+        n, base = state.n, st.offset
         if first_entry == 0:
-            if st.pending is None or st.cache.length + len(st.pending) != n:
+            if st.pending is None or base + st.cache.length + len(st.pending) != n:
                 raise SpeculantError("the eagle drafter needs its own prefill (Drafter.prefill) before drafting")
             # catch up: entries m .. n-1 read the target features of positions m .. n-1 (the last: the root's parent)
-            m = st.cache.length
+            m = base + st.cache.length
             toks = torch.tensor(state.tokens[m + 1:n + 1], dtype=torch.long)
-            out, logits = head.step(st.pending.to(head.dtype), toks, torch.arange(m, n), None, st.cache, m, 1)
-            st.cache.crop(n)
+            out, logits = head.step(st.pending.to(head.dtype), toks, torch.arange(m, n), None, st.cache, m - base, 1)
+            st.cache.crop(n - base)
             st.pending = st.pending[:0]
             st.predicted = [out[-1:]]
         else:
@@ -121,7 +141,7 @@ class DraftHeadDrafter(ModelDrafterBase[HeadState]):
             mask = None
             if not tree.is_chain:
                 anc = tree.ancestor_mask()[first_entry:, 1:]            # frontier rows x drafted nodes
-                mask = torch.cat([torch.ones(len(nodes), n, dtype=torch.bool), anc], dim=1)
-            out, logits = head.step(feats, toks, positions, mask, st.cache, n + first_entry - 1)
+                mask = torch.cat([torch.ones(len(nodes), n - base, dtype=torch.bool), anc], dim=1)
+            out, logits = head.step(feats, toks, positions, mask, st.cache, n - base + first_entry - 1)
             st.predicted.extend(out[i:i + 1] for i in range(len(nodes)))
         return logits

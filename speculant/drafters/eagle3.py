@@ -38,7 +38,7 @@ class Eagle3Drafter(DraftHeadDrafter):
             return state.run_layers(hidden, start, end, positions, None, 0)
 
         h, aux = run_with_features(run, target.embed(ids), 0, target.num_layers, self.feature_layers)
-        state.drafter_state.pending = torch.cat(aux, dim=-1)[0]
+        self.keep_prompt_features(state, torch.cat(aux, dim=-1)[0])
         return last_position_logits(target, h)
 
     def verification_hidden(self, state: DecodingState, tree, hidden: torch.Tensor,
