@@ -446,3 +446,33 @@ def test_a_depth_that_cannot_pay_is_refused_before_its_draft_call(model, ar_ids,
     late_toks, late = run(build_generator(model, costs=SWITCHING, **spec))
     assert toks == late_toks == ar_ids
     assert stats.draft_forwards < late.draft_forwards, (stats.draft_forwards, late.draft_forwards)
+
+
+# ------------------------------------------------------------------ round contexts: acceptance kept per context
+class ContextDrafter(OracleDrafter):
+    """Right in every other round (context 0), wrong in the others (context 1), and says which through its round
+    context."""
+
+    def round_context(self, state):
+        self.context = self.rounds_seen % 2
+        self.rounds_seen += 1
+        return self.context
+
+    def draft(self, state, builder, generator, max_nodes, max_depth):
+        self.wrong = self.context == 1
+        self.rounds[self.context] += 1
+        self.drafted[self.context] += bool(max_depth)
+        return super().draft(state, builder, generator, max_nodes, max_depth)
+
+
+def test_each_round_context_keeps_its_own_acceptance(model):
+    ar80 = run(build_generator(model, method="ar"), n=80)[0]
+    drafter = ContextDrafter(PROMPT, ar80)
+    drafter.rounds, drafter.drafted, drafter.rounds_seen = [0, 0], [0, 0], 0
+    toks, stats = run(SpeculativeGenerator(model, drafter, ChainBuilder(1), costs=SWITCHING), n=80)
+    assert toks == ar80
+    even, odd = drafter.drafted[0] / drafter.rounds[0], drafter.drafted[1] / drafter.rounds[1]
+    assert drafter.rounds[1] >= 20
+    assert even == 1.0                            # the right context drafts every round
+    assert odd <= 0.25                            # the wrong one stops after a few, then only probes
+    assert Drafter.round_context(drafter, None) is None     # the base class: one context

@@ -183,6 +183,12 @@ class Drafter(Generic[S]):
         ``ar`` round).  A drafter whose verification resumes from layers it runs itself runs them here."""
         return DraftTree()
 
+    def round_context(self, state: DecodingState[S]):
+        """A hashable summary of what the next round's draft will rest on, read before the round is sized: a
+        cost-aware policy keeps the acceptance per depth of each context apart (prompt lookup: the size of the
+        n-gram that matched).  Default ``None``: one context."""
+        return None
+
     def verification_input(self, state: DecodingState[S], tree: DraftTree) -> VerificationInput:
         """The block to verify ``tree``: by default the embedded ``[root] + tree`` tokens from layer 0.
         A description only: no layer runs, no cache changes."""

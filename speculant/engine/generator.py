@@ -227,7 +227,7 @@ class SpeculativeGenerator:
         ending at an EOS).  With a ``sizer`` the round drafts the depth it chooses (0: an ``ar`` round)."""
         max_nodes, max_depth = draft_limits(state, builder, budget, remaining)
         if sizer is not None:
-            max_depth = sizer.depth(state, max_depth)
+            max_depth = sizer.depth(state, max_depth, self.drafter.round_context(state) if max_depth else None)
         t0, forwards = time.perf_counter(), state.draft_forwards
         tree = self.drafter.draft(state, builder, generator, max_nodes, max_depth)
         stats.draft_seconds += time.perf_counter() - t0

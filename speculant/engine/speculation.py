@@ -191,24 +191,35 @@ def cost_table(model, drafter, builder: TreeBuilder | None, signature: str, samp
 
 class RoundSizer:
     """One generation's round sizing: a :class:`~speculant.engine.goodput.SequenceSpeculation` from ``costs`` and
-    the builder's tree shape.  :meth:`depth` before a round's drafting (and, for a drafter with draft confidence,
-    ``state.draft_stop`` set), :meth:`observe` after its acceptance."""
+    the builder's tree shape per round context (the drafter's :meth:`~speculant.drafters.base.Drafter.round_context`,
+    e.g. the size of the n-gram prompt lookup matched: each context keeps its own acceptance per depth, probes and
+    loss budget; one context for a drafter without one).  :meth:`depth` before a round's drafting (and, for a
+    drafter with draft confidence, ``state.draft_stop`` set), :meth:`observe` after its acceptance."""
 
     def __init__(self, costs: CostTable, builder: TreeBuilder, confidence: bool):
-        from .goodput import SequenceSpeculation
-        self.speculation = SequenceSpeculation(costs)
+        self.costs = costs
+        self.contexts: dict = {}
         self.nodes = nodes_at_depth(builder)
         self.confidence = confidence
+        self.speculation = self._of(None)
 
-    def depth(self, state, max_depth: int) -> int:
-        """The round's depth bound in ``0 .. max_depth`` (0: an ``ar`` round); sets ``state.draft_stop``."""
+    def _of(self, context):
+        from .goodput import SequenceSpeculation
+        if context not in self.contexts:
+            self.contexts[context] = SequenceSpeculation(self.costs)
+        return self.contexts[context]
+
+    def depth(self, state, max_depth: int, context=None) -> int:
+        """The round's depth bound in ``0 .. max_depth`` (0: an ``ar`` round) in round context ``context``; sets
+        ``state.draft_stop``."""
+        self.speculation = self._of(context)
         d = self.speculation.depth(max_depth, self.nodes) if max_depth > 0 else 0
         state.draft_stop = self.speculation.stop_rule(self.nodes) if d and self.confidence else None
         return d
 
     def observe(self, drafted_depth: int, accepted: int, nodes: int, calls: int) -> None:
-        """The round's tree had ``drafted_depth`` depths and ``nodes`` nodes, drafted in ``calls`` draft calls, and
-        ``accepted`` tokens of it were accepted."""
+        """The round (sized by the last :meth:`depth`) had ``drafted_depth`` depths and ``nodes`` nodes, drafted in
+        ``calls`` draft calls, and ``accepted`` tokens of it were accepted."""
         self.speculation.observe(drafted_depth, accepted, nodes, calls)
 
 
