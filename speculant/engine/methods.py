@@ -40,6 +40,10 @@ _USES = {
 """The :class:`MethodSpec` parameters each method reads."""
 _DEFAULTS = {"num_speculations": 4, "max_ngram": 3, "min_ngram": 1, "branching": "2,2,2", "beam_width": 4,
              "draft_length": 4}
+_COST_DEFAULTS = {"prompt-lookup": {"num_speculations": 8, "max_ngram": 5}}
+"""Defaults of one method under ``speculation="cost"`` that differ from :data:`_DEFAULTS`: prompt lookup's cost-aware
+rounds keep the acceptance per matched n-gram size, so long matches draft deep and short ones little
+(BENCHMARKS.md AW); rounds that always draft (the server's batches) keep the shorter defaults."""
 
 
 def drafts_with_exit_layers(method: str, draft_model: str | None = None, draft_head: str | None = None) -> bool:
@@ -61,7 +65,8 @@ class MethodSpec:
     (default: the model's shipped ``default`` head) and, when given, for the tree methods.
 
     ``None`` means "not given": a parameter the method reads then takes its default
-    (num_speculations 4, max_ngram 3, min_ngram 1, branching "2,2,2", beam_width 4, draft_length 4;
+    (num_speculations 4, max_ngram 3 (prompt lookup under ``speculation="cost"``: 8 and 5), min_ngram 1, branching
+    "2,2,2", beam_width 4, draft_length 4;
     exit_layer: see :func:`default_exit_layer`).  A parameter given to a method that does not read it
     is refused, never silently ignored, and so are ``exit_layer``/``exit_adapter`` together with
     ``draft_model`` (the draft model replaces early-exit drafting).  ``num_speculations="auto"`` is the
@@ -112,7 +117,8 @@ class MethodSpec:
             raise SpeculantError(f"{name}={value!r} is not used by method={self.method!r}; it applies to: {users}")
         for name in uses:
             if name in _DEFAULTS and getattr(self, name) is None:
-                setattr(self, name, _DEFAULTS[name])
+                own = _COST_DEFAULTS.get(self.method, {}) if self.speculation == "cost" else {}
+                setattr(self, name, own.get(name, _DEFAULTS[name]))
         k = self.num_speculations
         if k is not None and k != "auto":
             if isinstance(k, str) and k.strip().isdigit():
