@@ -44,10 +44,12 @@ def _assert_same(fast, hf):
     assert fast.convert_ids_to_tokens([0, 1, 2]) == hf.convert_ids_to_tokens([0, 1, 2])
 
 
-def _byte_bpe(tmp_path, **config):
-    """A byte-level BPE tokenizer with special tokens and a chat template, saved by transformers."""
-    tk = Tokenizer(models.BPE(vocab={chr(c): i for i, c in enumerate(range(33, 127))}
-                              | {"Ġ": 94, "Ċ": 95, "ĉ": 96, "Ã": 97, "©": 98}, merges=[], unk_token="~"))
+def _byte_bpe(tmp_path, extra: int = 0, **config):
+    """A byte-level BPE tokenizer with special tokens and a chat template, saved by transformers (``extra`` more
+    vocabulary entries, never produced: no merge makes them)."""
+    vocab = {chr(c): i for i, c in enumerate(range(33, 127))} | {"Ġ": 94, "Ċ": 95, "ĉ": 96, "Ã": 97, "©": 98}
+    vocab |= {f"x{i}y": 99 + i for i in range(extra)}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="~"))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     tk.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -64,6 +66,19 @@ def test_fast_tokenizer_equals_transformers_on_a_saved_directory(tmp_path):
     fast = loading.load_tokenizer(path)
     assert isinstance(fast, FastTokenizer), "a plain saved directory must load without transformers"
     _assert_same(fast, PreTrainedTokenizerFast.from_pretrained(str(path)))
+
+
+def test_a_vocabulary_over_100000_tokens_loads_without_transformers(tmp_path):
+    """transformers 5 runs ``_patch_mistral_regex`` on such vocabularies (Llama 3's 128256 tokens), which leaves the
+    pre-tokenizer as it is unless ``fix_mistral_regex`` is asked for (a key open_fast leaves to transformers)."""
+    path = _byte_bpe(tmp_path, extra=100_100)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "transformers_version": "5.24.0"}))
+    fast = loading.load_tokenizer(path)
+    assert isinstance(fast, FastTokenizer) and len(fast) > 100_000
+    _assert_same(fast, PreTrainedTokenizerFast.from_pretrained(str(path)))
+    conf = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(conf | {"fix_mistral_regex": True}))
+    assert open_fast(path) is None
 
 
 def test_directories_transformers_would_change_are_left_to_it(tmp_path):

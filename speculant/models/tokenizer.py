@@ -7,8 +7,9 @@ as transformers does (``transformers.utils.chat_template_utils``: an ``Immutable
 ``trim_blocks``, ``lstrip_blocks``, the ``loopcontrols`` extension, its ``tojson`` filter, ``raise_exception``
 and ``strftime_now``; the named special tokens as template variables; the text then encoded without special
 tokens).  :func:`open_fast` takes only directories whose ``tokenizer_config.json`` holds nothing transformers
-would change the backend for (a generic fast class with at most 100000 tokens: transformers patches some larger
-vocabularies' regexes; or a class that sets its own pipeline, :data:`CLASS_PIPELINES`, whose pipeline
+would change the backend for (a generic fast class, of any vocabulary size: transformers' ``_patch_mistral_regex``
+for vocabularies over 100000 tokens changes the pre-tokenizer only when asked with ``fix_mistral_regex``, a key
+that :func:`open_fast` leaves to transformers; or a class that sets its own pipeline, :data:`CLASS_PIPELINES`, whose pipeline
 ``tokenizer.json`` already is: Gemma's, 262144 tokens, ~2 s less of a later load; named special tokens already
 special added tokens, a stored post-processor, no truncation or padding); anything else is loaded by transformers.  Every other attribute, and ``apply_chat_template`` with
 arguments beyond ``add_generation_prompt``/``tokenize``/``return_dict``, goes to transformers' own tokenizer of the
@@ -30,8 +31,6 @@ _PLAIN_KEYS = {"backend", "is_local", "local_files_only", "model_max_length", "t
                "clean_up_tokenization_spaces", "extra_special_tokens", "name_or_path", "model_input_names",
                "padding_side", "truncation_side", "split_special_tokens"} | set(SPECIAL_TOKENS)
 """``tokenizer_config.json`` keys :func:`open_fast` understands (checked values: see :func:`_plain_config`)."""
-MAX_VOCAB = 100000
-"""Above this many tokens transformers may patch the pre-tokenizer's regex (``_patch_mistral_regex``)."""
 
 
 GEMMA_PIPELINE = {
@@ -79,8 +78,6 @@ def _plain_config(conf: dict, backend) -> bool:
     if not isinstance(conf.get("chat_template", ""), str):
         return False
     if backend.post_processor is None or backend.truncation or backend.padding:
-        return False
-    if cls in GENERIC_CLASSES and backend.get_vocab_size(with_added_tokens=True) > MAX_VOCAB:
         return False
     added = {t.content: t for t in backend.get_added_tokens_decoder().values()}
     for key in SPECIAL_TOKENS:
