@@ -43,7 +43,8 @@ def head_dir(model, tmp_path_factory):
 
 
 METHODS = [dict(method="eagle", num_speculations=4), dict(method="rsd-c", branching="3,2,1"),
-           dict(method="rsd-s", beam_width=3, draft_length=3), dict(method="specinfer", branching="2,2")]
+           dict(method="rsd-s", beam_width=3, draft_length=3), dict(method="specinfer", branching="2,2"),
+           dict(method="eagle-lookup", num_speculations=4, min_ngram=1)]
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -57,7 +57,7 @@ _OURS_KEYS = {"E": "exit_layer", "K": "num_speculations", "draft": "draft_model"
 _ALLOWED = {
     "ar": ("rt",), "early-exit": ("E", "K", "adapter", "rt", "spec", "verif"),
     "draft-model": ("E", "K", "draft", "rt", "spec", "verif"), "prompt-lookup": ("K", "N", "n", "rt", "spec", "verif"),
-    "eagle": ("K", "head", "rt", "spec", "verif"), "rsd-c": ("E", "b", "draft", "adapter", "head", "rt", "spec", "verif"),
+    "eagle": ("K", "head", "rt", "spec", "verif"), "eagle-lookup": ("K", "N", "n", "head", "rt", "spec", "verif"), "rsd-c": ("E", "b", "draft", "adapter", "head", "rt", "spec", "verif"),
     "specinfer": ("E", "b", "draft", "adapter", "head", "rt", "spec", "verif"),
     "rsd-s": ("E", "W", "L", "draft", "adapter", "head", "rt", "spec", "verif"),
     "hf-ar": (), "hf-early-exit": ("E", "K"), "hf-prompt-lookup": ("K", "N"), "hf-assistant": ("E", "K"),

@@ -189,6 +189,12 @@ class Drafter(Generic[S]):
         n-gram that matched).  Default ``None``: one context."""
         return None
 
+    def round_costs(self, state: DecodingState[S], context, costs):
+        """The :class:`~speculant.engine.goodput.CostTable` that sizes rounds of ``context``: by default the
+        drafter's own ``costs`` (a drafter drafting two ways, e.g. prompt lookup before a head, gives each its own
+        cost per draft call)."""
+        return costs
+
     def verification_input(self, state: DecodingState[S], tree: DraftTree) -> VerificationInput:
         """The block to verify ``tree``: by default the embedded ``[root] + tree`` tokens from layer 0.
         A description only: no layer runs, no cache changes."""

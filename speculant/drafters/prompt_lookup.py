@@ -110,17 +110,23 @@ class PromptLookupDrafter(Drafter):
         return self._index(state).match(state.tokens, 1)[0]
 
     def draft(self, state, builder, generator, max_nodes, max_depth):
-        tree = DraftTree()
         k = builder.num_speculations if isinstance(builder, ChainBuilder) else max_depth
         _, cont = self._index(state).match(state.tokens, min(k, max_nodes, max_depth))
-        if state.controls is not None and state.controls.active:
-            # never draft a token the grammar or min_tokens forbids after the tokens before it
-            cont = cont[:state.controls.allowed_prefix(cont)]
-        vocab = state.target.config.vocab_size
-        one = torch.ones(1)
-        parent = -1
-        for tok in cont:
-            if not state.sampling.greedy:        # a point mass, kept sparse: [1] over the token id [1]
-                tree.set_draft_probs(parent, one, torch.tensor([tok]), vocab)
-            parent = tree.add(parent, tok)
-        return tree
+        return continuation_tree(state, cont)
+
+
+def continuation_tree(state, cont: list[int]) -> DraftTree:
+    """The chain of drafted tokens ``cont`` (cut where the generation's controls forbid a token), each a point mass
+    under sampling, kept sparse: ``[1]`` over its token id."""
+    tree = DraftTree()
+    if state.controls is not None and state.controls.active:
+        # never draft a token the grammar or min_tokens forbids after the tokens before it
+        cont = cont[:state.controls.allowed_prefix(cont)]
+    vocab = state.target.config.vocab_size
+    one = torch.ones(1)
+    parent = -1
+    for tok in cont:
+        if not state.sampling.greedy:
+            tree.set_draft_probs(parent, one, torch.tensor([tok]), vocab)
+        parent = tree.add(parent, tok)
+    return tree

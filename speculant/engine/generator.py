@@ -198,7 +198,10 @@ class SpeculativeGenerator:
             state = self._prefill(prompt_ids, config.sampling, min(ctx, len(prompt_ids) + max_new + budget + 2),
                                   generator, stats, t0, controls)
         costs = self.costs_for(config.sampling)
-        sizer = RoundSizer(costs, builder, self.drafter.capabilities.draft_confidence) if costs is not None else None
+        sizer = None
+        if costs is not None:
+            sizer = RoundSizer(costs, builder, self.drafter.capabilities.draft_confidence,
+                               lambda context: self.drafter.round_costs(state, context, costs))
         block = state.tokens[-1:]
         while True:
             yield list(block)

@@ -10,6 +10,7 @@ from ..drafters.draft_model import DraftModelDrafter, check_vocab_compatible, tr
 from ..drafters.eagle3 import head_drafter
 from ..drafters.early_exit import EarlyExitDrafter
 from ..drafters.exit_adapter import default_adapter_exit_layer, default_adapter_for, load_exit_adapter
+from ..drafters.lookup_head import with_lookup
 from ..drafters.prompt_lookup import PromptLookupDrafter
 from ..drafters.weights import tune_drafter
 from ..errors import SpeculantError, check_range
@@ -22,9 +23,9 @@ from .generator import SpeculativeGenerator
 from .goodput import CostTable
 from .speculation import check_speculation, cost_table
 
-METHODS = ("ar", "early-exit", "draft-model", "prompt-lookup", "eagle", "rsd-c", "rsd-s", "specinfer")
+METHODS = ("ar", "early-exit", "draft-model", "prompt-lookup", "eagle", "eagle-lookup", "rsd-c", "rsd-s", "specinfer")
 TREE_METHODS = ("rsd-c", "rsd-s", "specinfer")
-HEAD_METHODS = ("eagle",) + TREE_METHODS          # methods that can draft with a draft head
+HEAD_METHODS = ("eagle", "eagle-lookup") + TREE_METHODS          # methods that can draft with a draft head
 
 
 _USES = {
@@ -33,6 +34,7 @@ _USES = {
     "draft-model": ("draft_model", "num_speculations"),
     "prompt-lookup": ("num_speculations", "max_ngram", "min_ngram"),
     "eagle": ("draft_head", "num_speculations"),
+    "eagle-lookup": ("draft_head", "num_speculations", "max_ngram", "min_ngram"),
     "rsd-c": ("exit_layer", "exit_adapter", "draft_model", "draft_head", "branching"),
     "specinfer": ("exit_layer", "exit_adapter", "draft_model", "draft_head", "branching"),
     "rsd-s": ("exit_layer", "exit_adapter", "draft_model", "draft_head", "beam_width", "draft_length"),
@@ -40,7 +42,11 @@ _USES = {
 """The :class:`MethodSpec` parameters each method reads."""
 _DEFAULTS = {"num_speculations": 4, "max_ngram": 3, "min_ngram": 1, "branching": "2,2,2", "beam_width": 4,
              "draft_length": 4}
-_COST_DEFAULTS = {"prompt-lookup": {"num_speculations": 8, "max_ngram": 5}}
+_METHOD_DEFAULTS = {"eagle-lookup": {"min_ngram": 2}}
+"""Defaults of one method that differ from :data:`_DEFAULTS` (``eagle-lookup``: a 1-token match leaves the round to
+the head)."""
+_COST_DEFAULTS = {"prompt-lookup": {"num_speculations": 8, "max_ngram": 5},
+                  "eagle-lookup": {"num_speculations": 8, "max_ngram": 5}}
 """Defaults of one method under ``speculation="cost"`` that differ from :data:`_DEFAULTS`: prompt lookup's cost-aware
 rounds keep the acceptance per matched n-gram size, so long matches draft deep and short ones little
 (BENCHMARKS.md AW); rounds that always draft (the server's batches) keep the shorter defaults."""
@@ -117,7 +123,8 @@ class MethodSpec:
             raise SpeculantError(f"{name}={value!r} is not used by method={self.method!r}; it applies to: {users}")
         for name in uses:
             if name in _DEFAULTS and getattr(self, name) is None:
-                own = _COST_DEFAULTS.get(self.method, {}) if self.speculation == "cost" else {}
+                own = dict(_METHOD_DEFAULTS.get(self.method, {}))
+                own.update(_COST_DEFAULTS.get(self.method, {}) if self.speculation == "cost" else {})
                 setattr(self, name, own.get(name, _DEFAULTS[name]))
         k = self.num_speculations
         if k is not None and k != "auto":
@@ -164,12 +171,15 @@ def _drafter(spec: MethodSpec, model: LoadedModel) -> Drafter | None:
         return None
     if spec.method == "prompt-lookup":
         return PromptLookupDrafter(spec.max_ngram, spec.min_ngram)
-    if spec.method == "eagle" or spec.draft_head is not None:
+    if spec.method in ("eagle", "eagle-lookup") or spec.draft_head is not None:
         name = spec.draft_head or default_head_for(model.name)
         if name is None:
             raise SpeculantError(f"no draft head ships for model {model.name!r}; allowed: --draft-head DIR "
                                  "(train one with `speculant train --recipe draft-head`)")
-        return head_drafter(name, model)          # EAGLE-3 or our EAGLE-1/2-style head, in its tuned format
+        drafter = head_drafter(name, model)       # EAGLE-3 or our EAGLE-1/2-style head, in its tuned format
+        if spec.method == "eagle-lookup":
+            drafter = with_lookup(drafter, spec.max_ngram, spec.min_ngram)
+        return drafter
     if not drafts_with_exit_layers(spec.method, spec.draft_model):
         name = spec.draft_model
         if not name:
@@ -201,6 +211,20 @@ def drafter_signature(spec: MethodSpec) -> str:
     return spec.method + "".join(f",{f}={getattr(spec, f)}" for f in fields if getattr(spec, f) is not None)
 
 
+def lookup_costs(model: LoadedModel, spec: MethodSpec):
+    """``seconds(sampled)``: the measured seconds of one prompt-lookup draft call with ``spec``'s n-gram sizes and
+    length on ``model`` (greedy, or with the sampled acceptance's extra time), kept in the tune as prompt lookup's
+    own (:func:`speculant.engine.speculation.draft_seconds`): what an ``eagle-lookup`` round that copies pays."""
+    from .speculation import draft_seconds
+    lookup = MethodSpec(method="prompt-lookup", num_speculations=spec.num_speculations, max_ngram=spec.max_ngram,
+                        min_ngram=spec.min_ngram)
+    drafter, builder = _drafter(lookup, model), _builder(lookup)
+
+    def seconds(sampled: bool) -> float:
+        return draft_seconds(model, drafter, builder, drafter_signature(lookup), sampled)[1]
+    return seconds
+
+
 def build_generator(model: LoadedModel, spec: MethodSpec | None = None, costs: CostTable | None = None,
                     **kwargs) -> SpeculativeGenerator:
     """A :class:`SpeculativeGenerator` for ``spec`` (or ``MethodSpec(**kwargs)``).  Under ``speculation="cost"``
@@ -223,7 +247,13 @@ def build_generator(model: LoadedModel, spec: MethodSpec | None = None, costs: C
     elif costs is None:
         costs = cost_table(model, drafter, builder, drafter_signature(spec))
         if costs is not None:
+            lookup = lookup_costs(model, spec) if spec.method == "eagle-lookup" else None
+            if lookup is not None:
+                drafter.lookup_seconds = {True: lookup(False), False: 0.0}
+
             def sampled_costs():
+                if lookup is not None:
+                    drafter.lookup_seconds[False] = lookup(True)
                 return cost_table(model, drafter, builder, drafter_signature(spec), sampled=True)
     return SpeculativeGenerator(model, drafter, builder, verification=spec.verification, costs=costs,
                                 sampled_costs=sampled_costs)

@@ -196,8 +196,9 @@ class RoundSizer:
     loss budget; one context for a drafter without one).  :meth:`depth` before a round's drafting (and, for a
     drafter with draft confidence, ``state.draft_stop`` set), :meth:`observe` after its acceptance."""
 
-    def __init__(self, costs: CostTable, builder: TreeBuilder, confidence: bool):
+    def __init__(self, costs: CostTable, builder: TreeBuilder, confidence: bool, costs_of=None):
         self.costs = costs
+        self.costs_of = costs_of or (lambda context: costs)     # a context's own table (Drafter.round_costs)
         self.contexts: dict = {}
         self.nodes = nodes_at_depth(builder)
         self.confidence = confidence
@@ -206,7 +207,7 @@ class RoundSizer:
     def _of(self, context):
         from .goodput import SequenceSpeculation
         if context not in self.contexts:
-            self.contexts[context] = SequenceSpeculation(self.costs)
+            self.contexts[context] = SequenceSpeculation(self.costs_of(context))
         return self.contexts[context]
 
     def depth(self, state, max_depth: int, context=None) -> int:
