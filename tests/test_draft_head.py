@@ -277,3 +277,44 @@ def test_head_format_is_this_machines_fastest_and_kept(tmp_path, monkeypatch):
     assert len(timed) == 1
     packed = [mod for mod in random_head(m, seed=1).pack(fmt).modules() if isinstance(mod, PackedLinear)]
     assert bool(packed) == (fmt != "fp32")
+
+
+def test_a_round_after_ar_rounds_is_charged_the_heads_catch_up(model):
+    """The cost table's first-call figure was measured with every round drafting; a round after k ``ar`` rounds also
+    runs the k entries committed since (beyond one): :meth:`DraftHeadDrafter.round_extra_seconds` says so and the
+    policy's loss budget counts it; the prompt's entries are not charged (their one catch-up serves every later
+    round)."""
+    from speculant.drafters.eagle import measure_catchup_seconds
+    from speculant.engine.generator import SpeculativeGenerator
+    from speculant.engine.goodput import CostTable, SequenceSpeculation
+    from speculant.engine.speculation import RoundSizer
+    from speculant.trees.builders import ChainBuilder
+    head = random_head(model, seed=4)
+    assert measure_catchup_seconds(head, model.config.hidden_size, model.config.vocab_size) >= 0.0
+    drafter = DraftHeadDrafter(head)
+    drafter.catchup_seconds = 0.001
+    costs = CostTable({1: 0.01, 2: 0.012, 4: 0.016}, 0.002, 0.003)
+    charged, observed = [], []
+    depth, observe = RoundSizer.depth, SequenceSpeculation.observe
+
+    def spy(self, state, max_depth, context=None):
+        out = depth(self, state, max_depth, context)
+        charged.append((state.drafter_state.pending_count, state.drafter_state.prompt_pending, self.extra))
+        return out
+
+    def seen(self, drafted_depth, accepted, nodes=0, calls=0, extra_seconds=0.0):
+        observed.append((calls, extra_seconds))
+        return observe(self, drafted_depth, accepted, nodes, calls, extra_seconds)
+    RoundSizer.depth, SequenceSpeculation.observe = spy, seen
+    try:
+        gen = SpeculativeGenerator(model, drafter, ChainBuilder(2), costs=costs)
+        gen.generate(PROMPTS["varied"], GenerationConfig(max_new_tokens=20))
+    finally:
+        RoundSizer.depth, SequenceSpeculation.observe = depth, observe
+    assert charged[0] == (len(PROMPTS["varied"]), len(PROMPTS["varied"]), 0.0)    # the prompt: not charged
+    later = [(p, extra) for p, prompt, extra in charged[1:] if not prompt]
+    assert later and all(extra == pytest.approx(0.001 * max(0, p - 1)) for p, extra in later)
+    assert any(p > 1 for p, _ in later)             # some round followed ar rounds (or an accepted draft)
+    # what the loss budget counted: the round's extra seconds where it drafted, nothing where it did not
+    assert len(observed) == len(charged)
+    assert all(got == (extra if calls else 0.0) for (calls, got), (_, _, extra) in zip(observed, charged))

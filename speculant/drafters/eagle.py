@@ -20,6 +20,7 @@ many are accepted.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -43,8 +44,12 @@ class HeadState(ModelDraftState):
     Attributes:
         cache: the head's KV cache; slots ``0 .. cache.length-1`` hold committed entries ``offset ..``.
         offset: prompt positions without head entries (a prompt longer than the drafter's ``prompt_window``).
-        pending: target features ``[P, D]`` of committed positions ``cache.length .. cache.length+P-1``
-            whose entries the head has not run yet (the next root step runs them).
+        pending: target features ``[P_i, D]``, in order, of committed positions ``cache.length ..
+            cache.length+P-1`` (``P`` = :attr:`pending_count`) whose entries the head has not run yet (the next root
+            step runs them); kept as the blocks' parts and concatenated once, at the catch-up (a round without drafts
+            appends one part, not a copy of all).
+        pending_count: ``P``, the rows of :attr:`pending` [entries].
+        prompt_pending: how many of ``pending`` are the prompt's (0 once the first catch-up ran) [entries].
         block_features: target features ``[N+1, D]`` of the last verified block (root first).
         predicted: the head's predicted features ``[1, D]`` of each block entry drafted from so far this
             round (root at index 0), by block entry.
@@ -53,7 +58,9 @@ class HeadState(ModelDraftState):
 
     cache: KVCache | None = None
     offset: int = 0
-    pending: torch.Tensor | None = None
+    pending: list[torch.Tensor] | None = None
+    pending_count: int = 0
+    prompt_pending: int = 0
     block_features: torch.Tensor | None = None
     predicted: list[torch.Tensor] = field(default_factory=list)
 
@@ -71,6 +78,9 @@ class DraftHeadDrafter(ModelDrafterBase[HeadState]):
     name = "eagle"
     capabilities = DrafterCapabilities(own_prefill=True, needs_features=True, draft_confidence=True)
     prompt_window = PROMPT_WINDOW
+    catchup_seconds = 0.0
+    """Seconds of the head's catch-up per committed entry beyond one [s] (:func:`measure_catchup_seconds`; 0: not
+    measured), charged to a drafting round's first draft call (:meth:`round_extra_seconds`)."""
 
     def __init__(self, head: DraftHead):
         self.head = head
@@ -80,7 +90,17 @@ class DraftHeadDrafter(ModelDrafterBase[HeadState]):
         (``None``: all), the positions before them the state's ``offset``."""
         st = state.drafter_state
         st.offset = max(0, len(features) - self.prompt_window) if self.prompt_window is not None else 0
-        st.pending = features[st.offset:]
+        st.pending = [features[st.offset:]]
+        st.pending_count = st.prompt_pending = len(st.pending[0])
+
+    def round_extra_seconds(self, state: DecodingState[HeadState]) -> float:
+        """The head's catch-up of the entries committed since it last ran, beyond one [s]: what a drafting round
+        after a stretch of ``ar`` rounds pays on top of the cost table's first-call figure (measured with every
+        round drafting).  The prompt's entries are not counted: their one catch-up serves every later round.  A
+        count times a measured constant, so the sizing stays a function of the tokens."""
+        st = state.drafter_state
+        extra = max(0, st.pending_count - st.prompt_pending - 1)
+        return extra * self.catchup_seconds
 
     # ---------------------------------------------------------------- target forwards
     def begin(self, state: DecodingState[HeadState]) -> HeadState:
@@ -103,7 +123,8 @@ class DraftHeadDrafter(ModelDrafterBase[HeadState]):
         n = len(state.tokens) - 1                        # the root's position, before the tokens grow
         st.cache.crop(min(st.cache.length, n - st.offset))   # drop this round's tree entries
         kept = st.block_features[[0] + [i + 1 for i in path]]
-        st.pending = torch.cat([st.pending, kept]) if len(st.pending) else kept
+        st.pending.append(kept)
+        st.pending_count += len(kept)
         st.block_features = None
 
     # ---------------------------------------------------------------- drafting
@@ -123,14 +144,15 @@ class DraftHeadDrafter(ModelDrafterBase[HeadState]):
         st, head = state.drafter_state, self.head
         n, base = state.n, st.offset
         if first_entry == 0:
-            if st.pending is None or base + st.cache.length + len(st.pending) != n:
+            if st.pending is None or base + st.cache.length + st.pending_count != n:
                 raise SpeculantError("the eagle drafter needs its own prefill (Drafter.prefill) before drafting")
             # catch up: entries m .. n-1 read the target features of positions m .. n-1 (the last: the root's parent)
             m = base + st.cache.length
             toks = torch.tensor(state.tokens[m + 1:n + 1], dtype=torch.long)
-            out, logits = head.step(st.pending.to(head.dtype), toks, torch.arange(m, n), None, st.cache, m - base, 1)
+            pending = st.pending[0] if len(st.pending) == 1 else torch.cat(st.pending)
+            out, logits = head.step(pending.to(head.dtype), toks, torch.arange(m, n), None, st.cache, m - base, 1)
             st.cache.crop(n - base)
-            st.pending = st.pending[:0]
+            st.pending, st.pending_count, st.prompt_pending = [], 0, 0
             st.predicted = [out[-1:]]
         else:
             nodes = range(first_entry - 1, len(tree))
@@ -145,3 +167,25 @@ class DraftHeadDrafter(ModelDrafterBase[HeadState]):
             out, logits = head.step(feats, toks, positions, mask, st.cache, n - base + first_entry - 1)
             st.predicted.extend(out[i:i + 1] for i in range(len(nodes)))
         return logits
+
+
+def measure_catchup_seconds(head: DraftHead, feature_size: int, vocab_size: int, rows: int = 33,
+                            repeats: int = 5) -> float:
+    """Seconds per entry of a :class:`DraftHead` catch-up beyond one: ``(t(rows) - t(1)) / (rows - 1)`` of
+    :meth:`DraftHead.step` over ``rows`` and 1 random entries ``[rows, feature_size]`` into a fresh cache, each the
+    least of ``repeats`` [s] (>= 0)."""
+    gen = torch.Generator().manual_seed(3)
+    feats = torch.randn(rows, feature_size, generator=gen).to(head.dtype)
+    toks = torch.randint(vocab_size, (rows,), generator=gen)
+
+    def seconds(p: int) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            cache = head.new_cache(rows + 1)
+            t0 = time.perf_counter()
+            head.step(feats[:p], toks[:p], torch.arange(p), None, cache, 0, 1)
+            best = min(best, time.perf_counter() - t0)
+        return best
+    with torch.inference_mode():
+        seconds(rows)                                       # warm-up
+        return max(0.0, (seconds(rows) - seconds(1)) / (rows - 1))

@@ -66,4 +66,23 @@ def head_drafter(name: str, model) -> DraftHeadDrafter:
     head = load_head(path, model)
     tune_drafter(model, "draft-head", head)
     tune_head_route(model, head)             # one C call or the torch modules, as measured here
-    return DraftHeadDrafter(head)
+    drafter = DraftHeadDrafter(head)
+    drafter.catchup_seconds = catchup_seconds(model, head, str(name))
+    return drafter
+
+
+def catchup_seconds(model, head, name: str) -> float:
+    """The head's catch-up seconds per entry (:func:`~speculant.drafters.eagle.measure_catchup_seconds`), measured
+    once per machine, model and head and kept in the model's tune (``draft_ms``, in ms); 0 without a tune (no
+    cost-aware rounds)."""
+    from .eagle import measure_catchup_seconds
+    tune = getattr(model, "tune", None)
+    if tune is None:
+        return 0.0
+    key = f"catch-up,draft_head={name}"
+    if key not in tune.draft_ms:
+        seconds = measure_catchup_seconds(head, model.config.hidden_size, model.config.vocab_size)
+        tune.draft_ms[key] = round(seconds * 1e3, 6)
+        from ..runtime import tune as tune_module
+        tune_module.save(tune)
+    return tune.draft_ms[key] / 1e3

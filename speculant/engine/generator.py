@@ -201,7 +201,8 @@ class SpeculativeGenerator:
         sizer = None
         if costs is not None:
             sizer = RoundSizer(costs, builder, self.drafter.capabilities.draft_confidence,
-                               lambda context: self.drafter.round_costs(state, context, costs))
+                               lambda context: self.drafter.round_costs(state, context, costs),
+                               lambda: self.drafter.round_extra_seconds(state))
         block = state.tokens[-1:]
         while True:
             yield list(block)

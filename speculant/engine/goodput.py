@@ -373,16 +373,19 @@ class SequenceSpeculation:
         stop.refuses = refuses
         return stop
 
-    def observe(self, drafted_depth: int, accepted: int, nodes: int = 0, calls: int = 0) -> None:
+    def observe(self, drafted_depth: int, accepted: int, nodes: int = 0, calls: int = 0,
+                extra_seconds: float = 0.0) -> None:
         """The round drafted ``drafted_depth`` depths (``nodes`` tree nodes, in ``calls`` draft calls: a drafter
-        with draft confidence may make one more call than the depths it kept) and accepted ``accepted`` tokens."""
+        with draft confidence may make one more call than the depths it kept) and accepted ``accepted`` tokens;
+        ``extra_seconds``: what its drafting paid beyond the table (an EAGLE head's catch-up after ``ar`` rounds),
+        counted in what the rounds lost (the loss budget) [s]."""
         if self._probing:
             if not accepted:
                 self.interval = min(2 * self.interval, self.max_explore_every)
         if drafted_depth:
             self.acceptance.observe(drafted_depth, accepted)
         cost = self.policy.cost
-        seconds = cost(1 + nodes) + self.costs.drafting_seconds(calls)
+        seconds = cost(1 + nodes) + self.costs.drafting_seconds(calls) + extra_seconds
         self.spent += seconds
         if calls or nodes:
             self.saved += (1 + accepted) * cost(1) - seconds

@@ -196,9 +196,11 @@ class RoundSizer:
     loss budget; one context for a drafter without one).  :meth:`depth` before a round's drafting (and, for a
     drafter with draft confidence, ``state.draft_stop`` set), :meth:`observe` after its acceptance."""
 
-    def __init__(self, costs: CostTable, builder: TreeBuilder, confidence: bool, costs_of=None):
+    def __init__(self, costs: CostTable, builder: TreeBuilder, confidence: bool, costs_of=None, extra_of=None):
         self.costs = costs
         self.costs_of = costs_of or (lambda context: costs)     # a context's own table (Drafter.round_costs)
+        self.extra_of = extra_of                                # the round's extra seconds (round_extra_seconds)
+        self.extra = 0.0
         self.contexts: dict = {}
         self.nodes = nodes_at_depth(builder)
         self.confidence = confidence
@@ -214,6 +216,7 @@ class RoundSizer:
         """The round's depth bound in ``0 .. max_depth`` (0: an ``ar`` round) in round context ``context``; sets
         ``state.draft_stop``."""
         self.speculation = self._of(context)
+        self.extra = self.extra_of() if self.extra_of is not None else 0.0
         d = self.speculation.depth(max_depth, self.nodes) if max_depth > 0 else 0
         state.draft_stop = self.speculation.stop_rule(self.nodes) if d and self.confidence else None
         return d
@@ -221,7 +224,7 @@ class RoundSizer:
     def observe(self, drafted_depth: int, accepted: int, nodes: int, calls: int) -> None:
         """The round (sized by the last :meth:`depth`) had ``drafted_depth`` depths and ``nodes`` nodes, drafted in
         ``calls`` draft calls, and ``accepted`` tokens of it were accepted."""
-        self.speculation.observe(drafted_depth, accepted, nodes, calls)
+        self.speculation.observe(drafted_depth, accepted, nodes, calls, self.extra if calls else 0.0)
 
 
 def timed(fn, *args):
