@@ -223,3 +223,15 @@ def test_a_drafter_with_its_own_verification_is_verified_alone_and_stays_exact(m
     bg = BatchedGenerator(model, _OwnVerification(), ChainBuilder(3))
     assert not bg.batched_verification
     assert decode_staggered(bg, [GenerationConfig(max_new_tokens=n) for n in LENGTHS]) == want
+
+
+def test_batched_eagle_lookup_equals_each_sequence_alone_with_ar(model, tmp_path):
+    """Prompt lookup before a draft head in a batch: each sequence's own n-gram index and head state."""
+    from speculant.drafters.draft_head import new_head, save_head
+    torch.manual_seed(0)
+    save_head(new_head(tiny_model(seed=1, scale=2.5, layers=4), torch.arange(0, model.config.vocab_size, 2)), tmp_path)
+    kw = {"draft_head": str(tmp_path), "min_ngram": 1}
+    ar = build_generator(model, method="ar")
+    want = [ar.generate(p, GenerationConfig(max_new_tokens=n)).token_ids for p, n in zip(PROMPTS, LENGTHS)]
+    assert decode_staggered(batched_for(model, "eagle-lookup", kw),
+                            [GenerationConfig(max_new_tokens=n) for n in LENGTHS]) == want
