@@ -13,7 +13,8 @@ their own cost per draft call (:meth:`LookupMixin.round_costs`).  Drafts never c
 
 from __future__ import annotations
 
-from ..engine.goodput import CostTable
+from dataclasses import replace
+
 from ..trees.builders import ChainBuilder
 from .prompt_lookup import NgramIndex, continuation_tree
 
@@ -43,12 +44,12 @@ class LookupMixin:
         n, _ = state.drafter_state.lookup.match(state.tokens, 1)
         return ("lookup", n) if n else None
 
-    def round_costs(self, state, context, costs: CostTable) -> CostTable:
+    def round_costs(self, state, context, costs):
         """The head's ``costs`` for its own rounds; a lookup round's draft calls cost :attr:`lookup_seconds`."""
         if context is None:
             return costs
         c = self.lookup_seconds[state.sampling.greedy]
-        return CostTable(costs.forward_seconds, c, c)
+        return replace(costs, draft_seconds=c, first_draft_seconds=c)
 
     def round_extra_seconds(self, state) -> float:
         """The head's catch-up (:meth:`DraftHeadDrafter.round_extra_seconds`) in its own rounds; none in a round that
