@@ -32,8 +32,11 @@ from .base import (DecodingState, DrafterCapabilities, ModelDrafterBase, ModelDr
 from .draft_head import DraftHead
 
 
-PROMPT_WINDOW: int | None = None
-"""The prompt positions a head's catch-up runs over by default (the last ones; ``None``: all)."""
+PROMPT_WINDOW: int | None = 256
+"""The prompt positions a head's catch-up runs over by default (the last ones; ``None``: all) [tokens].  Prompts up
+to this length are caught up whole; over longer ones (summaries, RAG: 670-930 tokens) the whole-prompt catch-up cost
+~2 % of a generation whether drafting then paid or not, and the window lifted the head methods 2-9 % there
+(BENCHMARKS.md AW.5; a 64-token window lowered RSD-C's acceptance on a shorter math prompt, AV)."""
 
 
 @dataclass
