@@ -371,7 +371,7 @@ def _losing_run(loss_budget, rounds=1000):
         d = s.depth(4, chain)
         probes += s._probing
         if not d and settled is None:
-            settled = -s.saved
+            settled = -s.ledger.saved
         s.observe(d, 0, d, d)
     return s, probes, settled
 
@@ -382,10 +382,10 @@ def test_the_loss_budget_bounds_what_failing_probes_lose():
     the same drafter probes more and loses more (the check can fail)."""
     s, probes, settled = _losing_run(0.002)
     probe_loss = SWITCHING.forward_seconds[2] + SWITCHING.draft_seconds - SWITCHING.forward_seconds[1]
-    assert probes > 0 and -s.saved > settled                       # it probed, and lost
-    assert -s.saved <= settled + 0.002 * s.spent + probe_loss, (s.saved, s.spent, settled)
+    assert probes > 0 and -s.ledger.saved > settled                       # it probed, and lost
+    assert -s.ledger.saved <= settled + 0.002 * s.ledger.spent + probe_loss, (s.ledger.saved, s.ledger.spent, settled)
     loose, loose_probes, _ = _losing_run(0.99)
-    assert loose_probes > probes and -loose.saved > settled + 0.002 * loose.spent + probe_loss
+    assert loose_probes > probes and -loose.ledger.saved > settled + 0.002 * loose.ledger.spent + probe_loss
 
 
 def test_a_paying_drafter_is_not_held_back_by_the_budget(model, ar_ids):
@@ -476,3 +476,19 @@ def test_each_round_context_keeps_its_own_acceptance(model):
     assert even == 1.0                            # the right context drafts every round
     assert odd <= 0.25                            # the wrong one stops after a few, then only probes
     assert Drafter.round_context(drafter, None) is None     # the base class: one context
+
+
+def test_round_contexts_share_one_loss_budget():
+    """The loss budget is the generation's, not each context's: once failing probes in some contexts spent it, no
+    context probes, and a context never seen before does not draft its first round either."""
+    from types import SimpleNamespace
+
+    from speculant.engine.speculation import RoundSizer
+    sizer = RoundSizer(SWITCHING, ChainBuilder(4), confidence=False)
+    state = SimpleNamespace(draft_stop=None)
+    for r in range(400):                               # contexts 0..3 in turn, every draft rejected
+        d = sizer.depth(state, 4, r % 4)
+        sizer.observe(d, 0, d, d)
+    assert len(sizer.contexts) == 5 and all(s.ledger is sizer.ledger for s in sizer.contexts.values())  # + None
+    assert not sizer.speculation.within_budget()
+    assert sizer.depth(state, 4, "new") == 0

@@ -62,7 +62,7 @@ def sample(small, head_dir, min_ngram=2):
         toks, stats = run(gen, SMALL_PROMPT, LENGTH, SamplingConfig(seed=seed, **SAMPLING))
         forwards += stats.draft_forwards
         outs.append(tuple(toks))
-    assert seen["lookup"] > RUNS // 10 and forwards > RUNS // 10, (seen, forwards)     # both kinds drafted
+    assert seen["lookup"] > RUNS // 10 and forwards > RUNS // 25, (seen, forwards)     # both kinds drafted
     return outs
 
 

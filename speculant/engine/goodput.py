@@ -268,6 +268,16 @@ class CostTable:
                 raise SpeculantError(f"{name}={value!r} is invalid; allowed: a number >= 0")
 
 
+@dataclass
+class Ledger:
+    """What a generation's drafting rounds saved against ``ar`` rounds and what all its rounds took, valued from the
+    cost tables [s]: the loss budget of :class:`SequenceSpeculation`, shared by all of a generation's round contexts
+    (so that probing in several contexts loses no more than probing in one)."""
+
+    saved: float = 0.0
+    spent: float = 0.0
+
+
 class SequenceSpeculation:
     """Cost-aware sizing of one sequence's rounds: the :class:`GoodputPolicy` choice at ``batch = 1`` from a fixed
     :class:`CostTable` and the sequence's own :class:`DepthAcceptance`; the round's depth is an upper bound that the
@@ -296,7 +306,7 @@ class SequenceSpeculation:
     """
 
     def __init__(self, costs: CostTable, explore_every: int = 16, smoothing: float = 0.2,
-                 max_explore_every: int = 256, loss_budget: float = 0.01):
+                 max_explore_every: int = 256, loss_budget: float = 0.01, ledger: "Ledger | None" = None):
         if explore_every < 1 or max_explore_every < explore_every:
             raise SpeculantError(f"explore_every={explore_every}, max_explore_every={max_explore_every} are out of "
                                  "range; allowed: 1 <= explore_every <= max_explore_every")
@@ -307,8 +317,7 @@ class SequenceSpeculation:
         self.acceptance = DepthAcceptance(smoothing)
         self.interval = explore_every        # rounds without drafts before the next probe [count]
         self.loss_budget = loss_budget
-        self.saved = 0.0                     # table seconds the drafting rounds saved against ar rounds [s]
-        self.spent = 0.0                     # table seconds of every round so far [s]
+        self.ledger = ledger if ledger is not None else Ledger()    # shared by a generation's round contexts
         self._without = 0
         self._probing = False                # the last depth returned was a probe's
         self._first = True                   # no round sized yet
@@ -320,16 +329,16 @@ class SequenceSpeculation:
 
     def within_budget(self) -> bool:
         """Whether drafting has lost less than ``loss_budget`` of the rounds' time so far."""
-        return self.saved + self.loss_budget * self.spent >= 0.0
+        return self.ledger.saved + self.loss_budget * self.ledger.spent >= 0.0
 
     def depth(self, max_depth: int, nodes_at_depth) -> int:
         """The next round's depth bound (0: an ``ar`` round)."""
         self._probing = False
         if max_depth < 1:
             return 0
-        if self._first:
+        if self._first:                      # (a later round context's first round: only within the budget)
             self._first = False
-            return 1 if self.could_pay(max_depth, nodes_at_depth) else 0
+            return 1 if self.could_pay(max_depth, nodes_at_depth) and self.within_budget() else 0
         d = self._depth(max_depth, nodes_at_depth, self.acceptance)
         if d == 0 and self.could_pay(max_depth, nodes_at_depth):
             self._without += 1
@@ -386,9 +395,9 @@ class SequenceSpeculation:
             self.acceptance.observe(drafted_depth, accepted)
         cost = self.policy.cost
         seconds = cost(1 + nodes) + self.costs.drafting_seconds(calls) + extra_seconds
-        self.spent += seconds
+        self.ledger.spent += seconds
         if calls or nodes:
-            self.saved += (1 + accepted) * cost(1) - seconds
+            self.ledger.saved += (1 + accepted) * cost(1) - seconds
 
 
 _ALWAYS = DepthAcceptance(prior=1.0)

@@ -192,8 +192,8 @@ def cost_table(model, drafter, builder: TreeBuilder | None, signature: str, samp
 class RoundSizer:
     """One generation's round sizing: a :class:`~speculant.engine.goodput.SequenceSpeculation` from ``costs`` and
     the builder's tree shape per round context (the drafter's :meth:`~speculant.drafters.base.Drafter.round_context`,
-    e.g. the size of the n-gram prompt lookup matched: each context keeps its own acceptance per depth, probes and
-    loss budget; one context for a drafter without one).  :meth:`depth` before a round's drafting (and, for a
+    e.g. the size of the n-gram prompt lookup matched: each context keeps its own acceptance per depth and probes;
+    the loss budget is the generation's, shared; one context for a drafter without one).  :meth:`depth` before a round's drafting (and, for a
     drafter with draft confidence, ``state.draft_stop`` set), :meth:`observe` after its acceptance."""
 
     def __init__(self, costs: CostTable, builder: TreeBuilder, confidence: bool, costs_of=None, extra_of=None):
@@ -207,9 +207,11 @@ class RoundSizer:
         self.speculation = self._of(None)
 
     def _of(self, context):
-        from .goodput import SequenceSpeculation
+        from .goodput import Ledger, SequenceSpeculation
         if context not in self.contexts:
-            self.contexts[context] = SequenceSpeculation(self.costs_of(context))
+            if not self.contexts:
+                self.ledger = Ledger()
+            self.contexts[context] = SequenceSpeculation(self.costs_of(context), ledger=self.ledger)
         return self.contexts[context]
 
     def depth(self, state, max_depth: int, context=None) -> int:
