@@ -31,15 +31,19 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
                         "--num-speculations is given) of this machine's stored sweep, else the measured defaults "
                         "shipped for the model (default: the shipped exit adapter's layer, else min(8, layers/2))")
     g.add_argument("--num-speculations", default=None,
-                   help="speculation length K: an int (default 4; prompt-lookup with cost-aware rounds: 8) or 'auto' "
+                   help="speculation length K: an int (default 4; prompt-lookup and eagle-lookup with cost-aware rounds: 8) or 'auto' "
                         "= adaptive length (stops drafting when the draft's confidence is low)")
     g.add_argument("--draft-model", default=None, help="draft model name, GGUF file, HF directory, or truncated:E")
     g.add_argument("--exit-adapter", default=None, help="trained exit adapter: a name ('default') or a directory")
     g.add_argument("--draft-head", default=None,
-                   help="trained draft head (EAGLE): a name ('default') or a directory; drafts for eagle "
-                        "(default: the shipped 'default') and, when given, for rsd-c/rsd-s/specinfer")
-    g.add_argument("--max-ngram", type=int, default=None, help="prompt lookup: longest n-gram (tokens, default 5 with cost-aware rounds, else 3)")
-    g.add_argument("--min-ngram", type=int, default=None, help="prompt lookup: shortest n-gram (tokens, default 1)")
+                   help="trained draft head (EAGLE): a name ('default') or a directory; drafts for eagle and "
+                        "eagle-lookup (default: the shipped 'default') and, when given, for rsd-c/rsd-s/specinfer")
+    g.add_argument("--max-ngram", type=int, default=None,
+                   help="prompt-lookup / eagle-lookup: longest n-gram matched (tokens; default 5 with cost-aware "
+                        "rounds, else 3)")
+    g.add_argument("--min-ngram", type=int, default=None,
+                   help="prompt-lookup / eagle-lookup: shortest n-gram matched (tokens; default 1, eagle-lookup 2: "
+                        "shorter matches leave the round to the head)")
     g.add_argument("--branching", default=None,
                    help="rsd-c/specinfer: children per node at each depth, e.g. 3,2,1 (default 2,2,2)")
     g.add_argument("--beam-width", type=int, default=None, help="rsd-s: beam width W (default 4)")
