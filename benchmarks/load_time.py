@@ -9,6 +9,7 @@ the cache the first cold run filled.  Peak RSS is the child's ``ru_maxrss`` from
 Usage::
 
     python benchmarks/load_time.py --cold 1 --warm 3 [--model smollm2-135m] [--weights auto] [--keep DIR]
+    python benchmarks/load_time.py --cold 0 --warm 4 --cache DIR [--model M]   # later loads on a kept cache
 
 Prints a Markdown table (seconds, MiB) with the CPU model; raises SystemExit if a run fails.
 """
@@ -62,12 +63,16 @@ def main(argv=None) -> int:
     ap.add_argument("--cold", type=int, default=1, help="runs with an empty cache (each its own)")
     ap.add_argument("--warm", type=int, default=3, help="runs reusing the first cold run's cache")
     ap.add_argument("--keep", default=None, help="use this directory as the first cold cache and keep it")
+    ap.add_argument("--cache", default=None,
+                    help="warm runs only, on this already filled cache (with --cold 0); kept as it is")
     args = ap.parse_args(argv)
-    if args.cold < 1 or args.warm < 0:
-        ap.error(f"--cold {args.cold} / --warm {args.warm}: allowed --cold >= 1, --warm >= 0")
+    if args.cold < (0 if args.cache else 1) or args.warm < 0 or (args.cache and args.cold):
+        ap.error(f"--cold {args.cold} / --warm {args.warm}: allowed --cold >= 1, --warm >= 0; with --cache: "
+                 "--cold 0")
     cmd = [sys.executable, "-m", "speculant.cli", "generate", "--model", args.model, "--weights", args.weights,
            "--max-new-tokens", "1", args.prompt]
     rows, caches = [], []
+    warm_cache = args.cache
     try:
         for i in range(args.cold):
             if i == 0 and args.keep:
@@ -91,7 +96,7 @@ def main(argv=None) -> int:
     print(f"command: SPECULANT_CACHE=<dir> {' '.join(cmd[1:])}\n")
     print("| run | # | to the first token [s] | to exit [s] | peak RSS [MiB] |\n|---|---|---|---|---|")
     for kind, i, first, wall, rss in rows:
-        print(f"| {kind} | {i} | {first:.1f} | {wall:.1f} | {rss:.0f} |")
+        print(f"| {kind} | {i} | {first:.2f} | {wall:.2f} | {rss:.0f} |")
     return 0
 
 

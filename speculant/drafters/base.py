@@ -195,9 +195,9 @@ class Drafter(Generic[S]):
         cost per draft call)."""
         return costs
 
-    def round_extra_seconds(self, state: DecodingState[S]) -> float:
-        """Seconds a drafting round in this state pays beyond its cost table's figures [s] (an EAGLE head's catch-up
-        after ``ar`` rounds); a cost-aware policy counts them in what its rounds lost, which bounds its probes
+    def round_extra_seconds(self, state: DecodingState[S], context) -> float:
+        """Seconds a drafting round of ``context`` in this state pays beyond its cost table's figures [s] (an EAGLE
+        head's catch-up after ``ar`` rounds); a cost-aware policy counts them in what its rounds lost, which bounds its probes
         (:class:`~speculant.engine.goodput.SequenceSpeculation`), not in the depth it chooses.  Default 0."""
         return 0.0
 

@@ -96,7 +96,7 @@ class DraftHeadDrafter(ModelDrafterBase[HeadState]):
         st.pending = [features[st.offset:]]
         st.pending_count = st.prompt_pending = len(st.pending[0])
 
-    def round_extra_seconds(self, state: DecodingState[HeadState]) -> float:
+    def round_extra_seconds(self, state: DecodingState[HeadState], context=None) -> float:
         """The head's catch-up of the entries committed since it last ran, beyond one [s]: what a drafting round
         after a stretch of ``ar`` rounds pays on top of the cost table's first-call figure (measured with every
         round drafting).  The prompt's entries are not counted: their one catch-up serves every later round.  A

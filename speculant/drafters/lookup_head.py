@@ -51,11 +51,10 @@ class LookupMixin:
         c = self.lookup_seconds[state.sampling.greedy]
         return replace(costs, draft_seconds=c, first_draft_seconds=c)
 
-    def round_extra_seconds(self, state) -> float:
+    def round_extra_seconds(self, state, context=None) -> float:
         """The head's catch-up (:meth:`DraftHeadDrafter.round_extra_seconds`) in its own rounds; none in a round that
-        copies (its match was found for :meth:`round_context`)."""
-        n, _ = state.drafter_state.lookup.match(state.tokens, 1)
-        return 0.0 if n else super().round_extra_seconds(state)
+        copies."""
+        return 0.0 if context is not None else super().round_extra_seconds(state, context)
 
     def draft(self, state, builder, generator, max_nodes, max_depth):
         k = builder.num_speculations if isinstance(builder, ChainBuilder) else max_depth

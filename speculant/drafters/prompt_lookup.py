@@ -60,11 +60,11 @@ class NgramIndex:
         if len(tokens) < self.indexed:                  # the list was cut: start over
             self.ends = {n: {} for n in self.sizes}
             self.indexed = 0
-        for end in range(max(self.indexed, 1), len(tokens)):
+        for end in range(self.indexed, len(tokens)):
             for n in self.sizes:
                 if end >= n:
                     self.ends[n][tuple(tokens[end - n:end])] = end
-        self.indexed = max(self.indexed, len(tokens))
+        self.indexed = len(tokens)
 
     def match(self, tokens: list[int], length: int) -> tuple[int, list[int]]:
         """``(n, continuation)``: the size of the longest suffix n-gram that occurred before (0: none) and the at most
@@ -75,10 +75,8 @@ class NgramIndex:
             if n >= total:
                 continue
             end = self.ends[n].get(tuple(tokens[total - n:]))
-            if end is not None:
-                cont = tokens[end:end + length]
-                if cont:
-                    return n, cont
+            if end is not None:                          # end < total: a continuation of at least one token
+                return n, tokens[end:end + length]
         return 0, []
 
 

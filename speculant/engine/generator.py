@@ -202,7 +202,7 @@ class SpeculativeGenerator:
         if costs is not None:
             sizer = RoundSizer(costs, builder, self.drafter.capabilities.draft_confidence,
                                lambda context: self.drafter.round_costs(state, context, costs),
-                               lambda: self.drafter.round_extra_seconds(state))
+                               lambda context: self.drafter.round_extra_seconds(state, context))
         block = state.tokens[-1:]
         while True:
             yield list(block)

@@ -218,7 +218,7 @@ class RoundSizer:
         """The round's depth bound in ``0 .. max_depth`` (0: an ``ar`` round) in round context ``context``; sets
         ``state.draft_stop``."""
         self.speculation = self._of(context)
-        self.extra = self.extra_of() if self.extra_of is not None else 0.0
+        self.extra = self.extra_of(context) if self.extra_of is not None else 0.0
         d = self.speculation.depth(max_depth, self.nodes) if max_depth > 0 else 0
         state.draft_stop = self.speculation.stop_rule(self.nodes) if d and self.confidence else None
         return d
