@@ -344,3 +344,29 @@ def test_the_tuner_keeps_w4a8_unless_another_format_wins_decoding_without_losing
     not_invariant = [row("bf16", 1.0, 1.0, False), row("int8", 5.0, 8.0), row("int4", 4.0, 9.0)]
     assert tune.choose_format(not_invariant)["format"] == "int8"                  # no w4a8 here: int8 is the default
     assert tune.choose_format([row("fp32", 9.0, 9.0, False), row("bf16", 8.0, 9.0, False)])["format"] == "bf16"
+
+
+@pytest.mark.skipif("w4a8" not in FORMATS, reason="the fused step needs our kernels, which do not build here")
+def test_forward_costs_are_timed_with_the_tuned_choices_and_measured_again_when_older(tmp_path, monkeypatch):
+    """The T-row forward costs (the cost-aware policy's table) are timed on an executor with the KV cache dtype and
+    weight prefetch decoding will use (not on the tuner's probe), and a tune whose ``forward_ms`` was measured the
+    older way (``forward_version`` below :data:`tune.FORWARD_VERSION`) has them measured again, once."""
+    from helpers import on_fused_step
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    model = on_fused_step(packable_tiny())
+    probe = executor_of(model).replace(kv_dtype=torch.float32, weight_prefetch=0)
+    result = tune.TuneResult(key=tune.tune_key(model.config, 1), weights="w4a8", fp32_route="linear", threads=1,
+                             fused_prompt_tokens=64, weight_prefetch=512, kv_cache="float16",
+                             decode_thread_ms={"1": 1.0}, forward_ms={"1": 9.0, "2": 30.0}, forward_version=1)
+    seen = []
+
+    def timed(executor, **kw):
+        seen.append((executor.kv_dtype, executor.weight_prefetch))
+        return {"1": 1.0, "2": 1.1}
+    monkeypatch.setattr(tune, "measure_forward_rows", timed)
+    assert tune.complete_for_fused(result, probe)
+    assert seen == [(torch.float16, 512)] and result.forward_ms == {"1": 1.0, "2": 1.1}
+    assert result.forward_version == tune.FORWARD_VERSION
+    assert tune.load(result.key).forward_ms == {"1": 1.0, "2": 1.1}          # saved
+    assert not tune.complete_for_fused(result, probe) and len(seen) == 1      # current: not measured again
+    assert (probe.kv_dtype, probe.weight_prefetch) == (torch.float32, 0)      # the probe left as it was

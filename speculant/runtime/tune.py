@@ -37,8 +37,8 @@ it runs alone (a decoding step) or inside a block (a verification).  So :func:`m
    dtype of ``--kv-cache auto`` in that format;
 9. in that format too, times a decode loop of the fused step with each thread count (:func:`measure_decode_threads`)
    and keeps the default count unless another is faster by more than the noise (``threads``);
-10. in that format too, with that thread count, times the model's forward over T new tokens, T in
-   :data:`FORWARD_ROWS` (:func:`measure_forward_rows`, ``forward_ms``): the cost table that cost-aware speculation
+10. in that format too, with that thread count, KV cache dtype and weight prefetch, times the model's forward over T
+   new tokens, T in :data:`FORWARD_ROWS` (:func:`measure_forward_rows`, ``forward_ms``): the cost table that cost-aware speculation
    sizes its rounds from (:mod:`speculant.engine.speculation`).
 
 Steps 6-10 are :func:`complete_for_fused`, run on an executor of the packed model (the first load in that format
@@ -115,6 +115,16 @@ FORWARD_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 cost-aware speculation interpolates linearly in between)."""
 FORWARD_CONTEXT = 256
 """Cached tokens of the forwards :func:`measure_forward_rows` times."""
+FORWARD_REPEATS = 20
+"""Timed sweeps over :data:`FORWARD_ROWS` in :func:`measure_forward_rows` (fewer once :data:`FORWARD_SECONDS` are
+spent): the best of 3 put the multi-row forwards at 1.2-1.4x their best of 20 on a shared 2-core VM (T = 5: 1.63 vs
+1.22 steps), and the cost-aware policy then drafted too little (BENCHMARKS.md AX)."""
+FORWARD_SECONDS = 3.0
+"""Time after which :func:`measure_forward_rows` stops sweeping (after at least 5 timed sweeps) [s]."""
+FORWARD_VERSION = 2
+"""How ``forward_ms`` is measured (:attr:`TuneResult.forward_version`): 1, the best of 3 sweeps on the tuner's probe
+executor; 2, the best of up to :data:`FORWARD_REPEATS` on an executor with the tuned choices.  A tune measured
+otherwise has its ``forward_ms`` measured again at the next load."""
 SCHEMA = 2
 
 
@@ -152,6 +162,7 @@ class TuneResult:
         forward_ms: the model's whole forward (all layers, final norm, LM head over every row) over T new tokens
             after :data:`FORWARD_CONTEXT` cached ones, ``{T: ms}`` for T in :data:`FORWARD_ROWS` [milliseconds]
             (:func:`measure_forward_rows`; empty: not measured, the model has no fused step).
+        forward_version: how ``forward_ms`` was measured (:data:`FORWARD_VERSION`; 0: before it was recorded).
         draft_ms: one draft call (one depth of drafting) per drafter, ``{drafter signature: ms}`` [milliseconds]
             (:func:`speculant.engine.speculation.draft_seconds`: the tune step of a drafter, run by the method factory
             :func:`speculant.engine.methods.build_generator` the first time it builds that drafter on this machine
@@ -188,6 +199,7 @@ class TuneResult:
     kv_cache_ms: dict = field(default_factory=dict)
     decode_thread_ms: dict = field(default_factory=dict)
     forward_ms: dict = field(default_factory=dict)
+    forward_version: int = 0
     draft_ms: dict = field(default_factory=dict)
     stored_weights: dict = field(default_factory=dict)
     busy_cores: float = 0.0
@@ -776,11 +788,15 @@ def complete_for_fused(result: TuneResult, executor, log=None, model: str | None
     if not result.decode_thread_ms:
         result.threads, result.decode_thread_ms = measure_decode_threads(executor, log=log)
         measured = True
-    if not result.forward_ms:
+    if not result.forward_ms or result.forward_version != FORWARD_VERSION:
         before = torch.get_num_threads()
         torch.set_num_threads(result.threads or before)       # the T-row costs at the count decoding will use
-        try:
-            result.forward_ms = measure_forward_rows(executor, log=log)
+        try:                                                  # ... and with the KV cache and prefetch it will use
+            kv = getattr(torch, result.kv_cache) if result.kv_cache else executor.kv_dtype
+            result.forward_ms = measure_forward_rows(executor.replace(kv_dtype=kv,
+                                                                      weight_prefetch=result.weight_prefetch),
+                                                     log=log)
+            result.forward_version = FORWARD_VERSION
         finally:
             torch.set_num_threads(before)
         measured = True
@@ -790,12 +806,14 @@ def complete_for_fused(result: TuneResult, executor, log=None, model: str | None
     return measured
 
 
-def measure_forward_rows(decoder, rows=FORWARD_ROWS, repeats: int = 3, log=None) -> dict:
+def measure_forward_rows(decoder, rows=FORWARD_ROWS, repeats: int = FORWARD_REPEATS, log=None,
+                         seconds: float = FORWARD_SECONDS) -> dict:
     """Time the model's forward (all layers, final norm, LM head over every row) over ``T`` new tokens after
     :data:`FORWARD_CONTEXT` cached ones (fewer if the model's positions end sooner), for each ``T`` in ``rows``:
     the T-row costs that cost-aware speculation decides from.  The row counts alternated, best of ``repeats``
-    after a warm-up round (the minimum is the figure least disturbed by other work); ~0.5 s for SmolLM2-135M on
-    2 cores.  Random tokens: the cost does not depend on them.
+    sweeps after a warm-up one, fewer once ``seconds`` are spent (at least 5 or ``repeats``); the minimum is the
+    figure least disturbed by other work, and a few sweeps leave it high for the multi-row forwards (see
+    :data:`FORWARD_REPEATS`); ~2 s for SmolLM2-135M on 2 cores.  Random tokens: the cost does not depend on them.
 
     Returns:
         ``{T: ms}`` with string keys (as JSON stores them) [milliseconds].
@@ -814,6 +832,8 @@ def measure_forward_rows(decoder, rows=FORWARD_ROWS, repeats: int = 3, log=None)
                 decoder(ids[r], None, None, cache, ctx)
                 if rep:                                                  # the first round is a warm-up
                     best[r] = min(best[r], time.perf_counter() - t)
+            if rep >= min(5, repeats) and time.perf_counter() - start > seconds:
+                break
     if log is not None:
         print(f"speculant: T-row forwards timed in {time.perf_counter() - start:.1f} s (T = 1: "
               f"{best[rows[0]] * 1e3:.2f} ms, T = {rows[-1]}: {best[rows[-1]] * 1e3:.2f} ms)", file=log, flush=True)
