@@ -97,3 +97,11 @@ def test_lookup_rounds_are_sized_by_their_own_costs(small, head_dir):
     assert toks == ar
     # a head draft call costs 5 target steps: it never pays, so only the lookup rounds (cost 0 a call) draft
     assert stats.draft_forwards == 0 and stats.drafted_tokens > 0 and seen["lookup"] > 0
+    # the stats count both kinds of rounds apart (--json's rounds_by_context): the head's drafted nothing here
+    by = stats.rounds_by_context
+    assert by["head"]["drafted_tokens"] == 0 and by["head"]["rounds"] == seen["head"]
+    lookups = [v for k, v in by.items() if k.startswith("lookup n-gram ")]
+    assert sum(v["rounds"] for v in lookups) == seen["lookup"]
+    assert sum(v["drafted_tokens"] for v in lookups) == stats.drafted_tokens
+    assert sum(v["accepted_tokens"] for v in lookups) == stats.accepted_tokens
+    assert sum(v["speculated_rounds"] for v in by.values()) == stats.speculated_rounds

@@ -52,7 +52,14 @@ def test_round_context_is_the_matched_size_and_outputs_equal_ar():
     assert gen.drafter.round_context(state) == 0
     ar = build_generator(model, method="ar")
     config = GenerationConfig(max_new_tokens=30)
-    assert gen.generate(prompt, config).token_ids == ar.generate(prompt, config).token_ids
+    out = gen.generate(prompt, config)
+    assert out.token_ids == ar.generate(prompt, config).token_ids
+    # rounds counted per matched size (--json's rounds_by_context): only matches draft; the counts add up
+    by = out.stats.to_dict()["rounds_by_context"]
+    assert set(by) <= {"no match"} | {f"n-gram {n}" for n in range(1, 5)} and out.stats.drafted_tokens > 0
+    assert by.get("no match", {"drafted_tokens": 0})["drafted_tokens"] == 0
+    assert sum(v["drafted_tokens"] for v in by.values()) == out.stats.drafted_tokens
+    assert sum(v["accepted_tokens"] for v in by.values()) == out.stats.accepted_tokens
     # sampled: the point masses are kept sparse ([1] over the token id); the law is tests/test_sampling_engine.py's
     sampled = gen.generate(prompt, GenerationConfig(max_new_tokens=30, sampling=SamplingConfig(temperature=1.0,
                                                                                                seed=5)))

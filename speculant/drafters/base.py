@@ -189,6 +189,12 @@ class Drafter(Generic[S]):
         n-gram that matched).  Default ``None``: one context."""
         return None
 
+    def context_name(self, context) -> str | None:
+        """The name under which a round of ``context`` is counted in the generation's stats
+        (:attr:`~speculant.engine.stats.GenerationStats.rounds_by_context`, ``--json``); default ``None``: rounds are
+        not counted by context (a drafter with one context)."""
+        return None
+
     def round_costs(self, state: DecodingState[S], context, costs):
         """The :class:`~speculant.engine.goodput.CostTable` that sizes rounds of ``context``: by default the
         drafter's own ``costs`` (a drafter drafting two ways, e.g. prompt lookup before a head, gives each its own

@@ -44,6 +44,10 @@ class LookupMixin:
         n, _ = state.drafter_state.lookup.match(state.tokens, 1)
         return ("lookup", n) if n else None
 
+    def context_name(self, context) -> str:
+        """``"head"`` for the head's rounds, ``"lookup n-gram N"`` for a copying round that matched N tokens."""
+        return "head" if context is None else f"lookup n-gram {context[1]}"
+
     def round_costs(self, state, context, costs):
         """The head's ``costs`` for its own rounds; a lookup round's draft calls cost :attr:`lookup_seconds`."""
         if context is None:

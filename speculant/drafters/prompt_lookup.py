@@ -107,6 +107,10 @@ class PromptLookupDrafter(Drafter):
         """The size of the n-gram the next round's draft continues [tokens] (0: no match, nothing to draft)."""
         return self._index(state).match(state.tokens, 1)[0]
 
+    def context_name(self, context: int) -> str:
+        """``"n-gram N"``: the round continued a matched N-gram (``"no match"``: nothing to copy)."""
+        return f"n-gram {context}" if context else "no match"
+
     def draft(self, state, builder, generator, max_nodes, max_depth):
         k = builder.num_speculations if isinstance(builder, ChainBuilder) else max_depth
         _, cont = self._index(state).match(state.tokens, min(k, max_nodes, max_depth))

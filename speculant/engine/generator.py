@@ -230,8 +230,10 @@ class SpeculativeGenerator:
         """One draft -> verify -> accept -> commit round; returns the emitted tokens (at most ``remaining``,
         ending at an EOS).  With a ``sizer`` the round drafts the depth it chooses (0: an ``ar`` round)."""
         max_nodes, max_depth = draft_limits(state, builder, budget, remaining)
+        context = self.drafter.round_context(state) if max_depth else None
+        name = self.drafter.context_name(context) if max_depth else None
         if sizer is not None:
-            max_depth = sizer.depth(state, max_depth, self.drafter.round_context(state) if max_depth else None)
+            max_depth = sizer.depth(state, max_depth, context)
         t0, forwards = time.perf_counter(), state.draft_forwards
         tree = self.drafter.draft(state, builder, generator, max_nodes, max_depth)
         stats.draft_seconds += time.perf_counter() - t0
@@ -242,6 +244,8 @@ class SpeculativeGenerator:
         block = accept_and_commit(state, self.drafter, builder, tree, logits, generator, self.without_replacement,
                                   remaining, eos, stats, verification=self.verification)
         stats.accept_seconds += time.perf_counter() - t0
+        if name is not None:
+            stats.record_context(name, len(tree), stats.accepted_tokens - accepted)
         if sizer is not None:
             calls = max(state.draft_forwards - forwards, tree.max_depth)    # prompt lookup: no forwards
             sizer.observe(tree.max_depth, stats.accepted_tokens - accepted, len(tree), calls)

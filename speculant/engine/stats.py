@@ -29,6 +29,10 @@ class GenerationStats:
         first_draft_seconds: the part of ``draft_seconds`` spent on the rounds' first depth (a model drafter's
             first draft forward of the round, which also runs the entries committed since its last one) [s].
         accept_seconds: time spent accepting and committing the rounds' blocks [s].
+        rounds_by_context: for a drafter that drafts in several round contexts (prompt lookup: per matched n-gram
+            size; ``eagle-lookup``: copying rounds and head rounds), per context name
+            (:meth:`~speculant.drafters.base.Drafter.context_name`) ``{"rounds", "speculated_rounds",
+            "drafted_tokens", "accepted_tokens"}`` [count, tokens]; rounds with no room to draft are not counted.
     """
 
     new_tokens: int = 0
@@ -48,6 +52,7 @@ class GenerationStats:
     draft_seconds: float = 0.0
     first_draft_seconds: float = 0.0
     accept_seconds: float = 0.0
+    rounds_by_context: dict = field(default_factory=dict)
 
     def record_round(self, tree_size: int, tree_depth: int, accepted: int) -> None:
         self._last_accepted = accepted
@@ -65,6 +70,15 @@ class GenerationStats:
         for d in range(tree_depth):
             self.drafted_at_depth[d] += 1
             self.accepted_at_depth[d] += int(d < accepted)
+
+    def record_context(self, name: str, tree_size: int, accepted: int) -> None:
+        """The round just recorded was drafted in the round context named ``name`` (see ``rounds_by_context``)."""
+        c = self.rounds_by_context.setdefault(name, {"rounds": 0, "speculated_rounds": 0, "drafted_tokens": 0,
+                                                     "accepted_tokens": 0})
+        c["rounds"] += 1
+        c["speculated_rounds"] += int(tree_size > 0)
+        c["drafted_tokens"] += tree_size
+        c["accepted_tokens"] += accepted
 
     def cut_last_round(self, kept: int) -> None:
         """The last round's block was cut after ``kept`` tokens (a stop string): its accepted drafted tokens
