@@ -233,5 +233,14 @@ def test_batched_eagle_lookup_equals_each_sequence_alone_with_ar(model, tmp_path
     kw = {"draft_head": str(tmp_path), "min_ngram": 1}
     ar = build_generator(model, method="ar")
     want = [ar.generate(p, GenerationConfig(max_new_tokens=n)).token_ids for p, n in zip(PROMPTS, LENGTHS)]
-    assert decode_staggered(batched_for(model, "eagle-lookup", kw),
-                            [GenerationConfig(max_new_tokens=n) for n in LENGTHS]) == want
+    bg, seqs = batched_for(model, "eagle-lookup", kw), []
+    start = bg.start
+    bg.start = lambda *a: seqs.append(start(*a)) or seqs[-1]
+    assert decode_staggered(bg, [GenerationConfig(max_new_tokens=n) for n in LENGTHS]) == want
+    # each sequence's stats count its copying and head rounds apart (rounds_by_context), adding up to its totals
+    for seq in seqs:
+        by = seq.stats.rounds_by_context
+        assert set(by) <= {"head"} | {f"lookup n-gram {n}" for n in range(1, 6)}
+        assert sum(v["drafted_tokens"] for v in by.values()) == seq.stats.drafted_tokens
+        assert sum(v["accepted_tokens"] for v in by.values()) == seq.stats.accepted_tokens
+    assert any(k.startswith("lookup") for seq in seqs for k in seq.stats.rounds_by_context)

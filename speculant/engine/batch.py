@@ -344,10 +344,12 @@ class BatchedGenerator:
         trees: list[DraftTree] = []
         t0 = time.perf_counter()
         drafts = self._who_drafts(seqs, t0)
+        names = []                                                # round contexts counted in the stats
         for s, d in zip(seqs, drafts):
             max_nodes, max_depth = draft_limits(s.state, s.builder, s.budget, s.remaining)
             if not d:                                             # an ar round for it (same tokens)
                 max_nodes = max_depth = 0
+            names.append(s.drafter.context_name(s.drafter.round_context(s.state)) if max_depth else None)
             trees.append(s.drafter.draft(s.state, s.builder, s.generator, max_nodes, max_depth))
             s.stats.draft_forwards = s.state.draft_forwards
         draft_seconds = time.perf_counter() - t0
@@ -361,10 +363,13 @@ class BatchedGenerator:
         else:
             logits = [s.drafter.verify_logits(s.state, tree) for s, tree in zip(seqs, trees)]
         self.target_forwards += 1 if self.batched_verification else len(seqs)
-        for s, tree, lg, am in zip(seqs, trees, logits, argmax):
+        for s, tree, lg, am, name in zip(seqs, trees, logits, argmax, names):
             s.stats.target_forwards += 1
+            accepted = s.stats.accepted_tokens
             block = accept_and_commit(s.state, s.drafter, s.builder, tree, lg, s.generator, self.without_replacement,
                                       s.remaining, s.eos, s.stats, am)
+            if name is not None:
+                s.stats.record_context(name, len(tree), s.stats.accepted_tokens - accepted)
             s.emitted += len(block)
             s.stats.new_tokens = s.emitted
             s.last_block = block
