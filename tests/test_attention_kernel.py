@@ -45,6 +45,31 @@ def test_a_block_row_gets_the_bits_of_its_one_token_step(dtype):
         assert torch.equal(block[:, j], step[:, 0]), j
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_one_token_step_split_over_threads_gets_the_bits_of_a_block_row(dtype):
+    """One key/value head (Gemma 3 270M's 4 query heads on 1): a one-token step is fewer units than threads, so its
+    heads are split over the threads; each head gets the bits of the same row computed whole (1 thread) and of a
+    block row (more units than threads: not split)."""
+    keys, values = (c.to(dtype) for c in _cache(hkv=1, smax=64, d=16, seed=5))
+    g = torch.Generator().manual_seed(6)
+    n, t = 30, 4
+    q = torch.randn(1, 4, t, 16, generator=g)
+    causal = torch.arange(n + t)[None, :] <= torch.arange(t)[:, None] + n
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        block = kernel.attention(q, keys, values, causal, 0.25)
+        steps = {}
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            steps[threads] = [kernel.attention(q[:, :, j:j + 1], keys, values,
+                                               torch.ones(1, n + j + 1, dtype=torch.bool), 0.25) for j in range(t)]
+    finally:
+        torch.set_num_threads(before)
+    for j in range(t):
+        assert torch.equal(steps[2][j], steps[1][j]) and torch.equal(block[:, j], steps[2][j][:, 0]), j
+
+
 def test_a_tree_row_gets_the_bits_of_the_contiguous_path():
     """A tree node whose ancestors sit at scattered slots (siblings masked between) equals the same keys laid out
     contiguously, as they are after the accepted path is committed."""

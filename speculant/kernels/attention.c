@@ -4,7 +4,8 @@
  *
  *   out[t, h] = sum_i softmax_i(scale * q[t, h] . k[s_i]) v[s_i],   s_0 < s_1 < ... the slots row t may attend
  *
- * Work: one unit per query row and key/value head; the H / HKV query heads sharing that key/value head (grouped-query
+ * Work: one unit per query row and key/value head (its heads split over the threads when there are fewer units than
+ * threads); the H / HKV query heads sharing that key/value head (grouped-query
  * attention, Ainslie et al. 2023) are computed together, so each key and value row is read from the cache once for
  * all of them, and scores are computed for 4 keys and all those heads at a time (4 x 3 FMA chains, one transpose of
  * their lane sums per head instead of 4 horizontal sums).  SmolLM2's shape (9 heads, 3 key/value heads, 64 dims),
@@ -25,6 +26,7 @@
 
 #include "kernels.h"
 #include "simd.h"
+#include <omp.h>
 #include <stdlib.h>
 
 
@@ -220,6 +222,12 @@ int spec_attention_ragged(int64_t nseq, const int64_t *rows, const int64_t *star
         total += rows[j];
         widest = start[j] + rows[j] > widest ? start[j] + rows[j] : widest;
     }
+    /* Fewer (row, key/value head) units than threads (a one-token step with one key/value head: Gemma 3 270M's 4
+     * query heads on 1): each unit's heads split into `tiles` parts, run by different threads.  The same bits: a
+     * head's result never depends on the heads computed beside it. */
+    const int64_t units = total * HKV, threads = omp_get_max_threads();
+    const int64_t tiles = units > 0 && units < threads ? (group < threads / units ? group : threads / units) : 1;
+    const int64_t per = (group + tiles - 1) / tiles;
     int failed = 0;
     #pragma omp parallel
     {
@@ -230,14 +238,17 @@ int spec_attention_ragged(int64_t nseq, const int64_t *rows, const int64_t *star
             failed = 1;
         }
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t rg = 0; rg < total * HKV; rg++) {
+        for (int64_t u = 0; u < units * tiles; u++) {
             if (!p || !slot) continue;
+            const int64_t rg = u / tiles, part = u % tiles;
             int64_t r = rg / HKV, j = 0, first = 0;
             while (r >= first + rows[j]) first += rows[j++];
-            const int64_t t = r - first, kv = rg % HKV, S = start[j] + rows[j], h0 = kv * group;
+            const int64_t t = r - first, kv = rg % HKV, S = start[j] + rows[j], h0 = kv * group + part * per;
+            const int64_t heads = (part + 1) * per < group ? per : group - part * per;
+            if (heads <= 0) continue;
             const int64_t off = kv * smax[j] * D * kv_bytes;
             (F16 ? attend_row_group_f16 : attend_row_group_f32)(q + (r * H + h0) * D, k[j] + off, v[j] + off,
-                                                                mask[j] + t * S, S, D, group, scale, p, slot,
+                                                                mask[j] + t * S, S, D, heads, scale, p, slot,
                                                                 out + (r * H + h0) * D);
         }
         free(p);
