@@ -117,8 +117,9 @@ FORWARD_CONTEXT = 256
 """Cached tokens of the forwards :func:`measure_forward_rows` times."""
 FORWARD_REPEATS = 20
 """Timed sweeps over :data:`FORWARD_ROWS` in :func:`measure_forward_rows` (fewer once :data:`FORWARD_SECONDS` are
-spent): the best of 3 put the multi-row forwards at 1.2-1.4x their best of 20 on a shared 2-core VM (T = 5: 1.63 vs
-1.22 steps), and the cost-aware policy then drafted too little (BENCHMARKS.md AX)."""
+spent): on a shared 2-core VM a best of 3 may leave the multi-row forwards high (a kept table put T = 5 at 1.63 steps
+where the best of 20 gave 1.16-1.25 in one process; three sweeps gave 1.13-1.42 there), and the cost-aware policy then
+drafts too little (BENCHMARKS.md AX)."""
 FORWARD_SECONDS = 3.0
 """Time after which :func:`measure_forward_rows` stops sweeping (after at least 5 timed sweeps) [s]."""
 FORWARD_VERSION = 2
