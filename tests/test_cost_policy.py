@@ -331,8 +331,8 @@ def test_generate_json_reports_rounds_end_to_end(capsys, tmp_path):
 
 def test_exploring_probes_at_depth_one_and_backs_off():
     """While drafting does not pay, a probe round drafts depth 1 only, as every 16th round, then (each probe
-    rejected) every 32nd, 64th, ... (at most every 256th); accepted probes keep the interval, and once their
-    acceptance makes drafting pay, rounds draft by choice again and the interval is 16."""
+    rejected) every 32nd, 64th, ... (at most every 256th); once accepted probes' acceptance makes drafting pay,
+    rounds draft by choice again and the interval is 16."""
     from speculant.engine.goodput import SequenceSpeculation
     s = SequenceSpeculation(SWITCHING)
     chain = lambda d: d                                            # noqa: E731  (a chain: d nodes at depth d)
@@ -358,6 +358,28 @@ def test_exploring_probes_at_depth_one_and_backs_off():
             drafted.append(d)
             s.observe(d, d)
     assert drafted[:3] == [1] * 3 and max(drafted) > 1 and len(drafted) > 100 and s.interval == 16   # drafting resumes
+
+
+def test_probes_accepted_too_seldom_to_pay_back_off_too():
+    """Every other probe accepted (the running acceptance never reaches the 0.6 that depth 1 needs under SWITCHING):
+    the probes back off as if all were rejected (accepted ones used to keep the interval: a drafter right 30 % of
+    the time probed every 16 rounds for good)."""
+    from speculant.engine.goodput import SequenceSpeculation
+    s = SequenceSpeculation(SWITCHING)
+    chain = lambda d: d                                            # noqa: E731
+    for _ in range(10):                                            # learn that the first depth fails
+        s.observe(s.depth(4, chain) or 4, 0)
+    gaps, without, probes = [], 0, 0
+    for _ in range(1200):
+        d = s.depth(4, chain)
+        if d:
+            gaps.append(without)
+            without = 0
+            s.observe(1, probes % 2)
+            probes += 1
+        else:
+            without += 1
+    assert s.acceptance.alpha(1) < 0.6 and gaps[1:6] == [31, 63, 127, 255, 255], gaps
 
 
 def _losing_run(loss_budget, rounds=1000):

@@ -289,9 +289,11 @@ class SequenceSpeculation:
     acceptance current while no depth pays: after ``explore_every`` rounds in a row without
     drafts one round *probes* at depth 1 (the cheapest round that measures the first depth's acceptance, on which
     every deeper depth's value rests), unless no depth could pay even if every draft were accepted
-    (:meth:`could_pay`).  Each probe whose draft is rejected doubles the interval, up to ``max_explore_every``
-    (exponential back-off: a drafter that keeps failing costs a vanishing share of the rounds); an accepted one
-    keeps it; a round that drafts by choice (the probes' acceptance made drafting pay) resets it.
+    (:meth:`could_pay`).  Each probe after which drafting still does not pay (its draft rejected, or accepted
+    without lifting the running acceptance to where some depth pays) doubles the interval, up to
+    ``max_explore_every`` (exponential back-off: a drafter that keeps failing, or succeeds too seldom to pay, costs a
+    vanishing share of the rounds); a round that drafts by choice (the probes' acceptance made drafting pay) resets
+    it.
 
     A loss budget bounds what exploring can lose: every round is valued from the cost table, a drafting round by
     the time it saved against ``ar`` rounds emitting its tokens (``(1 + accepted) cost(1) - cost(1 + nodes) -
@@ -322,6 +324,7 @@ class SequenceSpeculation:
         self._without = 0
         self._probing = False                # the last depth returned was a probe's
         self._first = True                   # no round sized yet
+        self._sizing = None                  # the last depth()'s (max_depth, nodes_at_depth)
 
     def _depth(self, max_depth: int, nodes_at_depth, acceptance) -> int:
         c = self.costs
@@ -337,6 +340,7 @@ class SequenceSpeculation:
         self._probing = False
         if max_depth < 1:
             return 0
+        self._sizing = (max_depth, nodes_at_depth)
         if self._first:                      # (a later round context's first round: only within the budget)
             self._first = False
             return 1 if self.could_pay(max_depth, nodes_at_depth) and self.within_budget() else 0
@@ -389,11 +393,10 @@ class SequenceSpeculation:
         with draft confidence may make one more call than the depths it kept) and accepted ``accepted`` tokens;
         ``extra_seconds``: what its drafting paid beyond the table (an EAGLE head's catch-up after ``ar`` rounds),
         counted in what the rounds lost (the loss budget) [s]."""
-        if self._probing:
-            if not accepted:
-                self.interval = min(2 * self.interval, self.max_explore_every)
         if drafted_depth:
             self.acceptance.observe(drafted_depth, accepted)
+        if self._probing and (not accepted or self._depth(*self._sizing, self.acceptance) == 0):
+            self.interval = min(2 * self.interval, self.max_explore_every)
         cost = self.policy.cost
         seconds = cost(1 + nodes) + self.costs.drafting_seconds(calls) + extra_seconds
         self.ledger.spent += seconds
