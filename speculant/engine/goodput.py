@@ -88,8 +88,8 @@ class GoodputPolicy:
     @torch.inference_mode()
     def measure(cls, decoder, max_rows: int, context: int = 64, repeats: int = 10, **kw) -> GoodputPolicy:
         """Time one forward of ``decoder`` over ``R`` new tokens after ``context`` cached ones, for ``R`` = 1, 2,
-        4, ... up to ``max_rows`` (and ``max_rows`` itself), best of ``repeats`` [s] (a best of 3 left the multi-row
-        figures 1.2-1.4x high on a shared VM: :data:`speculant.runtime.tune.FORWARD_REPEATS`); about 1.5 s for
+        4, ... up to ``max_rows`` (and ``max_rows`` itself), best of ``repeats`` [s] (on a shared VM a best of 3 may leave
+        the multi-row figures high: :data:`speculant.runtime.tune.FORWARD_REPEATS`); about 1.5 s for
         SmolLM2-135M up to 64 rows on 2 cores.  Random tokens: the cost does not depend on them."""
         if max_rows < 1:
             raise SpeculantError(f"max_rows={max_rows} is out of range; allowed: >= 1")

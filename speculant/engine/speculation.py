@@ -197,7 +197,6 @@ class RoundSizer:
     drafter with draft confidence, ``state.draft_stop`` set), :meth:`observe` after its acceptance."""
 
     def __init__(self, costs: CostTable, builder: TreeBuilder, confidence: bool, costs_of=None, extra_of=None):
-        self.costs = costs
         self.costs_of = costs_of or (lambda context: costs)     # a context's own table (Drafter.round_costs)
         self.extra_of = extra_of                                # the round's extra seconds (round_extra_seconds)
         self.extra = 0.0
