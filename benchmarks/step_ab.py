@@ -16,7 +16,8 @@ that, from 69cf18e on: the layer struct gained the q/k norm weights).
     python benchmarks/step_ab.py --folded-scales Q4_K --model gemma3-270m
                                                        # a GGUF's Q4_K / Q6_K projections as stored (this build)
                                                        # against the same codes with float32 scales folded per
-                                                       # sub-block (W4A8Linear / W8A8Linear: the same bits)
+                                                       # sub-block (W4A8Linear / W8A8Linear: the same bits);
+                                                       # Q5_0: its 5-bit layout against the codes in bytes
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def main() -> None:
                        help="this checkout's kernels built in another variant")
     which.add_argument("--weight-prefetch", type=int, metavar="BYTES",
                        help="this build with the products' weight prefetch at BYTES ahead (0: none)")
-    which.add_argument("--folded-scales", choices=("Q4_K", "Q6_K", "both", "Q4_0"),
+    which.add_argument("--folded-scales", choices=("Q4_K", "Q6_K", "both", "Q4_0", "Q5_0"),
                        help="baseline: that type's projections with their scales folded into float32")
     ap.add_argument("--model", default="smollm2-135m", help="a known model's name or a model path")
     ap.add_argument("--context", type=int, default=300)
@@ -128,11 +129,11 @@ def main() -> None:
 def _folded(decoder, kind: str | None):
     """A copy of ``decoder`` whose projections stored more compactly than their float scales are rebuilt with those
     scales (the same bits): ``kind`` Q4_K (or both) W4A8KLinear -> W4A8Linear with float32 scales and offsets, Q6_K
-    (or both) W6A8Linear -> W8A8Linear, Q4_0 W4A8Linear without offsets -> with fp16 offsets ``-8 d`` (a stack's
+    (or both) W6A8Linear -> W8A8Linear, Q5_0 W5A8Linear -> W8A8Linear (codes in bytes), Q4_0 W4A8Linear without offsets -> with fp16 offsets ``-8 d`` (a stack's
     parts too); ``None`` where none is (``kind`` None: a plain copy)."""
     import copy
 
-    from speculant.runtime.formats import W4A8KLinear, W4A8Linear, W6A8Linear, W8A8Linear
+    from speculant.runtime.formats import W4A8KLinear, W4A8Linear, W5A8Linear, W6A8Linear, W8A8Linear
     out, changed = copy.deepcopy(decoder), 0
     if kind is None:
         return out
@@ -140,8 +141,10 @@ def _folded(decoder, kind: str | None):
     def swap(module):
         nonlocal changed
         t = type(module)
-        if t is W4A8KLinear and kind in ("Q4_K", "both") or t is W6A8Linear and kind in ("Q6_K", "both"):
-            lin = {W4A8KLinear: W4A8Linear, W6A8Linear: W8A8Linear}[t](module.group_quantized(), module.bias)
+        if (t is W4A8KLinear and kind in ("Q4_K", "both") or t is W6A8Linear and kind in ("Q6_K", "both")
+                or t is W5A8Linear and kind == "Q5_0"):
+            lin = {W4A8KLinear: W4A8Linear, W6A8Linear: W8A8Linear, W5A8Linear: W8A8Linear}[t](module.group_quantized(),
+                                                                                             module.bias)
         elif t is W4A8Linear and kind == "Q4_0" and not hasattr(module, "offsets"):
             buffers = {"codes": module.codes, "scales": module.scales, "offsets": (-8.0 * module.scales.float()).half()}
             if module.bias is not None:

@@ -27,13 +27,13 @@ from speculant.kernels import build, qgemm
 from speculant.models import loading
 from speculant.models.gguf_codes import IndexedTensor, _decode
 from speculant.runtime import occupancy, tune
-from speculant.runtime.formats import (StackedLinear, W4A8KLinear, W4A8Linear, W6A8Linear, W8A8Linear,
-                                       block_linear, format_available)
+from speculant.runtime.formats import (StackedLinear, W4A8KLinear, W4A8Linear, W5A8Linear, W6A8Linear,
+                                       W8A8Linear, block_linear, format_available)
 from speculant.runtime.loader import load_model
 
 needs_kernel = pytest.mark.skipif(not qgemm.available(), reason=f"our kernels: {qgemm.unavailable_reason()}")
 TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-KERNEL_CLASS = {"Q4_0": W4A8Linear, "Q4_1": W4A8Linear, "Q4_K": W4A8KLinear, "Q8_0": W8A8Linear, "Q5_0": W8A8Linear,
+KERNEL_CLASS = {"Q4_0": W4A8Linear, "Q4_1": W4A8Linear, "Q4_K": W4A8KLinear, "Q8_0": W8A8Linear, "Q5_0": W5A8Linear,
                 "Q5_1": W8A8Linear, "Q5_K": W8A8Linear, "Q6_K": W6A8Linear}
 
 
@@ -175,6 +175,38 @@ def test_q6k_in_six_bits_gives_the_eight_bit_layouts_bits_from_fewer_bytes(tmp_p
     assert type(block_linear(odd)) is W8A8Linear and type(block_linear(replace(gq, super_scale=None))) is W8A8Linear
     with pytest.raises(SpeculantError, match="w6a8 takes Q6_K codes"):
         W6A8Linear(odd)
+
+
+@needs_kernel
+def test_q5_0_in_five_bits_gives_the_eight_bit_layouts_bits_from_fewer_bytes(tmp_path, monkeypatch):
+    """Q5_0 packed in 5 bits (``W5A8Linear``) multiplies exactly as the same codes in bytes (``W8A8Linear``, fp16
+    scales) on every kernel variant, for 1..17 rows and outputs in groups of 8 and row by row, in 0.69 bytes a weight
+    instead of 1.06, and reads back as stored (a reduced LM head's rows included); 8-bit codes outside -16..15 (Q8_0's)
+    keep the 8-bit layout; a flipped high bit changes its output's product only."""
+    rng = np.random.default_rng(35)
+    gq = _codes("Q5_0", _raw("Q5_0", 43, 768, rng), tmp_path)            # 5 groups of 8 and 3 rows by row
+    assert int(gq.codes.min()) == -16 and int(gq.codes.max()) == 15      # every code value, high bit set and not
+    five, eight = block_linear(gq), W8A8Linear(gq)
+    assert type(five) is W5A8Linear
+    back = five.group_quantized()
+    assert torch.equal(back.codes, gq.codes) and torch.equal(back.scale, gq.scale)
+    size = lambda lin: sum(t.numel() * t.element_size() for t in lin.buffers()) / gq.codes.numel()   # noqa: E731
+    assert size(five) == 5 / 8 + 2 / 32 and size(eight) == 1 + 2 / 32
+    x = torch.from_numpy(rng.standard_normal((17, 768)).astype(np.float32))
+    x[4, 96:128] = 0.0
+    for name in ("in use", *VARIANTS):
+        monkeypatch.setattr(build, "_LIB", build.load() if name == "in use" else build.load_variant(name))
+        for rows in (1, 3, 8, 17):
+            assert torch.equal(five(x[:rows]), eight(x[:rows])), (name, rows)
+    index = torch.tensor([42, 7, 40, 0, 13])
+    assert torch.equal(five.select_rows(index)(x), eight(x)[:, index])
+    five.codes[0, 128] ^= 1                  # output 0's code 0: its high bit, so bit 4 of q + 16, flipped
+    changed = (five(x) != eight(x)).any(0)
+    assert changed[0] and not changed[1:].any()
+    q8 = _codes("Q8_0", _raw("Q8_0", 16, 256, rng), tmp_path)
+    assert type(block_linear(q8)) is W8A8Linear
+    with pytest.raises(SpeculantError, match="w5a8 takes Q5_0 codes"):
+        W5A8Linear(q8)
 
 
 @needs_kernel

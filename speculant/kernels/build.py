@@ -320,8 +320,8 @@ def load_variant(isa: str, cc: str | None = None) -> ctypes.CDLL:
     lib.spec_quantize_rows.argtypes = [p, i, i, p, p, p]
     lib.spec_quantize_rows.restype = None
     lib.spec_w4a8_f32.argtypes = [p, i, i, p, p, p, i, p, i]
-    lib.spec_w8a8_f32.argtypes = [p, i, i, p, p, i, p, i]
-    lib.spec_w4a8_f32.restype = lib.spec_w8a8_f32.restype = ctypes.c_int
+    lib.spec_w8a8_f32.argtypes = lib.spec_w5a8_f32.argtypes = [p, i, i, p, p, i, p, i]
+    lib.spec_w4a8_f32.restype = lib.spec_w8a8_f32.restype = lib.spec_w5a8_f32.restype = ctypes.c_int
     lib.spec_w4a8k_f32.argtypes = [p, i, i, p, p, p, i, p, i]
     lib.spec_w8a8k_f32.argtypes = [p, i, i, p, p, p, i, i, p, i]
     lib.spec_w4a8k_f32.restype = lib.spec_w8a8k_f32.restype = ctypes.c_int

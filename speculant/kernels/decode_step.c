@@ -36,7 +36,8 @@
 typedef struct spec_projection {
     int64_t bits;                  /* 4: Q4_1 codes [N, K/2] uint8 + scales, offsets [N, K/32]; 8: Q8_0 codes [N, K];
                                     * 6: Q6_K in 6 bits (qgemm.c's spec_w6a8k: codes [N, 3K/4], int8 scales [N, K/16],
-                                    * float32 super-block scales [N, K/256] in offsets) */
+                                    * float32 super-block scales [N, K/256] in offsets); 5: Q5_0 in 5 bits (qgemm.c's
+                                    * spec_w5a8: codes [N, 5K/8], fp16 scales [N, K/32]) */
     int64_t in_features, out_features;
     const void *codes;             /* in qgemm.c's layout (outputs interleaved by 8) */
     const void *scales, *offsets;  /* float16 (scale_bytes 2; offsets: 4-bit only, NULL for Q4_0's -8 d) or float32 (scale_bytes 4, the
@@ -92,7 +93,9 @@ static void rms_norm(const float *x, const float *w, int64_t M, int64_t D, float
 static void project_quantized(const spec_projection *p, int64_t M, const int8_t *xq, const float *xd, const float *xs,
                               float *y, int64_t ahead) {
     const int64_t K = p->in_features, N = p->out_features;
-    if (p->bits == 6)
+    if (p->bits == 5)
+        spec_w5a8(xq, xd, M, K, (const uint8_t *)p->codes, p->scales, N, y, ahead);
+    else if (p->bits == 6)
         spec_w6a8k(xq, xd, M, K, (const uint8_t *)p->codes, (const int8_t *)p->scales, (const float *)p->offsets, N, y,
                    ahead);
     else if (p->scale_bytes == 1 && p->bits == 4)

@@ -68,8 +68,9 @@ approximation, transformers' ``gelu_pytorch_tanh``)."""
 class ProjectionBuffers:
     """One block-quantized projection as the C step reads it (W4A8: ``bits`` 4, codes + scales + offsets; W8A8:
     ``bits`` 8, codes + scales [+ offsets]; Q6_K in 6 bits, :class:`~speculant.runtime.formats.W6A8Linear`: ``bits``
-    6, codes + int8 scales + its float32 super-block scales as ``offsets``), every tensor contiguous on the CPU; ``bias`` ``[out_features]`` float32
-    or None.  The scales' dtype says the layout (float16: Q4_0/Q4_1/Q8_0/Q5_0; float32: ``qgemm.c``'s K layouts,
+    6, codes + int8 scales + its float32 super-block scales as ``offsets``; Q5_0 in 5 bits,
+    :class:`~speculant.runtime.formats.W5A8Linear`: ``bits`` 5, codes + float16 scales), every tensor contiguous on the
+    CPU; ``bias`` ``[out_features]`` float32 or None.  The scales' dtype says the layout (float16: Q4_0/Q4_1/Q8_0; float32: ``qgemm.c``'s K layouts,
     ``scale_group`` inputs per scale, 32 or 16).  A stacked projection has ``parts`` (its output columns in order;
     ``bits`` 0, no codes of its own) and at most a bias."""
 
@@ -341,9 +342,11 @@ class FusedLayers:
         """LM-head logits ``[..., V]`` float32 of float32 ``hidden`` ``[..., D]``: the head's own kernel
         (:func:`speculant.kernels.qgemm._product`, the same call its torch operator makes) without the
         dispatcher in between."""
-        from .qgemm import _w4a8_mm, _w6a8k_mm, _w8a8_mm, _w8a8k_mm
+        from .qgemm import _w4a8_mm, _w5a8_mm, _w6a8k_mm, _w8a8_mm, _w8a8k_mm
         head, x = self._head, hidden.reshape(-1, self.hidden).float()
-        if head.bits == 6:
+        if head.bits == 5:
+            y = _w5a8_mm(x, head.codes, head.scales, self.weight_prefetch)
+        elif head.bits == 6:
             y = _w6a8k_mm(x, head.codes, head.scales, head.offsets, self.weight_prefetch)
         elif head.bits == 4:
             y = _w4a8_mm(x, head.codes, head.scales, head.offsets, self.weight_prefetch)

@@ -16,6 +16,8 @@ int spec_w8a8k(const int8_t *xq, const float *xd, const float *xs, int64_t M, in
                const float *wd, const float *wm, int64_t sub, int64_t N, float *y, int64_t ahead);
 void spec_w6a8k(const int8_t *xq, const float *xd, int64_t M, int64_t K, const uint8_t *codes, const int8_t *sc,
                 const float *dd, int64_t N, float *y, int64_t ahead);
+void spec_w5a8(const int8_t *xq, const float *xd, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *wd,
+               int64_t N, float *y, int64_t ahead);
 int spec_attention_ragged(int64_t nseq, const int64_t *rows, const int64_t *start, const int64_t *smax,
                           void *const *kc, void *const *vc, const int64_t *lstride, int64_t layer,
                           const uint8_t *const *mask, const float *q, const float *kn, const float *vn, int64_t H,

@@ -161,6 +161,18 @@ INLINE __m256 q6_scales(const int8_t *sc, const float *dd, int64_t g, int half) 
     return _mm256_mul_ps(_mm256_loadu_ps(dd + (g / 8) * LANES), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
 }
 
+/* Q5_0's 5-bit layout (spec_w5a8; below): word c (0..7) of a block's 8-bit layout, codes q in -16..15, from the
+ * block's 4 vectors of low nibbles nib (word c in nib[c % 4]'s low nibbles for c < 4, high ones after) and 1 of high
+ * bits hb (word c's at bit c).  The 16-bit shifts move bits across a byte boundary only into bits the 0x10 mask
+ * clears. */
+INLINE __m256i q5_word(const __m256i *nib, __m256i hb, int c) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m1 = _mm256_set1_epi8(0x10);
+    const __m256i lo = c < 4 ? _mm256_and_si256(nib[c], m4) : _mm256_and_si256(_mm256_srli_epi16(nib[c - 4], 4), m4);
+    const __m256i hi = _mm256_and_si256(c < 4 ? _mm256_slli_epi16(hb, 4 - c) : c == 4 ? hb
+                                        : _mm256_srli_epi16(hb, c - 4), m1);
+    return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(16));
+}
+
 /* The scale layouts of 4-bit codes (q4_group's, q4_pair's and amx_pair's sk; a constant after inlining):
  *   SK_F16: scales wd and mins wm per block of 32 in fp16 (Q4_0, Q4_1: the file's values);
  *   SK_F32: the same in float32 (Q4_K's super-block scales folded: d * sc_j and -(dmin * m_j));
@@ -555,6 +567,31 @@ INLINE void q6k_group(const uint8_t *wc, const int8_t *sc, const float *dd, cons
     for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
 }
 
+/* Q5_0 in 5 bits (the layout of spec_w5a8), one group of 8 outputs by R rows from m0: q8_group's float sequence on
+ * the words q5_word unpacks (the block's integer sum split in its first and last 16 inputs is the same integer), so
+ * the bits of the 8-bit layout on the same codes and fp16 scales. */
+INLINE void q5_group(const uint8_t *wc, const uint16_t *wd, const int8_t *xq, const float *xd, int64_t m0, int R,
+                     int64_t K, int64_t G, float *y, int64_t N, int64_t n0, int64_t ahead) {
+    __m256 acc[MB];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *b = wc + g * 160;
+        prefetch_ahead(b, ahead, 3);
+        __m256i nib[4];
+        for (int i = 0; i < 4; i++) nib[i] = _mm256_loadu_si256((const __m256i *)(b + 32 * i));
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(b + 128));
+        __m256i s[MB], s2[MB];
+        for (int r = 0; r < R; r++) s[r] = s2[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) word_sums(q5_word(nib, hb, c), c, xq, m0, R, K, g, s, s2);
+        const __m256 dw = load_h8(wd + g * LANES);
+        for (int r = 0; r < R; r++) {
+            const __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(s[r], s2[r]));
+            acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, _mm256_set1_ps(xd[(m0 + r) * G + g])), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
+}
+
 /* The exact integer dot product of n signed codes with n activations (the tails of the K layouts). */
 static int32_t isum_s(const int8_t *w, const int8_t *x, int n) {
     int32_t s = 0;
@@ -735,6 +772,49 @@ void spec_w6a8k(const int8_t *xq, const float *xd, int64_t M, int64_t K, const u
 #undef Q6_CALL
 }
 
+/* y [M, N] for Q5_0 in 5 bits: codes [N, K * 5/8] uint8, fp16 scales wd [N, K/32] (interleaved as the 8-bit
+ * layout's), per group of 8 outputs and block of 32 inputs 160 bytes of codes: the 8-bit layout's 256 bytes as
+ * q + 16 (0..31), 128 bytes of low nibbles (word c < 4 low, word c + 4 high) and 32 of high bits (bit c of byte j:
+ * word c's byte j's).  The last N % 8 outputs row by row: per block 16 bytes of nibbles (code j low, j + 16 high) and
+ * 4 of high bits (bit i % 8 of byte i / 8: code i's, as GGUF's Q5_0 stores them).  spec_w8a8's float sequence on the
+ * same codes and scales: its bits, from 0.69 bytes a weight instead of 1.06. */
+static void tail_outputs_q5(const uint8_t *codes, const uint16_t *wd, const int8_t *xq, const float *xd, int64_t M,
+                            int64_t K, int64_t N, float *y) {
+    const int64_t G = K / QK;
+    for (int64_t n = N / LANES * LANES; n < N; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float acc = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                const uint8_t *b = codes + n * G * 20 + g * 20;
+                const int8_t *x = xq + m * K + g * QK;
+                int32_t isum = 0;
+                for (int i = 0; i < QK; i++) {
+                    const int q = (((b[i % 16] >> (4 * (i / 16))) & 0x0F) | (((b[16 + i / 8] >> (i % 8)) & 1) << 4)) - 16;
+                    isum += q * (int32_t)x[i];
+                }
+                acc = fmaf((float)isum, _cvtsh_ss(wd[n * G + g]) * xd[m * G + g], acc);
+            }
+            y[m * N + n] = acc;
+        }
+}
+
+void spec_w5a8(const int8_t *xq, const float *xd, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *wd,
+               int64_t N, float *y, int64_t ahead) {
+    const int64_t G = K / QK;
+#define Q5_CALL(R) q5_group(codes + t * LANES * G * 20, wd + t * LANES * G, xq, xd, m0, R, K, G, y, N, t * LANES, ahead)
+#ifdef SPEC_ZMM
+#define Q5_PAIR(R) q5_pair(codes + t * LANES * G * 20, codes + (t + 1) * LANES * G * 20, wd + t * LANES * G,          \
+                           wd + (t + 1) * LANES * G, xq, xd, m0, R, K, G, y, N, t * LANES, ahead)
+#else
+#define Q5_PAIR Q5_CALL
+#endif
+#define Q5_AMX do { (void)amx; ROW_TILES(Q5_PAIR); } while (0)     /* no AMX tiles for this layout: 512-bit pairs */
+    FOR_GROUPS(Q5_CALL, Q5_PAIR, tail_outputs_q5(codes, wd, xq, xd, M, K, N, y), Q5_AMX);
+#undef Q5_AMX
+#undef Q5_PAIR
+#undef Q5_CALL
+}
+
 /* The same products on float32 rows x [M, K]: quantize (workspace of our own), then multiply. Returns 0, or -1 when
  * the workspace cannot be allocated (y is then untouched). */
 static int quantized_workspace(const float *x, int64_t M, int64_t K, int8_t **xq, float **xd, float **xs) {
@@ -781,6 +861,11 @@ int spec_w4a8q4k_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes,
 int spec_w6a8k_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, const int8_t *sc, const float *dd,
                    int64_t N, float *y, int64_t ahead) {
     ON_FLOAT_ROWS(spec_w6a8k(xq, xd, M, K, codes, sc, dd, N, y, ahead));
+}
+
+int spec_w5a8_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *wd, int64_t N, float *y,
+                  int64_t ahead) {
+    ON_FLOAT_ROWS(spec_w5a8(xq, xd, M, K, codes, wd, N, y, ahead));
 }
 
 /* Returns 0, -1 when the workspace cannot be allocated, -2 for a sub other than 16 or 32 (y untouched). */

@@ -140,6 +140,20 @@ def _w6a8k_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, supers
     return _product("spec_w6a8k_f32", x, codes, scales, supers, prefetch=prefetch)
 
 
+def _w5a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, prefetch: int = 0) -> torch.Tensor:
+    """``x`` ``[M, K]`` float32 times the transpose of GGUF's Q5_0 weight in 5 bits, ``w[n, k] = scales[n, k // 32] *
+    q[n, k]`` -> ``[M, N]`` float32 (``torch.ops.speculant.w5a8_mm``): ``codes`` ``[N, K * 5 / 8]`` uint8 (``q + 16`` in
+    0..31 as low nibbles and high bits), ``scales`` ``[N, K / 32]`` float16 (the file's ``d``), rows interleaved by
+    groups of 8 outputs (``qgemm.c``'s 5-bit layout; :class:`~speculant.runtime.formats.W5A8Linear` makes them); the
+    bits of :func:`_w8a8_mm` on the same codes and scales; ``prefetch`` as for :func:`_w4a8_mm`.
+
+    Raises:
+        SpeculantError: the kernel cannot run here.
+        MemoryError: the quantized-activation workspace cannot be allocated.
+    """
+    return _product("spec_w5a8_f32", x, codes, scales, prefetch=prefetch)
+
+
 def _w8a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, prefetch: int = 0) -> torch.Tensor:
     """``x`` ``[M, K]`` float32 times the transpose of the 8-bit weight ``w[n, k] = scales[n, k // 32] * codes[n, k]``
     (``codes`` ``[N, K]`` int8, ``scales`` ``[N, K/32]`` float16; GGUF's Q8_0; rows interleaved by groups of 8
@@ -164,6 +178,8 @@ _OPS.impl("w8a8_mm", _w8a8_mm, "CPU")
 _OPS.impl("w8a8k_mm", _w8a8k_mm, "CPU")
 _OPS.define("w6a8k_mm(Tensor x, Tensor codes, Tensor scales, Tensor supers, int prefetch=0) -> Tensor")
 _OPS.impl("w6a8k_mm", _w6a8k_mm, "CPU")
+_OPS.define("w5a8_mm(Tensor x, Tensor codes, Tensor scales, int prefetch=0) -> Tensor")
+_OPS.impl("w5a8_mm", _w5a8_mm, "CPU")
 
 
 @torch.library.register_fake("speculant::w4a8_mm")
@@ -183,4 +199,9 @@ def _(x, codes, scales, offsets, group, prefetch=0):
 
 @torch.library.register_fake("speculant::w6a8k_mm")
 def _(x, codes, scales, supers, prefetch=0):
+    return x.new_empty(x.shape[0], codes.shape[0])
+
+
+@torch.library.register_fake("speculant::w5a8_mm")
+def _(x, codes, scales, prefetch=0):
     return x.new_empty(x.shape[0], codes.shape[0])

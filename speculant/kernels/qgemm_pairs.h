@@ -305,4 +305,42 @@ INLINE void q6k_pair(const uint8_t *wa, const uint8_t *wb, const int8_t *sa, con
     for (int r = 0; r < R; r++) v16_store(y + (m0 + r) * N + n0, acc[r]);
 }
 
+/* Q5_0 in 5 bits (qgemm.c's spec_w5a8 layout), groups t and t + 1 (codes wa, wb; fp16 scales da, db) by R rows from
+ * m0: the words unpacked as q5_group does (q5_word's operations on both groups' bytes in one 512-bit vector), then
+ * q8_pair's float sequence; writes y[m0 + r, n0 .. n0 + 15]. */
+INLINE void q5_pair(const uint8_t *wa, const uint8_t *wb, const uint16_t *da, const uint16_t *db, const int8_t *xq,
+                    const float *xd, int64_t m0, int R, int64_t K, int64_t G, float *y, int64_t N, int64_t n0,
+                    int64_t ahead) {
+    v16f acc[MB];
+    for (int r = 0; r < R; r++) acc[r] = v16_zero_f();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *a = wa + g * 160, *b = wb + g * 160;
+        prefetch_ahead(a, ahead, 3);
+        prefetch_ahead(b, ahead, 3);
+        v16i nib[4];                  /* each: group t's 32 bytes (low half), group t + 1's (high half) */
+        for (int i = 0; i < 4; i++) nib[i] = v16_load2(a + 32 * i, b + 32 * i);
+        const v16i hb = v16_load2(a + 128, b + 128);
+        const v16i m4 = v16_set1_i8(0x0F), m1 = v16_set1_i8(0x10), bias = v16_set1_i8(16);
+        v16i s[MB], s2[MB];           /* the first and the last 16 inputs' sums */
+        for (int r = 0; r < R; r++) s[r] = s2[r] = v16_zero();
+        for (int c = 0; c < 8; c++) {
+            /* q5_word's operations on both halves at once */
+            const v16i lo = c < 4 ? v16_and(nib[c], m4) : v16_and(v16_srli16(nib[c - 4], 4), m4);
+            const v16i hi = v16_and(c < 4 ? v16_slli16(hb, 4 - c) : c == 4 ? hb : v16_srli16(hb, c - 4), m1);
+            const v16i w = v16_sub8(v16_or(lo, hi), bias), aw = v16_abs8(w);
+            for (int r = 0; r < R; r++) {
+                const v16i p = v16_sign8(v16_bcast4(xq + (m0 + r) * K + g * QK + 4 * c), w);
+                if (c < 4) s[r] = v16_dpbusd(s[r], aw, p);
+                else s2[r] = v16_dpbusd(s2[r], aw, p);
+                V16_PIN(s[r]);
+                V16_PIN(s2[r]);
+            }
+        }
+        const v16f dw = v16_load_h16(da + g * LANES, db + g * LANES);
+        for (int r = 0; r < R; r++)
+            acc[r] = v16_fma(v16_cvt(v16_add32(s[r], s2[r])), v16_mul(dw, v16_set1_f(xd[(m0 + r) * G + g])), acc[r]);
+    }
+    for (int r = 0; r < R; r++) v16_store(y + (m0 + r) * N + n0, acc[r]);
+}
+
 #endif

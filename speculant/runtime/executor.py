@@ -39,7 +39,7 @@ def default_kv_dtype(head_dim: int) -> torch.dtype:
 def _projection_buffers(module) -> decode_step.ProjectionBuffers | None:
     """A W4A8/W8A8 projection's buffers for the fused step (a stack of them: its parts'), or ``None`` for any other
     module."""
-    from .formats import StackedLinear, W4A8KLinear, W4A8Linear, W6A8Linear, W8A8Linear
+    from .formats import StackedLinear, W4A8KLinear, W4A8Linear, W5A8Linear, W6A8Linear, W8A8Linear
     if type(module) is StackedLinear:
         parts = tuple(_projection_buffers(p) for p in module.parts)
         if any(p is None for p in parts):
@@ -52,6 +52,8 @@ def _projection_buffers(module) -> decode_step.ProjectionBuffers | None:
         bits, offsets = 8, getattr(module, "offsets", None)
     elif type(module) is W6A8Linear:
         bits, offsets = 6, module.supers
+    elif type(module) is W5A8Linear:
+        bits, offsets = 5, None
     elif type(module) is W4A8KLinear:
         bits, offsets = 4, module.supers
     else:

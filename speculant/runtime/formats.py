@@ -22,10 +22,9 @@ read them rounded to bfloat16 and return bfloat16, which is converted back to fl
 weight-only: each projection quantizes its input rows to int8 per block of 32 and returns float32, as
 llama.cpp's CPU backend does; its LM head is ``w8a8`` (the GGUF's own Q8_0 codes, same activations).  A GGUF's
 projections of other types run as stored (:func:`block_linear`): Q4_K in ``w4a8`` with its integer sub-block scales
-and mins (:class:`W4A8KLinear`), Q8_0, Q5_0,
-Q5_1 and Q5_K in ``w8a8`` (float32 scales per 32 where the type needs them), Q6_K in its own 6 bits with its integer
-sub-block scales (:class:`W6A8Linear`), a fused projection whose
-tensors differ in type as a :class:`StackedLinear`.  A projection
+and mins (:class:`W4A8KLinear`), Q8_0, Q5_1 and Q5_K in ``w8a8`` (float32 scales per 32 where the type needs them),
+Q5_0 in its own 5 bits (:class:`W5A8Linear`), Q6_K in its own 6 bits with its integer sub-block scales
+(:class:`W6A8Linear`), a fused projection whose tensors differ in type as a :class:`StackedLinear`.  A projection
 whose shape a kernel cannot take (int4 needs ``O % 16 == 0`` and ``I % 32 == 0``; w4a8 needs ``I % 32 == 0``) falls
 back to the next format in ``w4a8 -> int8``, ``int4 -> int8 -> bf16``.
 With every projection in ``w4a8``/``w8a8``, a forward over the KV cache runs all its decoder layers as one call into
@@ -568,18 +567,114 @@ def _unpack6(packed: torch.Tensor, grouped: int) -> torch.Tensor:
     return (u.to(torch.int16) - 32).to(torch.int8)
 
 
+def _q5_codes(gq: GroupQuantized) -> bool:
+    """Whether ``gq`` is Q5_0-like: 8-bit codes in -16..15 with an fp16 scale per 32 and no offsets (what
+    :class:`W5A8Linear` stores in 5 bits)."""
+    if gq.bits != 8 or gq.group != INT4_GROUP or gq.offset is not None or gq.scale_dtype != torch.float16:
+        return False
+    return not gq.codes.numel() or (int(gq.codes.min()) >= -16 and int(gq.codes.max()) <= 15)
+
+
+class W5A8Linear(_BlockLinear):
+    """GGUF's Q5_0 as stored, 5 bits a weight, on int8 activations: ``W[o, i] = scales[o, i // 32] * q[o, i]``,
+    ``q`` in -16..15 (the file's 5-bit code minus 16), ``scales`` float16 (the file's ``d``); the products are
+    :class:`W8A8Linear`'s on the same codes bit for bit, from 0.69 bytes a weight instead of 1.06
+    (:mod:`speculant.kernels.qgemm`'s 5-bit layout, ``torch.ops.speculant.w5a8_mm``):
+
+    * ``codes`` ``[O, I * 5 / 8]`` uint8: per group of 8 outputs and block of 32 inputs, the 8-bit layout's 256 bytes
+      (:class:`W8A8Linear`: 32-byte words ``c`` = 0..7, each 4 codes of each output) as ``q + 16``: 128 bytes of low
+      nibbles (word ``c`` in the low nibbles of bytes ``32c ..``, word ``c + 4`` in their high ones, ``c`` < 4), then
+      32 bytes of high bits (bit ``c`` of byte ``128 + j``: word ``c``'s byte ``j``'s); the last ``O % 8`` outputs
+      row by row, per block 16 bytes of nibbles (code ``j`` low, ``j + 16`` high) and 4 of high bits (bit ``i % 8``
+      of byte ``i / 8``: code ``i``'s, GGUF's order);
+    * ``scales`` ``[O, I / 32]`` float16, interleaved by groups of 8 outputs like :class:`W8A8Linear`'s.
+
+    Raises:
+        SpeculantError: codes that are not Q5_0-like (:func:`block_linear` then takes :class:`W8A8Linear`).
+    """
+
+    format = "w8a8"
+
+    def __init__(self, gq: GroupQuantized, bias: torch.Tensor | None = None):
+        o, i = gq.shape
+        super().__init__(i, o, bias)
+        if not _q5_codes(gq):
+            raise SpeculantError("w5a8 takes Q5_0 codes (8-bit codes in -16..15, an fp16 scale per 32, no offsets)")
+        g = i // INT4_GROUP
+        t = o // LANES * LANES
+        packed = torch.empty((o, g * 20), dtype=torch.uint8)
+        for start in range(0, o, PACK_ROWS):          # PACK_ROWS is a multiple of LANES: groups never split
+            end = min(o, start + PACK_ROWS)
+            packed[start:end] = _pack5(gq.codes[start:end], max(0, min(end, t) - start))
+        self.register_buffer("codes", packed)
+        self.register_buffer("scales", _interleave(gq.scale.half().view(o, g, 1, 1), g))
+
+    def matmul(self, x):
+        return torch.ops.speculant.w5a8_mm(x.float(), self.codes, self.scales, self.prefetch)
+
+    def group_quantized(self):
+        o, i = self.out_features, self.in_features
+        t = o // LANES * LANES
+        codes = torch.cat([_unpack5(self.codes[:t], t), _unpack5(self.codes[t:], 0)]).view(o, i)
+        return GroupQuantized(codes, self._rows("scales", 1).view(o, -1).float(), None, 8, INT4_GROUP, torch.float16)
+
+
+def _pack5(codes: torch.Tensor, grouped: int) -> torch.Tensor:
+    """Codes ``[n, I]`` int8 (-16..15) -> :class:`W5A8Linear`'s ``codes`` rows ``[n, I * 5 / 8]``: the first
+    ``grouped`` rows (a multiple of 8) interleaved by groups of 8, the rest row by row."""
+    n, i = codes.shape
+    g = i // INT4_GROUP
+    u = (codes.to(torch.int16) + 16).to(torch.uint8)
+    grouped_rows = torch.empty((0, g * 20), dtype=torch.uint8)
+    if grouped:
+        head = _interleave(u[:grouped].contiguous().view(grouped, g, 8, 4), g).view(grouped // LANES, g, 8, 32)
+        lo, hi = head & 0x0F, head >> 4
+        nib = (lo[:, :, :4] | (lo[:, :, 4:] << 4)).reshape(grouped // LANES, g, 128)
+        bits = sum(hi[:, :, c] << c for c in range(8))                              # [n/8, g, 32]
+        grouped_rows = torch.cat([nib, bits], 2).reshape(grouped, g * 20)
+    tail = u[grouped:].view(n - grouped, g, 32)
+    tlo, thi = tail & 0x0F, (tail >> 4).view(n - grouped, g, 4, 8)
+    tnib = tlo[..., :16] | (tlo[..., 16:] << 4)
+    tbits = sum(thi[..., k] << k for k in range(8))                                 # [n, g, 4]
+    tail_rows = torch.cat([tnib, tbits], -1).reshape(n - grouped, g * 20)
+    return torch.cat([grouped_rows, tail_rows])
+
+
+def _unpack5(packed: torch.Tensor, grouped: int) -> torch.Tensor:
+    """The inverse of :func:`_pack5` for rows that are all grouped (``grouped == len(packed)``) or all row by row
+    (``grouped == 0``): codes ``[n, I]`` int8."""
+    n = packed.shape[0]
+    g = packed.shape[1] // 20
+    if grouped:
+        b = packed.view(n // LANES, g, 160)
+        nib, bits = b[:, :, :128].view(n // LANES, g, 4, 32), b[:, :, 128:]
+        lo = torch.cat([nib & 0x0F, nib >> 4], 2)                                   # [n/8, g, 8, 32]
+        hi = torch.stack([(bits >> c) & 1 for c in range(8)], 2)
+        u = (lo | (hi << 4)).reshape(n, g, 8, 4)
+        u = _interleave(u, g, inverse=True).view(n, g * 32)
+    else:
+        b = packed.view(n, g, 20)
+        nib, bits = b[..., :16], b[..., 16:]
+        lo = torch.cat([nib & 0x0F, nib >> 4], -1)
+        hi = torch.stack([(bits >> k) & 1 for k in range(8)], -1).reshape(n, g, 32)
+        u = (lo | (hi << 4)).view(n, g * 32)
+    return (u.to(torch.int16) - 16).to(torch.int8)
+
+
 def block_linear(gq: GroupQuantized, bias: torch.Tensor | None = None) -> "_BlockLinear":
     """The projection of GGUF codes ``gq`` as stored on our kernels: Q4_K's with their super-block scales and mins
     :class:`W4A8KLinear`, other 4-bit codes :class:`W4A8Linear`, Q6_K's with their super-block scales
-    :class:`W6A8Linear`, other 8-bit ones :class:`W8A8Linear` (each in the layout of its scales;
-    no requantization).
+    :class:`W6A8Linear`, Q5_0's :class:`W5A8Linear`, other 8-bit ones :class:`W8A8Linear` (each in the layout of its
+    scales; no requantization).
 
     Raises:
         SpeculantError: codes no layout takes (groups other than 16 or 32).
     """
     if gq.bits == 4:
         return (W4A8KLinear if _q4k_scales_mins(gq) is not None else W4A8Linear)(gq, bias)
-    return (W6A8Linear if _q6k_sub_scales(gq) is not None else W8A8Linear)(gq, bias)
+    if _q6k_sub_scales(gq) is not None:
+        return W6A8Linear(gq, bias)
+    return (W5A8Linear if _q5_codes(gq) else W8A8Linear)(gq, bias)
 
 
 class StackedLinear(PackedLinear):
@@ -611,7 +706,7 @@ class StackedLinear(PackedLinear):
 
 
 PACKED_CLASSES = {cls.__name__: cls for cls in (Bf16Linear, Int8Linear, Int4Linear, W4A8Linear, W4A8KLinear,
-                                                W8A8Linear, W6A8Linear, StackedLinear)}
+                                                W8A8Linear, W6A8Linear, W5A8Linear, StackedLinear)}
 
 
 def _int4_scales_and_zeros(codes: GroupQuantized) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,11 +19,11 @@ from ..models.config import ModelConfig
 from ..models.llama import LlamaDecoder
 from .formats import PACKED_CLASSES, PackedLinear
 
-SCHEMA = "speculant-packed-7"      # 2: w4a8/w8a8 rows interleaved by 8, float16 scales; 3: GGUF codes of every type
+SCHEMA = "speculant-packed-8"      # 2: w4a8/w8a8 rows interleaved by 8, float16 scales; 3: GGUF codes of every type
 #                                    as stored (K layouts with float32 scales, stacked projections); 4: projections
 #                                    quantized here (HF checkpoints) by gguf's reference Q4_1 / Q8_0 quantizers; 5: Q6_K
 #                                    in 6 bits (W6A8Linear); 6: Q4_K with its integer scales and mins
-#                                    (W4A8KLinear); 7: Q4_0 without stored mins
+#                                    (W4A8KLinear); 7: Q4_0 without stored mins; 8: Q5_0 in 5 bits (W5A8Linear)
 
 
 MAPPED = frozenset({"embed_tokens.weight"})
