@@ -13,6 +13,8 @@ that, from 69cf18e on: the layer struct gained the q/k norm weights).
                                                        # (speculant.kernels.build.ISA_VARIANTS) as the baseline
     python benchmarks/step_ab.py --weight-prefetch 0   # this build with another weight prefetch distance [bytes]
                                                        # as the baseline (this build: the tuned one)
+    python benchmarks/step_ab.py --pair-rows 1         # this build with 512-bit pairs at every row count as the
+                                                       # baseline (this build: its measured pair threshold)
     python benchmarks/step_ab.py --folded-scales Q4_K --model gemma3-270m
                                                        # a GGUF's Q4_K / Q6_K projections as stored (this build)
                                                        # against the same codes with float32 scales folded per
@@ -46,6 +48,9 @@ def main() -> None:
                        help="this checkout's kernels built in another variant")
     which.add_argument("--weight-prefetch", type=int, metavar="BYTES",
                        help="this build with the products' weight prefetch at BYTES ahead (0: none)")
+    which.add_argument("--pair-rows", type=int, metavar="ROWS",
+                       help="this build with 512-bit pairs from ROWS rows on (1: always; this build: the measured "
+                            "threshold, build.measure_pair_rows)")
     which.add_argument("--folded-scales", choices=("Q4_K", "Q6_K", "both", "Q4_0", "Q5_0"),
                        help="baseline: that type's projections with their scales folded into float32")
     ap.add_argument("--model", default="smollm2-135m", help="a known model's name or a model path")
@@ -71,6 +76,9 @@ def main() -> None:
         except ValueError as e:
             raise SystemExit(f"step_ab: {e}") from None
         runs["baseline"] = model.executor.replace(weight_prefetch=args.weight_prefetch)
+    elif args.pair_rows is not None:
+        if args.pair_rows < 1:
+            raise SystemExit(f"step_ab: --pair-rows {args.pair_rows}: allowed: 1 or more")
     elif args.variant:
         try:
             other = build.load_variant(args.variant)
@@ -100,10 +108,14 @@ def main() -> None:
         for dec in {id(d): d for d in runs.values()}.values():     # each decoder's RoPE rows (same K/V bits)
             dec.decoder.ensure_rope(ctx + 16)
             dec(prompt, None, None, cache, 0)
+        tuned_rows = here.spec_pair_rows()
+        pair_rows = {"baseline": args.pair_rows or tuned_rows, "this build": tuned_rows}
         for _ in range(args.repeats):
             for name, lib in (("baseline", other), ("this build", here)):
                 dec = runs[name]
                 dec.fused_layers().lib = lib
+                if hasattr(lib, "spec_set_pair_rows"):      # one library's setting: the LM head's kernel too
+                    lib.spec_set_pair_rows(pair_rows[name])
                 if args.variant:                    # the LM head too (a baseline checkout's covers the layers)
                     build._LIB = lib
                 for t in (1, 5):
@@ -113,10 +125,11 @@ def main() -> None:
                     times[name, t].append(time.perf_counter() - t0)
     for dec in runs.values():
         dec.fused_layers().lib = here
+    here.spec_set_pair_rows(tuned_rows)
     build._LIB = here
     print(f"CPU: {cpu_description()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; "
           f"context {ctx}, {args.repeats} alternated repeats; this build: kernels {build.loaded_isa()}; baseline: "
-          f"{args.baseline or ('kernels ' + args.variant if args.variant else '') or (f'{args.folded_scales} scales folded into float32' if args.folded_scales else '')}; weight prefetch [bytes]: this build "
+          f"{args.baseline or ('kernels ' + args.variant if args.variant else '') or (f'{args.folded_scales} scales folded into float32' if args.folded_scales else '') or (f'512-bit pairs from {args.pair_rows} rows' if args.pair_rows else '')}; pairs from [rows]: this build {tuned_rows}; weight prefetch [bytes]: this build "
           f"{prefetch['this build']}, baseline {prefetch['baseline'] if prefetch['baseline'] is not None else prefetch['this build']}\n")
     print("| build | T=1 min / median [ms] | T=5 min / median [ms] | T=5 / T=1 (min) |")
     print("|---|---|---|---|")

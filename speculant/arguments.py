@@ -92,8 +92,11 @@ def method_spec_from_args(args, model=None):
     only the flags are checked (before the model loads, so a bad combination fails at once): ``--exit-layer
     auto`` then stands for some exit layer.
     """
-    from .engine.methods import MethodSpec, drafts_with_exit_layers
+    from .engine.methods import MethodSpec, draft_head_name, drafts_with_exit_layers
     exit_layer, k = args.exit_layer, args.num_speculations
+    if model is None and getattr(args, "model", None):          # a head the method needs and lacks: before the load
+        from .models.loading import known_name
+        draft_head_name(args.method, getattr(args, "draft_head", None), known_name(args.model))
     if exit_layer == "auto":
         if not drafts_with_exit_layers(args.method, args.draft_model):
             raise SpeculantError(f"--exit-layer auto is not used by --method {args.method}"

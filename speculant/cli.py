@@ -66,11 +66,15 @@ def cmd_models(args) -> int:
         state = "cached" if r["cached"] else ("installed" if r["package_installed"] else f"not installed ({r['install']})")
         if r.get("exists") is False:
             state = "file gone"
-        print(f"{r['name']:<16} {state:<12} {r['description']}")
+        print(f"{r['name']:<16} {state}")
+        print(f"{'':<16} {r['description']}")
         print(f"{'':<16} cache: {r['cache_dir']}")
         heads, adapters = ", ".join(r["draft_heads"]) or "none", ", ".join(r["exit_adapters"]) or "none"
-        print(f"{'':<16} draft heads: {heads}; exit adapters: {adapters} (eagle and rsd-*/specinfer with a head need "
-              "one: `speculant train --recipe draft-head`; early exit runs without, better with an adapter)")
+        print(f"{'':<16} draft heads: {heads}; exit adapters: {adapters}"
+              + ("" if r["draft_heads"] else " (eagle and rsd-*/specinfer with a head need a draft head: "
+                 "`speculant train --recipe draft-head`)")
+              + ("" if r["exit_adapters"] else " (early exit runs without an exit adapter, better with one: "
+                 "`speculant train --recipe exit-adapter`)"))
     return 0
 
 

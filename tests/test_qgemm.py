@@ -164,6 +164,30 @@ def test_vnni_code_gives_the_avx2_bits(monkeypatch):
 
 
 @needs_kernel
+def test_groups_and_pairs_compute_the_same_bits_and_the_pair_threshold_is_measured(monkeypatch):
+    """A 512-bit variant runs products of fewer rows than its pair threshold on 256-bit groups, of more on pairs:
+    both routes give every row the same bits (4-bit and 8-bit codes, a partial group of outputs); the threshold is
+    measured (one above the largest row count at which groups win, 1: pairs everywhere) and left set."""
+    lib = build.load_variant("zmm-emulated")
+    monkeypatch.setattr(build, "_LIB", lib)
+    g = torch.Generator().manual_seed(3)
+    lins = [pack_linear("w4a8", torch.randn(40 + 3, 256, generator=g) * 0.05),
+            W8A8Linear(quantize_q8(torch.randn(43, 256, generator=g) * 0.05))]
+    x = torch.randn(17, 256, generator=g)
+    for lin in lins:
+        lib.spec_set_pair_rows(1)
+        pairs = lin(x)
+        lib.spec_set_pair_rows(100)
+        groups = lin(x)
+        assert torch.equal(pairs, groups)
+        for rows in (1, 5, 9):
+            lib.spec_set_pair_rows(rows)
+            assert torch.equal(lin(x), pairs) and torch.equal(lin(x[:rows - 1 or 1]), pairs[:rows - 1 or 1])
+    threshold = build.measure_pair_rows(lib, build._Streams(total=1 << 20), repeats=1)
+    assert threshold in {1, *(m + 1 for m in build.PAIR_ROWS_GRID)} and lib.spec_pair_rows() == threshold
+
+
+@needs_kernel
 def test_the_fastest_variant_is_measured_once_per_machine(monkeypatch, tmp_path):
     """Where the CPU has several variants, the first load times them and keeps the pick; later loads build and
     time nothing; another thread count is another measurement."""
@@ -174,10 +198,17 @@ def test_the_fastest_variant_is_measured_once_per_machine(monkeypatch, tmp_path)
     monkeypatch.setattr(build, "_cpu_flags", lambda: real_flags - {"avx512f", "avx512_vnni", "avx_vnni", "amx_tile"})
     timed = []
 
-    def fake_times(libs, repeats=30):
+    def fake_times(libs, repeats=30, streams=None):
         timed.append(sorted(libs))
         return {isa: (0.5 if isa == "zmm-emulated" else 1.0) for isa in libs}
     monkeypatch.setattr(build, "time_variants", fake_times)
+    measured = []
+
+    def fake_pair_rows(lib, streams=None):
+        measured.append(lib)
+        lib.spec_set_pair_rows(7)
+        return 7
+    monkeypatch.setattr(build, "measure_pair_rows", fake_pair_rows)
 
     def fresh_load():
         for name, value in (("_LIB", None), ("_WHY_NOT", None), ("_ISA", None)):
@@ -190,9 +221,11 @@ def test_the_fastest_variant_is_measured_once_per_machine(monkeypatch, tmp_path)
     assert timed == [["avx2", "zmm-emulated"]]
     picks = list((tmp_path / "kernels").glob("pick-*.json"))
     assert len(picks) == 1 and '"variant": "zmm-emulated"' in picks[0].read_text()
+    assert len(measured) == 1 and build.load().spec_pair_rows() == 7          # zmm-emulated's pairs: measured
     for so in (tmp_path / "kernels").glob("*avx2*.so"):
         so.unlink()                                                    # a later load needs only the pick
     assert fresh_load() is not None and build.loaded_isa() == "zmm-emulated" and len(timed) == 1
+    assert len(measured) == 1 and build.load().spec_pair_rows() == 7          # kept with the pick
     assert not list((tmp_path / "kernels").glob("*avx2*.so"))
     threads = torch.get_num_threads()
     try:
@@ -220,9 +253,9 @@ def test_kernel_variant_is_chosen_from_the_cpu_flags_and_checked(monkeypatch):
     assert build.isa_candidates(base) == ["avx2"]
     assert build.isa_candidates(base | {"avx_vnni"}) == ["avx-vnni", "avx2"]
     assert build.isa_candidates(base | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni"}) == [
-        "avx512-vnni", "avx512-vnni-ymm", "avx2"]                                   # not avx-vnni: its VEX twin
+        "avx512-vnni", "avx2"]          # not avx-vnni nor avx512-vnni-ymm: avx512-vnni's groups below its pair threshold
     assert build.isa_candidates(base | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"}) == [
-        "avx512-vnni", "avx512-vnni-ymm", "amx-int8", "avx2"]
+        "avx512-vnni", "amx-int8", "avx2"]
     assert build.isa_candidates(base | {"avx512f", "avx512_vnni"}) == ["avx2"]      # no AVX512VL: no 256-bit vpdpbusd
     monkeypatch.setenv("SPECULANT_KERNEL_ISA", "vnni-emulated")
     assert build.isa_candidates(base) == ["vnni-emulated"]

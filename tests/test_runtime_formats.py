@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from speculant import GenerationConfig, build_generator
 from speculant.engine.stats import GenerationStats
 from speculant.models.loading import ours_to_hf_state
+from speculant.kernels import build
 from speculant.runtime import compiled, tune
 from speculant.runtime import formats
 from speculant.runtime.formats import (PROJECTIONS, Int4Linear, PackedLinear, apply_weight_format, format_available,
@@ -350,7 +351,8 @@ def test_the_tuner_keeps_w4a8_unless_another_format_wins_decoding_without_losing
 def test_forward_costs_are_timed_with_the_tuned_choices_and_measured_again_when_older(tmp_path, monkeypatch):
     """The T-row forward costs (the cost-aware policy's table) are timed on an executor with the KV cache dtype and
     weight prefetch decoding will use (not on the tuner's probe), and a tune whose ``forward_ms`` was measured the
-    older way (``forward_version`` below :data:`tune.FORWARD_VERSION`) has them measured again, once."""
+    older way (``forward_version`` below :data:`tune.FORWARD_VERSION`) or with another kernel library (new kernels,
+    another variant or pair threshold) has them measured again, once."""
     from helpers import on_fused_step
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
     model = on_fused_step(packable_tiny())
@@ -370,3 +372,7 @@ def test_forward_costs_are_timed_with_the_tuned_choices_and_measured_again_when_
     assert tune.load(result.key).forward_ms == {"1": 1.0, "2": 1.1}          # saved
     assert not tune.complete_for_fused(result, probe) and len(seen) == 1      # current: not measured again
     assert (probe.kv_dtype, probe.weight_prefetch) == (torch.float32, 0)      # the probe left as it was
+    assert result.forward_kernels == build.kernel_signature() != ""
+    monkeypatch.setattr(build, "_SIGNATURE", build.kernel_signature() + "-other")   # new kernels, another pick ...
+    assert tune.complete_for_fused(result, probe) and len(seen) == 2          # ... measured again, once
+    assert not tune.complete_for_fused(result, probe) and len(seen) == 2

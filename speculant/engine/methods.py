@@ -165,6 +165,23 @@ def default_exit_layer(model: LoadedModel) -> int:
     return e if e is not None else min(DEFAULT_EXIT_LAYER, model.decoder.num_layers // 2)
 
 
+def draft_head_name(method: str, draft_head: str | None, model_name: str) -> str | None:
+    """The draft head ``method`` drafts with for ``model_name`` (its name as loaded: a known model's own file by path
+    has the known name): ``draft_head`` if given, else the shipped ``default`` for the methods that need a head
+    (``eagle``, ``eagle-lookup``); ``None`` for the others without one.  Known before the model loads.
+
+    Raises:
+        SpeculantError: the method needs a head and none ships for the model.
+    """
+    if draft_head is not None or method not in ("eagle", "eagle-lookup"):
+        return draft_head
+    name = default_head_for(model_name)
+    if name is None:
+        raise SpeculantError(f"no draft head ships for model {model_name!r}; allowed: --draft-head DIR "
+                             "(train one with `speculant train --recipe draft-head`)")
+    return name
+
+
 def _drafter(spec: MethodSpec, model: LoadedModel) -> Drafter | None:
     target = executor_of(model)
     if spec.method == "ar":
@@ -172,10 +189,7 @@ def _drafter(spec: MethodSpec, model: LoadedModel) -> Drafter | None:
     if spec.method == "prompt-lookup":
         return PromptLookupDrafter(spec.max_ngram, spec.min_ngram)
     if spec.method in ("eagle", "eagle-lookup") or spec.draft_head is not None:
-        name = spec.draft_head or default_head_for(model.name)
-        if name is None:
-            raise SpeculantError(f"no draft head ships for model {model.name!r}; allowed: --draft-head DIR "
-                                 "(train one with `speculant train --recipe draft-head`)")
+        name = draft_head_name(spec.method, spec.draft_head, model.name)
         drafter = head_drafter(name, model)       # EAGLE-3 or our EAGLE-1/2-style head, in its tuned format
         if spec.method == "eagle-lookup":
             drafter = with_lookup(drafter, spec.max_ngram, spec.min_ngram)

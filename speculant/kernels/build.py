@@ -12,7 +12,8 @@ the CPU has AVX512-VNNI or AVX-VNNI (one instruction for what takes two or three
 ``ggml-cpu`` quants use it), on 256-bit vectors or, with AVX-512, on 512-bit ones.  All variants compute the same
 bits (exact integer sums, the same float operations after them), so any of them keeps decoding exact; where the CPU
 has more than one, :func:`pick_variant` times them at the first load and keeps the fastest for that machine
-(whether 512-bit vectors pay differs between CPUs).  ``$SPECULANT_KERNEL_ISA`` (``auto``, the default, or a
+(whether 512-bit vectors pay differs between CPUs), on products whose weights stream from memory as a decoding
+step's do, with the row count from which a 512-bit variant pairs groups measured first (:func:`measure_pair_rows`).  ``$SPECULANT_KERNEL_ISA`` (``auto``, the default, or a
 variant's name) forces one, to compare them (``benchmarks/step_ab.py --variant``) or to test the VNNI code with
 ``vpdpbusd`` emulated exactly on AVX2.
 
@@ -27,7 +28,6 @@ import hashlib
 import json
 import os
 import platform
-import random
 import shutil
 import subprocess
 import sys
@@ -59,13 +59,16 @@ ISA_VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
 }
 """Kernel variant -> (extra compiler flags, CPU flags it needs besides AVX2/FMA/F16C).  ``amx-int8``: ``avx512-vnni``
 with the integer sums of products of a few rows or more by AMX tiles (``qgemm_amx.h``); ``avx512-vnni``: 512-bit
-products of two groups of 8 outputs (``qgemm_pairs.h``); ``avx512-vnni-ymm`` and ``avx-vnni``: ``vpdpbusd`` on
-256-bit vectors; ``avx2``: ``vpmaddubsw``.  The ``-emulated`` ones (:data:`TEST_VARIANTS`) run the VNNI code
+products of two groups of 8 outputs (``qgemm_pairs.h``) from a row count measured per machine
+(:func:`measure_pair_rows`), 256-bit groups below it; ``avx512-vnni-ymm`` and ``avx-vnni``: ``vpdpbusd`` on
+256-bit vectors alone (not candidates beside ``avx512-vnni``, whose code below its threshold they are); ``avx2``:
+``vpmaddubsw``.  The ``-emulated`` ones (:data:`TEST_VARIANTS`) run the VNNI code
 with ``vpdpbusd`` (and 512-bit vectors, and AMX tiles) emulated exactly by AVX2 instructions (and C), for tests."""
 TEST_VARIANTS = frozenset({"vnni-emulated", "zmm-emulated", "amx-emulated"})
 _LIB: ctypes.CDLL | None = None
 _WHY_NOT: str | None = None
 _ISA: str | None = None
+_SIGNATURE = ""
 _LOCK = threading.Lock()
 
 
@@ -119,9 +122,18 @@ def isa_candidates(flags: set[str] | None = None) -> list[str]:
         have = [n for n in ISA_VARIANTS if n not in TEST_VARIANTS and ISA_VARIANTS[n][1] <= flags]
         if "avx512-vnni-ymm" in have and "avx-vnni" in have:
             have.remove("avx-vnni")           # the same instruction on the same vectors, in another encoding
+        if "avx512-vnni" in have and "avx512-vnni-ymm" in have:
+            have.remove("avx512-vnni-ymm")    # avx512-vnni's own code below its measured pair threshold
         return have
     check_runs_here(name, flags, f"SPECULANT_KERNEL_ISA={name!r}")
     return [name]
+
+
+def kernel_signature() -> str:
+    """What distinguishes the loaded library's speed (its variant, its build's :func:`_digest`, its pair threshold),
+    for measurements kept with it (``""`` where none is loaded)."""
+    load()
+    return _SIGNATURE
 
 
 def loaded_isa() -> str | None:
@@ -138,13 +150,18 @@ def _digest(cc: str, isa: str) -> str:
                         + " ".join(flags).encode() + cpu.encode()).hexdigest()[:16]
 
 
+def _built_path(cc: str, isa: str) -> Path:
+    """Where variant ``isa``'s build is kept."""
+    return cache_root() / "kernels" / f"speculant-kernels-{isa}-{_digest(cc, isa)}.so"
+
+
 def _build(cc: str, isa: str = "avx2") -> Path:
     """Compile :data:`SOURCES` in variant ``isa`` (once per :func:`_digest`) and return the shared library's path.
 
     Raises:
         SpeculantError: the compiler failed (its last error lines).
     """
-    out = cache_root() / "kernels" / f"speculant-kernels-{isa}-{_digest(cc, isa)}.so"
+    out = _built_path(cc, isa)
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -176,7 +193,7 @@ def load() -> ctypes.CDLL | None:
 
 
 def _load() -> ctypes.CDLL | None:
-    global _LIB, _WHY_NOT, _ISA
+    global _LIB, _WHY_NOT, _ISA, _SIGNATURE
     if _LIB is not None or _WHY_NOT is not None:
         return _LIB
     flags, cc = _cpu_flags(), _compiler()
@@ -193,8 +210,16 @@ def _load() -> ctypes.CDLL | None:
             _WHY_NOT = f"could not be built here: {e}"
     if not libs:
         return None
-    isa = next(iter(libs)) if len(libs) == 1 else pick_variant(libs, cc)
+    kept = _kept_pick(cc, isa_candidates(flags))
+    if kept is not None and kept["variant"] in libs:          # measured before: the pick and its pair threshold
+        isa = kept["variant"]
+        libs[isa].spec_set_pair_rows(int(kept.get("pair_rows", {}).get(isa, 1)))
+    elif len(libs) == 1 and not _has_pairs(next(iter(libs))):
+        isa = next(iter(libs))                                 # nothing to measure
+    else:
+        isa = pick_variant(libs, cc)
     _LIB, _ISA, _WHY_NOT = libs[isa], isa, None
+    _SIGNATURE = f"{isa}-{_digest(cc, isa)}-pairs{_LIB.spec_pair_rows()}"
     return _LIB
 
 
@@ -212,8 +237,9 @@ def _build_all(cc: str, candidates: list[str]) -> dict[str, Exception | None]:
     a first load on a CPU with several variants).  Returns each variant's build error (``None``: built)."""
     picked = _cached_pick(cc, candidates) if len(candidates) > 1 else None
     todo = [picked] if picked else candidates
-    if len(todo) > 1:
-        print(f"speculant: building the kernel variants {', '.join(todo)} ...", file=sys.stderr, flush=True)
+    unbuilt = [isa for isa in todo if not _built_path(cc, isa).is_file()]
+    if len(unbuilt) > 1:
+        print(f"speculant: building the kernel variants {', '.join(unbuilt)} ...", file=sys.stderr, flush=True)
     with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
         return dict(zip(todo, pool.map(lambda isa: _try_build(cc, isa), todo)))
 
@@ -239,9 +265,67 @@ def _try_build(cc: str, isa: str) -> Exception | None:
     return None
 
 
-PICK_SHAPES = (("spec_w4a8_f32", 576, 3072), ("spec_w8a8_f32", 576, 8192))
-"""Products timed by :func:`pick_variant` (entry point, inputs K, outputs N): a SmolLM2-sized fused gate/up
-projection in 4 bits and a slice of an LM head in 8 bits, each for 1 and 5 rows (a step and a verification block)."""
+STREAM_SHAPES = (("spec_w4a8_f32", 2048, 2048), ("spec_w8a8_f32", 1024, 2048))
+"""Products timed by :func:`pick_variant` and :func:`measure_pair_rows` (entry point, inputs K, outputs N): a 4-bit
+projection and an 8-bit one (LM head), in copies read in turn whose codes (:data:`STREAM_BYTES` in all) do not fit the
+caches, as a decoding step streams its weights from memory: a variant's speed in the caches is not its speed there."""
+STREAM_BYTES = 64 << 20
+PAIR_ROWS_GRID = (1, 2, 4, 8, 16, 32, 64)
+"""Row counts at which :func:`measure_pair_rows` times 256-bit groups against 512-bit pairs."""
+
+
+def _has_pairs(isa: str) -> bool:
+    """Whether variant ``isa`` runs 512-bit pairs (qgemm_pairs.h), whose row threshold :func:`measure_pair_rows`
+    measures."""
+    return any(f.startswith("-DSPEC_ZMM") for f in ISA_VARIANTS[isa][0])
+
+
+class _Streams:
+    """:data:`STREAM_SHAPES`' copies (random codes, fp16 scales of 0.01) and float32 rows for up to
+    ``max(PAIR_ROWS_GRID)`` rows: what :func:`time_variants` and :func:`measure_pair_rows` time."""
+
+    def __init__(self, total: int = STREAM_BYTES):
+        import torch
+        g = torch.Generator().manual_seed(0)
+        rows = max(PAIR_ROWS_GRID)
+        self.sets = []
+        for entry, k, n in STREAM_SHAPES:
+            nbytes = n * k // 2 if entry == "spec_w4a8_f32" else n * k
+            copies = max(2, total // len(STREAM_SHAPES) // nbytes)
+            codes = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g) for _ in range(copies)]
+            scales = torch.full((n * k // 32,), 0.01, dtype=torch.float16)
+            self.sets.append((entry, k, n, codes, scales, torch.randn(rows, k, generator=g),
+                              torch.empty(rows, n)))
+
+    def run(self, lib: ctypes.CDLL, rows: int, share: float = 1.0) -> float:
+        """Seconds for one pass of ``rows``-row products over the first ``share`` of each set's copies."""
+        t0 = time.perf_counter()
+        for entry, k, n, codes, scales, x, y in self.sets:
+            extra = (0,) if entry == "spec_w4a8_f32" else ()          # Q4_0: no stored mins
+            for c in codes[:max(1, round(len(codes) * share))]:
+                getattr(lib, entry)(x.data_ptr(), rows, k, c.data_ptr(), scales.data_ptr(), *extra, n, y.data_ptr(), 0)
+        return time.perf_counter() - t0
+
+
+def measure_pair_rows(lib: ctypes.CDLL, streams: "_Streams | None" = None, repeats: int = 5,
+                      margin: float = 0.03) -> int:
+    """The row count from which a 512-bit variant's products run on pairs of groups (``spec_set_pair_rows``; fewer
+    rows: on 256-bit groups alone), measured here: at each of :data:`PAIR_ROWS_GRID` both routes time
+    :class:`_Streams`' products, alternated, best of ``repeats``; the threshold is one above the largest row count
+    at which groups beat pairs by more than ``margin`` (1: pairs everywhere, the default).  Both routes compute the
+    same bits.  Leaves the library at the threshold."""
+    streams = streams or _Streams()
+    best = {(m, route): float("inf") for m in PAIR_ROWS_GRID for route in ("groups", "pairs")}
+    for m in PAIR_ROWS_GRID:
+        share = min(1.0, 8 / m)               # many rows are bound by arithmetic: fewer copies time them as well
+        for _ in range(repeats):
+            for route, threshold in (("groups", m + 1), ("pairs", 1)):
+                lib.spec_set_pair_rows(threshold)
+                best[m, route] = min(best[m, route], streams.run(lib, m, share))
+    won = [m for m in PAIR_ROWS_GRID if best[m, "groups"] < (1 - margin) * best[m, "pairs"]]
+    threshold = max(won) + 1 if won else 1
+    lib.spec_set_pair_rows(threshold)
+    return threshold
 
 
 def _pick_path(cc: str, candidates) -> Path:
@@ -252,52 +336,53 @@ def _pick_path(cc: str, candidates) -> Path:
     return cache_root() / "kernels" / f"pick-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
 
 
-def _cached_pick(cc: str, candidates) -> str | None:
+def _kept_pick(cc: str, candidates) -> dict | None:
+    """The kept pick among ``candidates`` (:func:`pick_variant`'s JSON), or ``None``."""
     try:
-        pick = json.loads(_pick_path(cc, candidates).read_text())["variant"]
+        kept = json.loads(_pick_path(cc, candidates).read_text())
+        return kept if kept["variant"] in candidates and isinstance(kept.get("pair_rows", {}), dict) else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return pick if pick in candidates else None
 
 
-def time_variants(libs: dict[str, ctypes.CDLL], repeats: int = 30) -> dict[str, float]:
-    """Seconds per pass over :data:`PICK_SHAPES` (1 and 5 rows each) for each loaded variant, the best of
-    ``repeats`` passes, variants alternated (random codes, float16 scales of 0.1, normal activations)."""
-    rng = random.Random(0)
-    data = {}
-    for entry, k, n in PICK_SHAPES:
-        nbytes = n * k // 2 if entry == "spec_w4a8_f32" else n * k
-        codes = (ctypes.c_uint8 * nbytes).from_buffer_copy(rng.randbytes(nbytes))
-        scales = (ctypes.c_uint16 * (n * k // 32))(*([0x2E66] * (n * k // 32)))
-        x = (ctypes.c_float * (5 * k))(*(rng.gauss(0.0, 1.0) for _ in range(5 * k)))
-        data[entry] = (k, n, codes, scales, x, (ctypes.c_float * (5 * n))())
+def _cached_pick(cc: str, candidates) -> str | None:
+    kept = _kept_pick(cc, candidates)
+    return None if kept is None else kept["variant"]
+
+
+def time_variants(libs: dict[str, ctypes.CDLL], repeats: int = 30, streams: "_Streams | None" = None
+                  ) -> dict[str, float]:
+    """Seconds per pass over :class:`_Streams`' products (1 and 5 rows: a decoding step and a verification block)
+    for each loaded variant (at its pair-row threshold as set), the best of ``repeats`` passes, variants
+    alternated."""
+    streams = streams or _Streams()
     best = {isa: float("inf") for isa in libs}
     for _ in range(repeats):
         for isa, lib in libs.items():
-            t0 = time.perf_counter()
-            for entry, (k, n, codes, scales, x, y) in data.items():
-                extra = (scales,) if entry == "spec_w4a8_f32" else ()
-                for m in (1, 5):
-                    getattr(lib, entry)(x, m, k, codes, scales, *extra, n, y, 0)
-            best[isa] = min(best[isa], time.perf_counter() - t0)
+            best[isa] = min(best[isa], streams.run(lib, 1) + streams.run(lib, 5))
     return best
 
 
 def pick_variant(libs: dict[str, ctypes.CDLL], cc: str) -> str:
-    """The fastest of the loaded variants ``libs`` (:func:`time_variants`; they compute the same bits), measured
-    once per machine and kept as JSON beside the builds (atomic rename); progress on stderr."""
+    """The fastest of the loaded variants ``libs`` (:func:`time_variants`, each 512-bit one at its measured
+    :func:`measure_pair_rows`; they compute the same bits), measured once per machine and kept as JSON beside the
+    builds (atomic rename); progress on stderr."""
     path = _pick_path(cc, libs)
     print(f"speculant: timing the kernel variants {', '.join(libs)} (once for this machine) ...", file=sys.stderr,
           flush=True)
-    seconds = time_variants(libs)
+    streams = _Streams()
+    pair_rows = {isa: measure_pair_rows(lib, streams) for isa, lib in libs.items() if _has_pairs(isa)}
+    seconds = time_variants(libs, repeats=10, streams=streams)
     pick = min(seconds, key=seconds.get)
-    print("speculant: " + ", ".join(f"{isa} {s * 1e3:.2f} ms" for isa, s in seconds.items()) + f"; using {pick}",
+    print("speculant: " + ", ".join(f"{isa} {s * 1e3:.2f} ms" for isa, s in seconds.items()) + f"; using {pick}"
+          + (f" (512-bit pairs from {pair_rows[pick]} rows on)" if pick in pair_rows else ""),
           file=sys.stderr, flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
     with os.fdopen(fd, "w") as f:
         json.dump({"variant": pick, "ms": {isa: round(s * 1e3, 3) for isa, s in seconds.items()},
-                   "shapes": PICK_SHAPES, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, f)
+                   "pair_rows": pair_rows, "shapes": STREAM_SHAPES, "stream_bytes": STREAM_BYTES,
+                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, f)
     os.replace(tmp, path)
     return pick
 
@@ -340,6 +425,9 @@ def load_variant(isa: str, cc: str | None = None) -> ctypes.CDLL:
     lib.spec_draft_head.restype = ctypes.c_int
     lib.spec_rms_norm.argtypes = [p, p, i, i, ctypes.c_float, p]
     lib.spec_rms_norm.restype = None
+    lib.spec_set_pair_rows.argtypes = [i]
+    lib.spec_set_pair_rows.restype = None
+    lib.spec_pair_rows.restype = i
     return lib
 
 

@@ -390,14 +390,24 @@ static void tail_outputs(const uint8_t *c4, const int8_t *c8, const uint16_t *wd
         }                                                                                            \
     } while (0)
 
-/* Units of work split between threads: P pairs of groups of 8 outputs (512-bit variants; none otherwise), then the
- * groups left, one per unit, then the last N % 8 outputs as one unit.  With AMX (SPEC_AMX) the pairs are AMX_CALL
+/* Products of fewer rows than this run on 256-bit groups only, from this many on on 512-bit pairs too (512-bit
+ * variants; set by spec_set_pair_rows, measured per machine by build.py: a pair reads two groups' codes as two
+ * streams, which DRAM serves more slowly than one where a product of few rows is bound by memory traffic, while
+ * products of many rows are bound by arithmetic, where pairs pay).  Routes compute the same bits: a speed choice. */
+static int64_t pair_min_rows = 1;
+
+void spec_set_pair_rows(int64_t rows) { pair_min_rows = rows < 1 ? 1 : rows; }
+int64_t spec_pair_rows(void) { return pair_min_rows; }
+
+/* Units of work split between threads: P pairs of groups of 8 outputs (512-bit variants from pair_min_rows rows on;
+ * none otherwise), then the groups left, one per unit, then the last N % 8 outputs as one unit.  With AMX (SPEC_AMX) the pairs are AMX_CALL
  * (qgemm_amx.h's AMX_ROW_TILES), each thread with its own tile configuration (shaped: its row count, 0: none). */
 #ifdef SPEC_AMX
 #define FOR_GROUPS(GROUP_CALL, PAIR_CALL, TAIL_CALL, AMX_CALL)                                        \
     do {                                                                                             \
-        const int64_t T = N / LANES, P = T / 2, U = T - P + (N % LANES != 0);                        \
         const int amx = M >= AMX_MIN_ROWS && amx_permitted();                                        \
+        const int64_t T = N / LANES, P = amx || M >= pair_min_rows ? T / 2 : 0;                      \
+        const int64_t U = T - P + (N % LANES != 0);                                                  \
         _Pragma("omp parallel")                                                                      \
         {                                                                                            \
             int shaped = 0;                                                                          \
@@ -413,7 +423,8 @@ static void tail_outputs(const uint8_t *c4, const int8_t *c8, const uint16_t *wd
 #else
 #define FOR_GROUPS(GROUP_CALL, PAIR_CALL, TAIL_CALL, AMX_CALL)                                        \
     do {                                                                                             \
-        const int64_t T = N / LANES, P = PAIRS ? T / 2 : 0, U = T - P + (N % LANES != 0);             \
+        const int64_t T = N / LANES, P = PAIRS && M >= pair_min_rows ? T / 2 : 0;                    \
+        const int64_t U = T - P + (N % LANES != 0);                                                  \
         _Pragma("omp parallel for schedule(static)")                                                 \
         for (int64_t u = 0; u < U; u++) {                                                            \
             if (u >= T - P) { TAIL_CALL; continue; }                                                 \

@@ -328,24 +328,25 @@ def _stored_choice(name_or_path: str, model, result, stored: tuple, index, log) 
     recorded in the tune ``result`` (:attr:`tune.TuneResult.stored_weights`), else measured on ``model`` (float32,
     :func:`tune.measure_stored_weights` on the file's own codes; ``index``: its tensor table, if read) with the
     default kept unless another is faster by more than :data:`tune.CHOICE_NOISE`, recorded and saved; ``None`` when
-    not recorded and no ``model`` is given.  Says the choice and why in one line on ``log``."""
+    not recorded and no ``model`` is given.  Says the choice and why in one line on ``log`` when it measures."""
     candidates, types = stored
     entry = result.stored_weights.get(types)
-    if entry is None or entry.get("candidates") != list(candidates):
-        if model is None:
-            return None
-        since = occupancy.reading()
-        ms = tune.measure_stored_weights(model.decoder, _gguf_codes(name_or_path, model.config, index), candidates,
-                                         result.fp32_route)
-        others = occupancy.other_cores(since)
-        busy = others is not None and others >= occupancy.BUSY_CORE
-        # the formats give different text: a choice from timings of a shared core (w4a8 measured 22x its quiet
-        # time beside another process, and fp32 was taken) keeps the default; `speculant tune` measures again
-        entry = {"candidates": list(candidates), "ms": ms, "busy_cores": None if others is None else round(others, 2),
-                 "weights": candidates[0] if busy else tune.keep_default_format(ms, candidates[0])}
-        result.stored_weights[types] = entry
-        tune.save(result)
-        loading.release_memory()                  # the sample's packed copies
+    if entry is not None and entry.get("candidates") == list(candidates):
+        return entry["weights"]                   # said once, when it was measured
+    if model is None:
+        return None
+    since = occupancy.reading()
+    ms = tune.measure_stored_weights(model.decoder, _gguf_codes(name_or_path, model.config, index), candidates,
+                                     result.fp32_route)
+    others = occupancy.other_cores(since)
+    busy = others is not None and others >= occupancy.BUSY_CORE
+    # the formats give different text: a choice from timings of a shared core (w4a8 measured 22x its quiet
+    # time beside another process, and fp32 was taken) keeps the default; `speculant tune` measures again
+    entry = {"candidates": list(candidates), "ms": ms, "busy_cores": None if others is None else round(others, 2),
+             "weights": candidates[0] if busy else tune.keep_default_format(ms, candidates[0])}
+    result.stored_weights[types] = entry
+    tune.save(result)
+    loading.release_memory()                  # the sample's packed copies
     timings = ", ".join(f"{f} {entry['ms'][f]:.2f} ms" for f in candidates)
     print(f"speculant: {name_or_path} holds {types} weights, taken as stored by {' and '.join(candidates)}: weights auto loads "
           f"{entry['weights']} (one-row pass measured here: {timings}; {candidates[0]} unless another is faster by "

@@ -164,6 +164,9 @@ class TuneResult:
             after :data:`FORWARD_CONTEXT` cached ones, ``{T: ms}`` for T in :data:`FORWARD_ROWS` [milliseconds]
             (:func:`measure_forward_rows`; empty: not measured, the model has no fused step).
         forward_version: how ``forward_ms`` was measured (:data:`FORWARD_VERSION`; 0: before it was recorded).
+        forward_kernels: the kernel library ``forward_ms`` was measured with (:func:`speculant.kernels.build.
+            kernel_signature`: variant, build digest, pair threshold; ``""``: not recorded); another one (new
+            kernels, another variant pick) has ``forward_ms`` measured again at the next load.
         draft_ms: one draft call (one depth of drafting) per drafter, ``{drafter signature: ms}`` [milliseconds]
             (:func:`speculant.engine.speculation.draft_seconds`: the tune step of a drafter, run by the method factory
             :func:`speculant.engine.methods.build_generator` the first time it builds that drafter on this machine
@@ -201,6 +204,7 @@ class TuneResult:
     decode_thread_ms: dict = field(default_factory=dict)
     forward_ms: dict = field(default_factory=dict)
     forward_version: int = 0
+    forward_kernels: str = ""
     draft_ms: dict = field(default_factory=dict)
     stored_weights: dict = field(default_factory=dict)
     busy_cores: float = 0.0
@@ -774,6 +778,7 @@ def complete_for_fused(result: TuneResult, executor, log=None, model: str | None
     costs.  ``result`` is
     updated and saved; the executor is left as it was (the caller builds one from ``result``).  Returns whether
     anything was measured.  ``model``: the name or path the model was loaded by, for the advice of :func:`note_busy`."""
+    from ..kernels import build
     if executor.fused_layers() is None:
         return False
     measured, start = False, occupancy.reading()
@@ -789,7 +794,8 @@ def complete_for_fused(result: TuneResult, executor, log=None, model: str | None
     if not result.decode_thread_ms:
         result.threads, result.decode_thread_ms = measure_decode_threads(executor, log=log)
         measured = True
-    if not result.forward_ms or result.forward_version != FORWARD_VERSION:
+    if (not result.forward_ms or result.forward_version != FORWARD_VERSION
+            or result.forward_kernels != build.kernel_signature()):
         before = torch.get_num_threads()
         torch.set_num_threads(result.threads or before)       # the T-row costs at the count decoding will use
         try:                                                  # ... and with the KV cache and prefetch it will use
@@ -798,6 +804,7 @@ def complete_for_fused(result: TuneResult, executor, log=None, model: str | None
                                                                       weight_prefetch=result.weight_prefetch),
                                                      log=log)
             result.forward_version = FORWARD_VERSION
+            result.forward_kernels = build.kernel_signature()
         finally:
             torch.set_num_threads(before)
         measured = True

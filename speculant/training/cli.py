@@ -147,7 +147,8 @@ def register(subparsers, add_model_args, add_method_args) -> None:
                    help="--engine transformers: fraction of batches decoded greedily instead of sampled")
     m.set_defaults(func=cmd_make_data)
 
-    t = subparsers.add_parser("train", help="train drafters: --recipe layerskip | exit-adapter | draft-head")
+    from .train import RECIPES
+    t = subparsers.add_parser("train", help="train drafters: --recipe " + " | ".join(RECIPES))
     add_model_args(t)
     from .train import add_train_args
     add_train_args(t)
