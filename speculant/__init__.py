@@ -9,11 +9,27 @@ Public API::
     print(result.text, result.stats.block_efficiency)
 """
 
-from .engine import GenerationConfig, GenerationResult, GenerationStats, MethodSpec, SpeculativeGenerator, build_generator
 from .errors import SpeculantError
-from .runtime.loader import load_model
-from .sampling import SamplingConfig
 
 __version__ = "0.1.0"
 __all__ = ["load_model", "build_generator", "MethodSpec", "SpeculativeGenerator", "GenerationConfig",
            "GenerationResult", "GenerationStats", "SamplingConfig", "SpeculantError"]
+
+_LAZY = {"load_model": "runtime.loader", "SamplingConfig": "sampling",
+         **{name: "engine" for name in ("build_generator", "MethodSpec", "SpeculativeGenerator", "GenerationConfig",
+                                        "GenerationResult", "GenerationStats")}}
+
+
+def __getattr__(name: str):
+    """The public names, imported on first use (PEP 562), so that ``speculant --help`` and bad command lines answer
+    without importing torch.
+
+    Raises:
+        AttributeError: ``name`` is not a public name of the package.
+    """
+    if name not in _LAZY:
+        raise AttributeError(f"module 'speculant' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value

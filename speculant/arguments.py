@@ -23,7 +23,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def add_method_args(p: argparse.ArgumentParser) -> None:
-    from .engine.methods import METHODS
+    from .engine.names import METHODS
     g = p.add_argument_group("method (a parameter the method does not use is an error)")
     g.add_argument("--method", default="ar", help=f"one of: {', '.join(METHODS)} (default: ar)")
     g.add_argument("--exit-layer", default=None,

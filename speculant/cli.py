@@ -24,13 +24,12 @@ SEED_MAX = 2**63 - 1
 
 
 def cmd_generate(args) -> int:
-    from .engine.methods import build_generator
-
     check_range("--seed", args.seed, 0, SEED_MAX)
     config_from_args(args)                      # bad control values fail before the model loads
     if not args.prompt or not args.prompt.strip():
         raise SpeculantError("prompt is empty; allowed: a non-empty string")
     method_spec_from_args(args)                 # bad flag combinations fail before the model loads
+    from .engine.methods import build_generator
     model = load_for_decoding(args)
     config = config_from_args(args, model)
     gen = build_generator(model, method_spec_from_args(args, model))
@@ -184,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _extensions():
     """Sub-commands that live with their packages (bench, sweep, training, serve)."""
     regs = []
-    for mod in ("speculant.bench.cli", "speculant.training.cli", "speculant.serving.server"):
+    for mod in ("speculant.bench.cli", "speculant.training.cli", "speculant.serving.cli"):
         try:
             module = __import__(mod, fromlist=["register"])
         except ModuleNotFoundError as e:

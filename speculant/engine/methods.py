@@ -21,11 +21,9 @@ from ..trees.builders import (ChainBuilder, ConstantBranchingBuilder, IIDTreeBui
 from ..verification.sequence import check_verification
 from .generator import SpeculativeGenerator
 from .goodput import CostTable
+from .names import METHODS, TREE_METHODS
 from .speculation import check_speculation, cost_table
 
-METHODS = ("ar", "early-exit", "draft-model", "prompt-lookup", "eagle", "eagle-lookup", "rsd-c", "rsd-s", "specinfer")
-TREE_METHODS = ("rsd-c", "rsd-s", "specinfer")
-HEAD_METHODS = ("eagle", "eagle-lookup") + TREE_METHODS          # methods that can draft with a draft head
 
 
 _USES = {

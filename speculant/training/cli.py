@@ -147,15 +147,15 @@ def register(subparsers, add_model_args, add_method_args) -> None:
                    help="--engine transformers: fraction of batches decoded greedily instead of sampled")
     m.set_defaults(func=cmd_make_data)
 
-    from .train import RECIPES
+    from .arguments import RECIPES
     t = subparsers.add_parser("train", help="train drafters: --recipe " + " | ".join(RECIPES))
     add_model_args(t)
-    from .train import add_train_args
+    from .arguments import add_train_args
     add_train_args(t)
     t.set_defaults(func=cmd_train)
 
     e = subparsers.add_parser("exit-eval", help="per-layer top-1 agreement, and exit-adapter agreement, on a corpus")
     add_model_args(e)
-    from .evaluate import add_eval_args
+    from .arguments import add_eval_args
     add_eval_args(e)
     e.set_defaults(func=cmd_exit_eval)

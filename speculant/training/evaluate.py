@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SpeculantError
+from .arguments import add_eval_args  # noqa: F401  (re-exported)
 
 
 @torch.inference_mode()
@@ -132,20 +133,6 @@ def speed_compare(model, prompts: list[list[int]], max_new_tokens: int, num_spec
             "speedup": ee_tps / ar_tps, "acceptance_rate": accepted / max(drafted, 1),
             "tokens_per_round": (tot["ee"][0] - len(prompts)) / max(rounds, 1),
             "identical": identical, "per_prompt": per_prompt}
-
-
-def add_eval_args(p) -> None:
-    """Flags of ``speculant exit-eval``."""
-    p.add_argument("--corpus", required=True, help="JSONL from `speculant make-data`")
-    p.add_argument("--split", default="heldout", help="train or heldout (default)")
-    p.add_argument("--exit-adapter", default=None, help="adapter name or directory to evaluate too")
-    p.add_argument("--max-tokens", type=int, default=2000, help="positions for the agreement table")
-    p.add_argument("--png", default=None, help="write the agreement plot here")
-    p.add_argument("--out", default=None, help="write the JSON result here")
-    p.add_argument("--speed-prompts", type=int, default=0, help="held-out prompts for the AR vs early-exit run")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--num-speculations", default="4")
-    p.add_argument("--exit-layer", type=int, default=None)
 
 
 def exit_eval_from_args(args) -> dict:

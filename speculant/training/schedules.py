@@ -16,8 +16,7 @@ import math
 import torch
 
 from ..errors import SpeculantError, check_range
-
-TIME_CURRICULA = ("constant", "exp")
+from .arguments import TIME_CURRICULA
 
 
 def depth_scale(layer: int, num_layers: int) -> float:
