@@ -194,3 +194,49 @@ def test_top_p_partial_sort_equals_the_full_sort(scale, top_p):
     full = full / full.sum(-1, keepdim=True)
     torch.testing.assert_close(fast, full, rtol=1e-6, atol=1e-7)
     assert torch.equal(fast > 0, full > 0)
+
+
+@pytest.mark.parametrize("without_replacement", [True, False])
+def test_the_one_tree_rule_draws_what_the_batch_rule_draws(without_replacement):
+    """``recursive_rejection_sampling`` (a sequence's rounds) against ``recursive_rejection_sampling_batch`` at B = 1
+    on random trees (up to 3 children a node, depth 3) with random draft and target rows, some zero: the same
+    accepted path and emitted token from the same generator state, for tensor and callable targets."""
+    from speculant.trees.tree import DraftTree
+    rng = torch.Generator().manual_seed(7)
+    outcomes = set()
+    for case in range(400):
+        tree = DraftTree()
+        frontier = [-1]
+        for _ in range(3):
+            nxt = []
+            for parent in frontier:
+                k = int(torch.randint(0, 4, (1,), generator=rng))
+                if not k:
+                    continue
+                q = torch.rand(V, generator=rng) * (torch.rand(V, generator=rng) > 0.3)
+                q[int(torch.randint(0, V, (1,), generator=rng))] += 0.1
+                q = q / q.sum()
+                tree.set_draft_probs(parent, q)
+                for x in torch.multinomial(q, min(k, int((q > 0).sum())), generator=rng).tolist():
+                    nxt.append(tree.add(parent, x))
+            frontier = nxt
+        p = torch.rand(len(tree) + 1, V, generator=rng, dtype=torch.float64)
+        p = p * (torch.rand(p.shape, generator=rng) > 0.2)
+        p[:, 0] += 1e-3
+        p = p / p.sum(-1, keepdim=True)
+        vocab = tree.draft_vocab_size
+
+        def q_row(entry):
+            row = tree.draft_row(int(entry[0]))
+            return row[None] if row is not None else torch.zeros(1, vocab or 1)
+
+        for target in (p, lambda e: p[e]):
+            batch_target = (lambda entry: p[int(entry[0])][None]) if callable(target) else p[None]
+            path_b, token_b = rules.recursive_rejection_sampling_batch(
+                torch.tensor([tree.tokens or [0]]), tree.children_table()[None], q_row, batch_target,
+                torch.Generator().manual_seed(case), without_replacement)
+            path, token = rules.recursive_rejection_sampling(tree, target, torch.Generator().manual_seed(case),
+                                                             without_replacement)
+            assert (path, token) == (path_b[0].tolist(), int(token_b[0])), case
+            outcomes.add((len(path), len(tree) > 0))
+    assert {(0, True), (1, True), (2, True)} <= outcomes, outcomes    # rejections and accepted depths both seen

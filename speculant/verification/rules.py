@@ -140,7 +140,9 @@ def recursive_rejection_sampling_batch(tokens: torch.Tensor, children: torch.Ten
 def recursive_rejection_sampling(tree: DraftTree, p: torch.Tensor | Callable[[int], torch.Tensor],
                                  generator: torch.Generator | None,
                                  without_replacement: bool = True) -> tuple[list[int], int]:
-    """:func:`recursive_rejection_sampling_batch` for one tree (the same rule and the same random draws).
+    """:func:`recursive_rejection_sampling_batch` for one tree: the same rule, the same random draws and the same
+    float operations on the rows it visits, without the batch's masks and full-vocabulary selects (a
+    sequence's rounds take this one; ``tests/test_sampling_rules.py`` holds the two equal).
 
     Args:
         p: the target's processed distributions ``[N + 1, V]``, or a callable mapping a block entry to
@@ -149,13 +151,24 @@ def recursive_rejection_sampling(tree: DraftTree, p: torch.Tensor | Callable[[in
     Returns (accepted node indices, emitted token).
     """
     vocab = tree.draft_vocab_size
-
-    def q_row(entry: torch.Tensor) -> torch.Tensor:
-        row = tree.draft_row(int(entry[0]))
-        return row[None] if row is not None else torch.zeros(1, vocab or 1)
-
-    p_rows = (lambda entry: p(int(entry[0]))[None]) if callable(p) else p[None]
-    path, token = recursive_rejection_sampling_batch(
-        torch.tensor([tree.tokens or [0]]), tree.children_table()[None], q_row, p_rows, generator,
-        without_replacement)
-    return path[0].tolist(), int(token[0])
+    entry, path = 0, []
+    while True:
+        r = (p(entry) if callable(p) else p[entry])[None]                  # [1, V]: the batch rule's row
+        big_q = tree.draft_row(entry)
+        big_q = big_q[None] if big_q is not None else torch.zeros(1, vocab or 1)
+        kids = tree.children[entry]
+        accepted = -1
+        for j, child in enumerate(kids):
+            x = tree.tokens[child]
+            qx, rx = big_q[0, x:x + 1], r[0, x:x + 1]                       # 1-d: the batch rule's dtypes
+            u = torch.rand(1, generator=generator)
+            if bool((qx > 0) & (u * qx < rx)):
+                accepted = child
+                break
+            r = residual(r, big_q)
+            if without_replacement and j + 1 < len(kids):
+                big_q = remove_token(big_q, torch.tensor([x]))
+        if accepted < 0:
+            return path, int(sample_categorical(r, generator)[0, 0])
+        path.append(accepted)
+        entry = accepted + 1
