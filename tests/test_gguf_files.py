@@ -274,8 +274,9 @@ def test_a_conversion_child_is_interrupted_when_its_parent_is_terminated(tmp_pat
     import time
     marker = tmp_path / "interrupted"
     child = ("import os, sys, time\nfrom speculant.models.loading import _interrupted_with_parent\n"
-             "_interrupted_with_parent(int(sys.argv[1]))\nopen(sys.argv[2] + '.ready', 'w').close()\n"
-             "try:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    open(sys.argv[2], 'w').close()\n")
+             "_interrupted_with_parent(int(sys.argv[1]))\n"
+             "try:\n    open(sys.argv[2] + '.ready', 'w').close()\n    time.sleep(60)\n"
+             "except KeyboardInterrupt:\n    open(sys.argv[2], 'w').close()\n")   # ready inside the try: no window
     parent = ("import os, subprocess, sys, time\n"
               "subprocess.Popen([sys.executable, '-c', sys.argv[1], str(os.getpid()), sys.argv[2]])\ntime.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", parent, child, str(marker)])
