@@ -269,7 +269,7 @@ def test_speculant_models_lists_converted_gguf_files_and_each_models_artefacts(t
 def test_a_conversion_child_is_interrupted_when_its_parent_is_terminated(tmp_path):
     """The conversion child's guard (``_interrupted_with_parent``): a parent ended by SIGTERM (no Python handler
     runs, so it cannot interrupt the child itself) leaves a child that is interrupted as by Ctrl-C, not one that
-    converts on alone."""
+    converts on alone, even where the child inherited SIGINT ignored and blocked (as from a test runner's worker)."""
     import signal
     import time
     marker = tmp_path / "interrupted"
@@ -277,7 +277,8 @@ def test_a_conversion_child_is_interrupted_when_its_parent_is_terminated(tmp_pat
              "_interrupted_with_parent(int(sys.argv[1]))\n"
              "try:\n    open(sys.argv[2] + '.ready', 'w').close()\n    time.sleep(60)\n"
              "except KeyboardInterrupt:\n    open(sys.argv[2], 'w').close()\n")   # ready inside the try: no window
-    parent = ("import os, subprocess, sys, time\n"
+    parent = ("import os, signal, subprocess, sys, time\n"          # SIGINT ignored and blocked: the child inherits both
+              "signal.signal(signal.SIGINT, signal.SIG_IGN)\nsignal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])\n"
               "subprocess.Popen([sys.executable, '-c', sys.argv[1], str(os.getpid()), sys.argv[2]])\ntime.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", parent, child, str(marker)])
     try:

@@ -258,11 +258,16 @@ def _relay_progress(fd: int, out, finished) -> None:
 
 def _interrupted_with_parent(parent: int) -> None:
     """Have SIGINT (``KeyboardInterrupt``) delivered to this process when its parent ``parent`` ends (Linux
-    ``prctl(PR_SET_PDEATHSIG)``; elsewhere nothing); raises ``KeyboardInterrupt`` at once if it has already ended."""
+    ``prctl(PR_SET_PDEATHSIG)``; elsewhere nothing); raises ``KeyboardInterrupt`` at once if it has already ended.
+    SIGINT is first given Python's handler and unblocked: a child inherits its parent's signal disposition and mask
+    (a test runner's worker had SIGINT ignored or blocked, and the child then converted on alone)."""
     import ctypes
     import signal
     import sys
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)     # a disposition and a mask inherited from whatever
+    if hasattr(signal, "pthread_sigmask"):                        # started us (SIG_IGN, blocked) would drop SIGINT
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     if not sys.platform.startswith("linux"):
         return
     try:
