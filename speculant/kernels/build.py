@@ -337,10 +337,12 @@ def _pick_path(cc: str, candidates) -> Path:
 
 
 def _kept_pick(cc: str, candidates) -> dict | None:
-    """The kept pick among ``candidates`` (:func:`pick_variant`'s JSON), or ``None``."""
+    """The kept pick among ``candidates`` (:func:`pick_variant`'s JSON), or ``None`` (none, or one measured another
+    way than :func:`pick_variant` measures now: on products in the caches, without a pair threshold)."""
     try:
         kept = json.loads(_pick_path(cc, candidates).read_text())
-        return kept if kept["variant"] in candidates and isinstance(kept.get("pair_rows", {}), dict) else None
+        current = kept.get("stream_bytes") == STREAM_BYTES and isinstance(kept.get("pair_rows"), dict)
+        return kept if current and kept["variant"] in candidates else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
