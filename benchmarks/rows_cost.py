@@ -4,10 +4,10 @@ Not a test.  One ``w4a8`` model (SmolLM2-135M from the cache, or a random-weight
 ``benchmarks/shaped_model.py``), KV cache holding ``--context`` tokens, the fused step's full forward (all
 layers, final norm, LM head over every row) over T new tokens; for each repeat, each library in turn runs
 every T (the machine's drift hits them alike).  Libraries: this checkout's kernels in the ISA variants
-``--variants`` and, with ``--baseline DIR``, another checkout's in the same variants (built with that
+``--variants`` (``auto``: the pick in use, one variant per row count: ``build.for_rows``) and, with ``--baseline DIR``, another checkout's in the same variants (built with that
 checkout's own build script).  Prints the best time of one step per library and each T's best time over it.
 
-    python benchmarks/rows_cost.py --variants avx2,avx512-vnni-ymm,avx512-vnni [--baseline /tmp/base]
+    python benchmarks/rows_cost.py --variants auto,avx2,avx512-vnni-ymm,avx512-vnni [--baseline /tmp/base]
         [--model smollm2|llama-3.2-1b] [--rows 1,2,3,4,5,6,8,12,16] [--repeats 20] [--context 300]
 
 Valid while the builds share ``spec_decode_layers``'s argument and struct layout (checkouts from the commit that runs
@@ -76,7 +76,11 @@ def main() -> None:
     here = build.load()
     dec = _model(args.model, args.threads, args.kv_cache)
     libs = {}
+    many = (build._LIB_MANY, build._MANY_ISA, build._MANY_ROWS)    # the pick in use (build.for_rows)
     for isa in args.variants.split(","):
+        if isa == "auto":
+            libs[f"auto ({build.describe()})"] = None
+            continue
         libs[f"{isa}"] = build.load_variant(isa)
         if args.baseline:
             try:
@@ -96,7 +100,12 @@ def main() -> None:
         dec(torch.randint(0, vocab, (1, ctx), generator=g), None, None, cache, 0)
         for rep in range(args.repeats + 1):
             for name, lib in libs.items():
-                fused.lib = build._LIB = lib
+                if lib is None:                                  # the pick in use: one library per row count
+                    fused.lib = build._LIB = here
+                    fused.lib_many, _, fused.many_from = build._LIB_MANY, build._MANY_ISA, build._MANY_ROWS = many
+                else:
+                    fused.lib = build._LIB = lib
+                    fused.lib_many = build._LIB_MANY = None      # this library at every row count
                 for t in rows:
                     ids = torch.randint(0, vocab, (1, t), generator=g)
                     t0 = clock()
@@ -104,6 +113,7 @@ def main() -> None:
                     if rep:
                         times[name, t] = min(times[name, t], clock() - t0)
     fused.lib = build._LIB = here
+    fused.lib_many, _, fused.many_from = build._LIB_MANY, build._MANY_ISA, build._MANY_ROWS = many
     print(f"CPU: {cpu_description()['model']}, {torch.get_num_threads()} threads, load average "
           f"{load0[0]:.2f} -> {os.getloadavg()[0]:.2f}; model {args.model}, context {ctx}, "
           f"{str(dec.kv_dtype).removeprefix('torch.')} KV cache, weight prefetch {fused.weight_prefetch} B, "

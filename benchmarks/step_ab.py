@@ -113,11 +113,11 @@ def main() -> None:
         for _ in range(args.repeats):
             for name, lib in (("baseline", other), ("this build", here)):
                 dec = runs[name]
-                dec.fused_layers().lib = lib
+                dec.fused_layers().lib, dec.fused_layers().lib_many = lib, None     # one library at every row count
                 if hasattr(lib, "spec_set_pair_rows"):      # one library's setting: the LM head's kernel too
                     lib.spec_set_pair_rows(pair_rows[name])
                 if args.variant:                    # the LM head too (a baseline checkout's covers the layers)
-                    build._LIB = lib
+                    build._LIB, build._LIB_MANY = lib, None
                 for t in (1, 5):
                     ids = torch.randint(0, model.config.vocab_size, (1, t), generator=g)
                     t0 = time.perf_counter()
@@ -126,7 +126,7 @@ def main() -> None:
     for dec in runs.values():
         dec.fused_layers().lib = here
     here.spec_set_pair_rows(tuned_rows)
-    build._LIB = here
+    build._LIB = here                   # (this build at one library: build.many_rows() is not used in this A/B)
     print(f"CPU: {cpu_description()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; "
           f"context {ctx}, {args.repeats} alternated repeats; this build: kernels {build.loaded_isa()}; baseline: "
           f"{args.baseline or ('kernels ' + args.variant if args.variant else '') or (f'{args.folded_scales} scales folded into float32' if args.folded_scales else '') or (f'512-bit pairs from {args.pair_rows} rows' if args.pair_rows else '')}; pairs from [rows]: this build {tuned_rows}; weight prefetch [bytes]: this build "

@@ -241,3 +241,11 @@ def tiny_chat_dir(folder, layers: int = 8):
     m.tokenizer.chat_template = ("{% for m in messages %}t2 {{ m['content'] }} t1 {% endfor %}"
                                  "{% if add_generation_prompt %}t3 {% endif %}")
     return save_hf_dir(m, Path(folder), m.tokenizer)
+
+
+def use_kernels(monkeypatch, lib) -> None:
+    """Products on the kernel library ``lib`` (``build.load()``'s or ``build.load_variant``'s) alone, at every row
+    count (no variant kept for many rows: ``build.for_rows``)."""
+    from speculant.kernels import build
+    monkeypatch.setattr(build, "_LIB", lib)
+    monkeypatch.setattr(build, "_LIB_MANY", None)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize, quants
 from gguf_helpers import k_quant_blocks, write_tiny_gguf
-from helpers import one_line_error
+from helpers import one_line_error, use_kernels
 
 from speculant import GenerationConfig, build_generator
 from speculant.errors import SpeculantError
@@ -137,15 +137,15 @@ def test_every_variant_computes_the_dequantized_product_bit_for_bit_alike(kind, 
     x = torch.from_numpy(rng.standard_normal((17, 512)).astype(np.float32)) * 4.0
     x[2, 64:96] = 0.0                                            # an all-zero activation block
     libs = {"in use": build.load(), **{isa: build.load_variant(isa) for isa in VARIANTS}}
-    monkeypatch.setattr(build, "_LIB", libs["avx2"])
+    use_kernels(monkeypatch, libs["avx2"])
     want = lin(x)
     ref = _q8_1(x) @ gq.dequantize().double().t()
     assert float((want.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), kind
     for rows in (1, 2, 5, 9, 16, 17):                            # row tiles of 1..8; AMX tiles from 8 rows
         for name, lib in libs.items():
-            monkeypatch.setattr(build, "_LIB", lib)
+            use_kernels(monkeypatch, lib)
             assert torch.equal(lin(x[:rows]), want[:rows]), (kind, name, rows)
-    monkeypatch.setattr(build, "_LIB", libs["in use"])
+    use_kernels(monkeypatch, libs["in use"])
     assert torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(17)]), want)
     rows = lin.select_rows(torch.tensor([28, 3, 17, 0, 9]))      # a reduced LM head: the same bits per output
     assert torch.equal(rows(x), want[:, [28, 3, 17, 0, 9]])
@@ -168,7 +168,7 @@ def test_q6k_in_six_bits_gives_the_eight_bit_layouts_bits_from_fewer_bytes(tmp_p
     assert size(six) == 0.75 + 1 / 16 + 4 / 256 and size(eight) == 1.25
     x = torch.from_numpy(rng.standard_normal((17, 768)).astype(np.float32))
     for name in ("in use", *VARIANTS):
-        monkeypatch.setattr(build, "_LIB", build.load() if name == "in use" else build.load_variant(name))
+        use_kernels(monkeypatch, build.load() if name == "in use" else build.load_variant(name))
         for rows in (1, 3, 8, 17):
             assert torch.equal(six(x[:rows]), eight(x[:rows])), (name, rows)
     odd = replace(gq, super_scale=gq.super_scale * 3.0)                  # scale / super_scale not integers
@@ -195,7 +195,7 @@ def test_q5_0_in_five_bits_gives_the_eight_bit_layouts_bits_from_fewer_bytes(tmp
     x = torch.from_numpy(rng.standard_normal((17, 768)).astype(np.float32))
     x[4, 96:128] = 0.0
     for name in ("in use", *VARIANTS):
-        monkeypatch.setattr(build, "_LIB", build.load() if name == "in use" else build.load_variant(name))
+        use_kernels(monkeypatch, build.load() if name == "in use" else build.load_variant(name))
         for rows in (1, 3, 8, 17):
             assert torch.equal(five(x[:rows]), eight(x[:rows])), (name, rows)
     index = torch.tensor([42, 7, 40, 0, 13])
@@ -227,7 +227,7 @@ def test_q4k_with_integer_scales_gives_the_float32_layouts_bits_from_fewer_bytes
     x = torch.from_numpy(rng.standard_normal((17, 768)).astype(np.float32))
     x[1, 32:64] = 0.0
     for name in ("in use", *VARIANTS):
-        monkeypatch.setattr(build, "_LIB", build.load() if name == "in use" else build.load_variant(name))
+        use_kernels(monkeypatch, build.load() if name == "in use" else build.load_variant(name))
         for rows in (1, 3, 8, 17):
             assert torch.equal(compact(x[:rows]), folded(x[:rows])), (name, rows)
     for odd in (replace(gq, super_scale=gq.super_scale * 3.0), replace(gq, super_min=gq.super_min * 3.0),
@@ -255,7 +255,7 @@ def test_q4_0_without_stored_mins_gives_the_stored_mins_bits(tmp_path, monkeypat
     assert size(lin) == 0.5 + 2 / 32 and size(stored) == 0.5 + 4 / 32
     x = torch.from_numpy(rng.standard_normal((17, 512)).astype(np.float32))
     for name in ("in use", *VARIANTS):
-        monkeypatch.setattr(build, "_LIB", build.load() if name == "in use" else build.load_variant(name))
+        use_kernels(monkeypatch, build.load() if name == "in use" else build.load_variant(name))
         for rows in (1, 3, 8, 17):
             assert torch.equal(lin(x[:rows]), stored(x[:rows])), (name, rows)
 

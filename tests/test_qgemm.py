@@ -6,6 +6,8 @@ import json
 import pytest
 import torch
 
+from helpers import use_kernels
+
 from speculant.errors import SpeculantError
 from speculant.kernels import build, qgemm
 from speculant.runtime import formats, tune
@@ -143,10 +145,10 @@ def test_vnni_code_gives_the_avx2_bits(monkeypatch):
         x = torch.randn(20, 96, generator=g) * 10.0
         for lin in (W4A8Linear(quantize_q4(w)), W8A8Linear(quantize_q8(w))):
             for rows in (1, 2, 5, 6, 8, 9, 16, 17, 20):      # row tiles of 3..8 rows; AMX tiles from 8 rows
-                monkeypatch.setattr(build, "_LIB", avx2)              # the library the products call
+                use_kernels(monkeypatch, avx2)              # the library the products call
                 want = lin(x[:rows])
                 for name, lib in libs.items():
-                    monkeypatch.setattr(build, "_LIB", lib)
+                    use_kernels(monkeypatch, lib)
                     assert torch.equal(lin(x[:rows]), want), (name, type(lin).__name__, n, rows)
     model = tiny_model(seed=11, scale=2.0, vocab=96, layers=3)
     formats.apply_weight_format(model.decoder, "w4a8")
@@ -154,13 +156,17 @@ def test_vnni_code_gives_the_avx2_bits(monkeypatch):
     fused = dec.fused_layers()
     assert fused is not None
     logits = {}
+    in_use_many, real_many = fused.lib_many, build._LIB_MANY         # "in use": the split by row count, if any
     with torch.inference_mode():
         for name, lib in (("avx2", avx2), *libs.items()):
-            monkeypatch.setattr(build, "_LIB", lib)
-            fused.lib = lib
+            use_kernels(monkeypatch, lib)
+            fused.lib, fused.lib_many = lib, None
+            if name == "in use":
+                fused.lib_many = in_use_many
+                monkeypatch.setattr(build, "_LIB_MANY", real_many)
             cache = dec.new_cache(32)
             logits[name] = torch.cat([dec(ids[:, :8], None, None, cache, 0), dec(ids[:, 8:], None, None, cache, 8)], 1)
-    fused.lib = in_use
+    fused.lib, fused.lib_many = in_use, in_use_many
     for name in libs:
         assert torch.equal(logits[name], logits["avx2"]), name
 
@@ -171,7 +177,7 @@ def test_groups_and_pairs_compute_the_same_bits_and_the_pair_threshold_is_measur
     both routes give every row the same bits (4-bit and 8-bit codes, a partial group of outputs); the threshold is
     measured (one above the largest row count at which groups win, 1: pairs everywhere) and left set."""
     lib = build.load_variant("zmm-emulated")
-    monkeypatch.setattr(build, "_LIB", lib)
+    use_kernels(monkeypatch, lib)
     g = torch.Generator().manual_seed(3)
     lins = [pack_linear("w4a8", torch.randn(40 + 3, 256, generator=g) * 0.05),
             W8A8Linear(quantize_q8(torch.randn(43, 256, generator=g) * 0.05))]
@@ -189,10 +195,35 @@ def test_groups_and_pairs_compute_the_same_bits_and_the_pair_threshold_is_measur
     assert threshold in {1, *(m + 1 for m in build.PAIR_ROWS_GRID)} and lib.spec_pair_rows() == threshold
 
 
+def _times(one_row: dict[str, float], from_rows: dict[str, tuple[int, float]]) -> dict[str, dict[int, float]]:
+    """Fake :func:`build.time_variants` seconds: each variant's time at one row, times its factor from a row count
+    on (``from_rows[isa] = (rows, factor)``), times the row count."""
+    return {isa: {m: t * m * (from_rows[isa][1] if isa in from_rows and m >= from_rows[isa][0] else 1.0)
+                  for m in build.ROWS_GRID} for isa, t in one_row.items()}
+
+
+def test_the_variants_are_split_by_row_count_where_another_wins_by_more_than_the_noise():
+    # one variant everywhere: no split
+    assert build.split_by_rows(_times({"avx512-vnni": 1.0, "avx2": 1.0}, {})) == ("avx2", None)
+    # faster at one row by less than the margin: the default (avx2) kept; faster from 3 rows on: used from there
+    one_row, many = build.split_by_rows(_times({"avx512-vnni": 0.99, "avx2": 1.0}, {"avx512-vnni": (3, 0.6)}))
+    assert one_row == "avx2" and many == {"variant": "avx512-vnni", "from_rows": 3}
+    # faster at one row by more than the margin, and everywhere: one variant
+    assert build.split_by_rows(_times({"avx512-vnni": 0.9, "avx2": 1.0}, {})) == ("avx512-vnni", None)
+    # a win at some row count but not at every count above it: from the count above the last loss
+    t = _times({"amx-int8": 1.0, "avx2": 1.0}, {"amx-int8": (2, 0.5)})
+    t["amx-int8"][8] = t["avx2"][8]
+    assert build.split_by_rows(t) == ("avx2", {"variant": "amx-int8", "from_rows": 12})
+    # the fastest at the top row count is the one used there, among three
+    t = _times({"avx512-vnni": 1.0, "amx-int8": 1.0, "avx2": 1.0}, {"avx512-vnni": (4, 0.7), "amx-int8": (16, 0.4)})
+    assert build.split_by_rows(t) == ("avx2", {"variant": "amx-int8", "from_rows": 16})
+
+
 @needs_kernel
-def test_the_fastest_variant_is_measured_once_per_machine(monkeypatch, tmp_path):
-    """Where the CPU has several variants, the first load times them and keeps the pick; later loads build and
-    time nothing; another thread count is another measurement."""
+def test_the_variants_are_measured_once_per_machine(monkeypatch, tmp_path):
+    """Where the CPU has several variants, the first load times them and keeps the pick (one variant for a row,
+    another from the row count where it wins); later loads build and time nothing; another thread count is another
+    measurement."""
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
     monkeypatch.delenv("SPECULANT_KERNEL_ISA", raising=False)
     monkeypatch.setattr(build, "TEST_VARIANTS", frozenset({"vnni-emulated", "amx-emulated"}))  # zmm-emulated counts as this CPU's
@@ -200,9 +231,9 @@ def test_the_fastest_variant_is_measured_once_per_machine(monkeypatch, tmp_path)
     monkeypatch.setattr(build, "_cpu_flags", lambda: real_flags - {"avx512f", "avx512_vnni", "avx_vnni", "amx_tile"})
     timed = []
 
-    def fake_times(libs, repeats=30, streams=None):
+    def fake_times(libs, repeats=10, streams=None):
         timed.append(sorted(libs))
-        return {isa: (0.5 if isa == "zmm-emulated" else 1.0) for isa in libs}
+        return _times({isa: 1.0 for isa in libs}, {"zmm-emulated": (4, 0.5)})
     monkeypatch.setattr(build, "time_variants", fake_times)
     measured = []
 
@@ -213,22 +244,27 @@ def test_the_fastest_variant_is_measured_once_per_machine(monkeypatch, tmp_path)
     monkeypatch.setattr(build, "measure_pair_rows", fake_pair_rows)
 
     def fresh_load():
-        for name, value in (("_LIB", None), ("_WHY_NOT", None), ("_ISA", None)):
+        for name, value in (("_LIB", None), ("_WHY_NOT", None), ("_ISA", None), ("_LIB_MANY", None),
+                            ("_MANY_ISA", None), ("_MANY_ROWS", 0)):
             monkeypatch.setattr(build, name, value)
         return build.load()
     build.prebuild()                                   # what the loader runs while a model converts: builds only
     assert len(list((tmp_path / "kernels").glob("*.so"))) == 2 and not timed
     assert not list((tmp_path / "kernels").glob("pick-*.json"))
-    assert fresh_load() is not None and build.loaded_isa() == "zmm-emulated"
+    assert fresh_load() is not None and build.describe() == "avx2; zmm-emulated from 4 rows"
     assert timed == [["avx2", "zmm-emulated"]]
+    lib, isa, rows = build.many_rows()
+    assert isa == "zmm-emulated" and rows == 4 and lib is not build.load()
+    assert build.for_rows(1) is build.for_rows(3) is build.load() and build.for_rows(4) is build.for_rows(512) is lib
     picks = list((tmp_path / "kernels").glob("pick-*.json"))
-    assert len(picks) == 1 and '"variant": "zmm-emulated"' in picks[0].read_text()
-    assert len(measured) == 1 and build.load().spec_pair_rows() == 7          # zmm-emulated's pairs: measured
-    for so in (tmp_path / "kernels").glob("*avx2*.so"):
-        so.unlink()                                                    # a later load needs only the pick
-    assert fresh_load() is not None and build.loaded_isa() == "zmm-emulated" and len(timed) == 1
-    assert len(measured) == 1 and build.load().spec_pair_rows() == 7          # kept with the pick
-    assert not list((tmp_path / "kernels").glob("*avx2*.so"))
+    kept = json.loads(picks[0].read_text())
+    assert len(picks) == 1 and kept["variant"] == "avx2" and kept["many"] == {"variant": "zmm-emulated",
+                                                                               "from_rows": 4}
+    assert len(measured) == 1 and lib.spec_pair_rows() == 7                   # zmm-emulated's pairs: measured
+    signature = build.kernel_signature()
+    assert signature.startswith("avx2-") and "+zmm-emulated-" in signature and signature.endswith("-pairs7-from4")
+    assert fresh_load() is not None and build.describe() == "avx2; zmm-emulated from 4 rows" and len(timed) == 1
+    assert len(measured) == 1 and build.many_rows()[0].spec_pair_rows() == 7   # kept with the pick
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
@@ -238,15 +274,78 @@ def test_the_fastest_variant_is_measured_once_per_machine(monkeypatch, tmp_path)
     assert len(timed) == 2 and len(list((tmp_path / "kernels").glob("pick-*.json"))) == 2
     old = max((tmp_path / "kernels").glob("pick-*.json"), key=lambda f: f.stat().st_mtime)
     kept = json.loads(old.read_text())
-    old.write_text(json.dumps({"variant": kept["variant"], "ms": kept["ms"]}))     # a pick of before the streaming one
+    del kept["many"]
+    old.write_text(json.dumps(kept))                  # a pick of before the split by row count
     torch.set_num_threads(threads + 1)
     try:
         fresh_load()
     finally:
         torch.set_num_threads(threads)
-    assert len(timed) == 3 and "stream_bytes" in old.read_text()      # measured again, pair threshold with it
+    assert len(timed) == 3 and '"many"' in old.read_text()       # measured again
+    # one variant wins everywhere: the pick is that one alone, and only it is built for later loads
+    monkeypatch.setattr(build, "time_variants", lambda libs, repeats=10, streams=None: _times(
+        {isa: (0.5 if isa == "zmm-emulated" else 1.0) for isa in libs}, {}))
+    for f in (tmp_path / "kernels").glob("pick-*.json"):
+        f.unlink()
+    assert fresh_load() is not None and build.describe() == "zmm-emulated" and build.many_rows() is None
+    assert build.for_rows(64) is build.load()
+    for so in (tmp_path / "kernels").glob("*avx2*.so"):
+        so.unlink()                                                    # a later load needs only the pick
+    assert fresh_load() is not None and build.loaded_isa() == "zmm-emulated"
+    assert not list((tmp_path / "kernels").glob("*avx2*.so"))
 
 
+class _Spy:
+    """A kernel library whose entry points record the row counts they are called with (``M``, or the fused step's
+    ``T``), then run the library's."""
+
+    def __init__(self, lib):
+        self.lib, self.calls = lib, []
+
+    def __getattr__(self, entry):
+        fn = getattr(self.lib, entry)
+
+        def call(*args):
+            rows = args[3] if entry == "spec_decode_layers" else args[1] if entry.endswith("_f32") else None
+            self.calls.append((entry, rows))
+            return fn(*args)
+        return call
+
+
+@needs_kernel
+def test_a_split_by_row_count_gives_the_bits_of_one_library(monkeypatch):
+    """The fused step and the LM head with one variant below a row count and another from it on
+    (``build.for_rows``): the logits of every prompt, step and block are those of one library alone, and each
+    variant ran exactly the row counts it was kept for."""
+    from helpers import tiny_model
+    avx2, zmm = build.load_variant("avx2"), build.load_variant("zmm-emulated")
+    zmm.spec_set_pair_rows(1)
+    model = tiny_model(seed=12, scale=2.0, vocab=96, layers=2)
+    formats.apply_weight_format(model.decoder, "w4a8")
+    dec = executor_of(model)
+    fused = dec.fused_layers()
+    assert fused is not None
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42, 7, 1, 2, 3, 9, 9, 5, 60, 61]])
+    chunks = ((0, 6), (6, 7), (7, 9), (9, 12), (12, 15))           # a prompt of 6, a step, blocks of 2, 3, 3
+    logits, spies = {}, {}
+    with torch.inference_mode():
+        for name in ("one library", "split"):
+            spies[name] = spy = _Spy(zmm)
+            use_kernels(monkeypatch, avx2)
+            fused.lib, fused.lib_many, fused.many_from = avx2, None, 0
+            if name == "split":
+                monkeypatch.setattr(build, "_LIB_MANY", spy)
+                monkeypatch.setattr(build, "_MANY_ROWS", 3)
+                fused.lib_many, fused.many_from = spy, 3
+            cache = dec.new_cache(32)
+            logits[name] = torch.cat([dec(ids[:, a:b], None, None, cache, a) for a, b in chunks], 1)
+    assert torch.equal(logits["split"], logits["one library"])
+    assert not spies["one library"].calls
+    steps = [rows for entry, rows in spies["split"].calls if entry == "spec_decode_layers"]
+    products = [rows for entry, rows in spies["split"].calls if entry.endswith("_f32")]
+    # the prompt through the torch layer step's products, blocks of 3 through the fused step and the LM head; the
+    # step and the 2-row block stayed on avx2
+    assert steps == [3, 3] and set(products) == {6, 3}
 @needs_kernel
 def test_every_vnni_variant_compiles_here():
     """Built, not run (this CPU may lack the instructions): a compiler error shows on any machine, not only on

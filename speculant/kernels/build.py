@@ -10,10 +10,13 @@ loaded (``libgomp.so.1``), so it runs on torch's thread pool with torch's thread
 The integer dot products of ``qgemm.c`` come in :data:`ISA_VARIANTS`: AVX2's ``vpmaddubsw``, and ``vpdpbusd`` where
 the CPU has AVX512-VNNI or AVX-VNNI (one instruction for what takes two or three on AVX2, as llama.cpp's
 ``ggml-cpu`` quants use it), on 256-bit vectors or, with AVX-512, on 512-bit ones.  All variants compute the same
-bits (exact integer sums, the same float operations after them), so any of them keeps decoding exact; where the CPU
-has more than one, :func:`pick_variant` times them at the first load and keeps the fastest for that machine
-(whether 512-bit vectors pay differs between CPUs), on products whose weights stream from memory as a decoding
-step's do, with the row count from which a 512-bit variant pairs groups measured first (:func:`measure_pair_rows`).  ``$SPECULANT_KERNEL_ISA`` (``auto``, the default, or a
+bits (exact integer sums, the same float operations after them), so any of them keeps decoding exact, and a product
+may run on any of them: where the CPU has more than one, :func:`pick_variant` times them at the first load, on
+products whose weights stream from memory as a decoding step's do, at row counts from one (a decoding step) to a
+prefill chunk, and keeps per machine the variant for one row and, where another one wins from some row count on by
+more than the noise, that one for blocks from that row count on (:func:`for_rows`: a 2-core Zen 5 runs one row
+fastest with AVX2's ``vpmaddubsw`` and a 512-token prefill fastest with 512-bit ``vpdpbusd``); the row count from
+which a 512-bit variant pairs groups is measured first (:func:`measure_pair_rows`).  ``$SPECULANT_KERNEL_ISA`` (``auto``, the default, or a
 variant's name) forces one, to compare them (``benchmarks/step_ab.py --variant``) or to test the VNNI code with
 ``vpdpbusd`` emulated exactly on AVX2.
 
@@ -68,6 +71,9 @@ TEST_VARIANTS = frozenset({"vnni-emulated", "zmm-emulated", "amx-emulated"})
 _LIB: ctypes.CDLL | None = None
 _WHY_NOT: str | None = None
 _ISA: str | None = None
+_LIB_MANY: ctypes.CDLL | None = None     # the variant for products of _MANY_ROWS rows or more (None: _LIB for all)
+_MANY_ISA: str | None = None
+_MANY_ROWS = 0
 _SIGNATURE = ""
 _LOCK = threading.Lock()
 
@@ -137,8 +143,32 @@ def kernel_signature() -> str:
 
 
 def loaded_isa() -> str | None:
-    """The variant of the loaded library (``None`` before :func:`load` or where the kernels cannot run)."""
+    """The variant of the loaded library, the one for a single row (``None`` before :func:`load` or where the
+    kernels cannot run)."""
     return _ISA
+
+
+def many_rows() -> tuple[ctypes.CDLL, str, int] | None:
+    """``(library, variant, rows)``: the variant :func:`load` keeps for products of ``rows`` rows or more, where
+    one other than :func:`loaded_isa`'s wins there (``None``: the loaded library runs every row count)."""
+    load()
+    return None if _LIB_MANY is None else (_LIB_MANY, _MANY_ISA, _MANY_ROWS)
+
+
+def for_rows(rows: int) -> ctypes.CDLL | None:
+    """The loaded library that runs products of ``rows`` rows (:func:`many_rows` from its row count on, else
+    :func:`load`'s); ``None`` where the kernels cannot run.  Every library computes the same bits."""
+    lib = _LIB if _LIB is not None else load()
+    return _LIB_MANY if _LIB_MANY is not None and rows >= _MANY_ROWS else lib
+
+
+def describe() -> str | None:
+    """The variants in use, for reports: ``"avx2"``, or ``"avx2; avx512-vnni from 3 rows"`` (``None``: none
+    loaded)."""
+    load()
+    if _ISA is None:
+        return None
+    return _ISA + (f"; {_MANY_ISA} from {_MANY_ROWS} rows" if _LIB_MANY is not None else "")
 
 
 def _digest(cc: str, isa: str) -> str:
@@ -193,7 +223,7 @@ def load() -> ctypes.CDLL | None:
 
 
 def _load() -> ctypes.CDLL | None:
-    global _LIB, _WHY_NOT, _ISA, _SIGNATURE
+    global _LIB, _WHY_NOT, _ISA, _SIGNATURE, _LIB_MANY, _MANY_ISA, _MANY_ROWS
     if _LIB is not None or _WHY_NOT is not None:
         return _LIB
     flags, cc = _cpu_flags(), _compiler()
@@ -211,15 +241,19 @@ def _load() -> ctypes.CDLL | None:
     if not libs:
         return None
     kept = _kept_pick(cc, isa_candidates(flags))
-    if kept is not None and kept["variant"] in libs:          # measured before: the pick and its pair threshold
-        isa = kept["variant"]
-        libs[isa].spec_set_pair_rows(int(kept.get("pair_rows", {}).get(isa, 1)))
+    if kept is not None and all(v in libs for v in _kept_variants(kept)):   # measured before: picks, pair thresholds
+        isa, many = kept["variant"], kept["many"]
+        for v in _kept_variants(kept):
+            libs[v].spec_set_pair_rows(int(kept["pair_rows"].get(v, 1)))
     elif len(libs) == 1 and not _has_pairs(next(iter(libs))):
-        isa = next(iter(libs))                                 # nothing to measure
+        isa, many = next(iter(libs)), None                     # nothing to measure
     else:
-        isa = pick_variant(libs, cc)
+        isa, many = pick_variant(libs, cc)
     _LIB, _ISA, _WHY_NOT = libs[isa], isa, None
-    _SIGNATURE = f"{isa}-{_digest(cc, isa)}-pairs{_LIB.spec_pair_rows()}"
+    _LIB_MANY, _MANY_ISA, _MANY_ROWS = (libs[many["variant"]], many["variant"], int(many["from_rows"])) if many \
+        else (None, None, 0)
+    _SIGNATURE = f"{isa}-{_digest(cc, isa)}-pairs{_LIB.spec_pair_rows()}" + (
+        f"+{_MANY_ISA}-{_digest(cc, _MANY_ISA)}-pairs{_LIB_MANY.spec_pair_rows()}-from{_MANY_ROWS}" if many else "")
     return _LIB
 
 
@@ -236,7 +270,7 @@ def _build_all(cc: str, candidates: list[str]) -> dict[str, Exception | None]:
     """Build what :func:`load` will load from ``candidates``: the cached pick, else all of them (side by side:
     a first load on a CPU with several variants).  Returns each variant's build error (``None``: built)."""
     picked = _cached_pick(cc, candidates) if len(candidates) > 1 else None
-    todo = [picked] if picked else candidates
+    todo = picked or candidates
     unbuilt = [isa for isa in todo if not _built_path(cc, isa).is_file()]
     if len(unbuilt) > 1:
         print(f"speculant: building the kernel variants {', '.join(unbuilt)} ...", file=sys.stderr, flush=True)
@@ -272,6 +306,11 @@ caches, as a decoding step streams its weights from memory: a variant's speed in
 STREAM_BYTES = 64 << 20
 PAIR_ROWS_GRID = (1, 2, 4, 8, 16, 32, 64)
 """Row counts at which :func:`measure_pair_rows` times 256-bit groups against 512-bit pairs."""
+ROWS_GRID = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)
+"""Row counts at which :func:`time_variants` times each variant: a decoding step (1), verification blocks and trees
+(2-16), prefill chunks (64: bound by arithmetic as a 512-token prompt is)."""
+VARIANT_MARGIN = 0.03
+"""How much faster [fraction of the time] another variant must be than the default (at one row) or than the one-row pick (from a row count on) to be used there: more than the spread of repeated timings."""
 
 
 def _has_pairs(isa: str) -> bool:
@@ -338,55 +377,86 @@ def _pick_path(cc: str, candidates) -> Path:
 
 def _kept_pick(cc: str, candidates) -> dict | None:
     """The kept pick among ``candidates`` (:func:`pick_variant`'s JSON), or ``None`` (none, or one measured another
-    way than :func:`pick_variant` measures now: on products in the caches, without a pair threshold)."""
+    way than :func:`pick_variant` measures now: on products in the caches, without a pair threshold, or without
+    the variant for many rows)."""
     try:
         kept = json.loads(_pick_path(cc, candidates).read_text())
-        current = kept.get("stream_bytes") == STREAM_BYTES and isinstance(kept.get("pair_rows"), dict)
-        return kept if current and kept["variant"] in candidates else None
+        current = kept.get("stream_bytes") == STREAM_BYTES and isinstance(kept.get("pair_rows"), dict) \
+            and "many" in kept and kept.get("rows_grid") == list(ROWS_GRID)
+        return kept if current and all(v in candidates for v in _kept_variants(kept)) else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def _cached_pick(cc: str, candidates) -> str | None:
+def _kept_variants(kept: dict) -> list[str]:
+    """The variants a kept pick loads: the one-row pick, and the one for many rows if any."""
+    return [kept["variant"]] + ([kept["many"]["variant"]] if kept["many"] else [])
+
+
+def _cached_pick(cc: str, candidates) -> list[str] | None:
     kept = _kept_pick(cc, candidates)
-    return None if kept is None else kept["variant"]
+    return None if kept is None else _kept_variants(kept)
 
 
-def time_variants(libs: dict[str, ctypes.CDLL], repeats: int = 30, streams: "_Streams | None" = None
-                  ) -> dict[str, float]:
-    """Seconds per pass over :class:`_Streams`' products (1 and 5 rows: a decoding step and a verification block)
-    for each loaded variant (at its pair-row threshold as set), the best of ``repeats`` passes, variants
-    alternated."""
+def time_variants(libs: dict[str, ctypes.CDLL], repeats: int = 10, streams: "_Streams | None" = None
+                  ) -> dict[str, dict[int, float]]:
+    """``{variant: {rows: seconds}}``: seconds per pass over :class:`_Streams`' products of each row count of
+    :data:`ROWS_GRID` (fewer copies from 8 rows on, which are bound by arithmetic) for each loaded variant (at its
+    pair-row threshold as set), the best of ``repeats`` passes, variants alternated."""
     streams = streams or _Streams()
-    best = {isa: float("inf") for isa in libs}
-    for _ in range(repeats):
-        for isa, lib in libs.items():
-            best[isa] = min(best[isa], streams.run(lib, 1) + streams.run(lib, 5))
+    best = {isa: {m: float("inf") for m in ROWS_GRID} for isa in libs}
+    for m in ROWS_GRID:
+        share = min(1.0, 8 / m)
+        for _ in range(repeats):
+            for isa, lib in libs.items():
+                best[isa][m] = min(best[isa][m], streams.run(lib, m, share))
     return best
 
 
-def pick_variant(libs: dict[str, ctypes.CDLL], cc: str) -> str:
-    """The fastest of the loaded variants ``libs`` (:func:`time_variants`, each 512-bit one at its measured
-    :func:`measure_pair_rows`; they compute the same bits), measured once per machine and kept as JSON beside the
-    builds (atomic rename); progress on stderr."""
+def split_by_rows(seconds: dict[str, dict[int, float]], margin: float = VARIANT_MARGIN) -> tuple[str, dict | None]:
+    """The variants to use from :func:`time_variants`' ``seconds``: ``(one_row, many)`` where ``one_row`` is the
+    default (``avx2``, the code every CPU our kernels run on has, where timed; else the first) unless another is
+    faster at one row by more than ``margin``, and ``many`` ``{"variant": v, "from_rows": r}`` names the variant fastest at the largest row count
+    where it beats ``one_row`` by more than ``margin`` at every grid row count from ``r`` on (``None``: none
+    does)."""
+    default = "avx2" if "avx2" in seconds else next(iter(seconds))
+    best = min(seconds, key=lambda isa: seconds[isa][1])
+    one_row = best if seconds[best][1] < (1 - margin) * seconds[default][1] else default
+    top = max(ROWS_GRID)
+    many = min(seconds, key=lambda isa: seconds[isa][top])
+    from_rows = None
+    for m in sorted(ROWS_GRID, reverse=True):
+        if many == one_row or not seconds[many][m] < (1 - margin) * seconds[one_row][m]:
+            break
+        from_rows = m
+    return one_row, (None if from_rows is None else {"variant": many, "from_rows": from_rows})
+
+
+def pick_variant(libs: dict[str, ctypes.CDLL], cc: str) -> tuple[str, dict | None]:
+    """The variants to use among the loaded ``libs`` (:func:`split_by_rows` of :func:`time_variants`, each 512-bit
+    variant at its measured :func:`measure_pair_rows`; they compute the same bits): ``(one_row, many)``, measured
+    once per machine and kept as JSON beside the builds (atomic rename); progress on stderr."""
     path = _pick_path(cc, libs)
     print(f"speculant: timing the kernel variants {', '.join(libs)} (once for this machine) ...", file=sys.stderr,
           flush=True)
     streams = _Streams()
     pair_rows = {isa: measure_pair_rows(lib, streams) for isa, lib in libs.items() if _has_pairs(isa)}
-    seconds = time_variants(libs, repeats=10, streams=streams)
-    pick = min(seconds, key=seconds.get)
-    print("speculant: " + ", ".join(f"{isa} {s * 1e3:.2f} ms" for isa, s in seconds.items()) + f"; using {pick}"
-          + (f" (512-bit pairs from {pair_rows[pick]} rows on)" if pick in pair_rows else ""),
-          file=sys.stderr, flush=True)
+    seconds = time_variants(libs, streams=streams)
+    pick, many = split_by_rows(seconds)
+    print("speculant: " + "; ".join(f"{isa} " + ", ".join(f"{s[m] * 1e3:.2f}" for m in (1, 5, max(ROWS_GRID)))
+                                    for isa, s in seconds.items())
+          + f" ms (1, 5, {max(ROWS_GRID)} rows); using {pick}"
+          + (f" (512-bit pairs from {pair_rows[pick]} rows on)" if pick in pair_rows else "")
+          + (f", {many['variant']} from {many['from_rows']} rows on" if many else ""), file=sys.stderr, flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
     with os.fdopen(fd, "w") as f:
-        json.dump({"variant": pick, "ms": {isa: round(s * 1e3, 3) for isa, s in seconds.items()},
+        json.dump({"variant": pick, "many": many, "rows_grid": list(ROWS_GRID),
+                   "ms": {isa: {str(m): round(t * 1e3, 3) for m, t in s.items()} for isa, s in seconds.items()},
                    "pair_rows": pair_rows, "shapes": STREAM_SHAPES, "stream_bytes": STREAM_BYTES,
                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, f)
     os.replace(tmp, path)
-    return pick
+    return pick, many
 
 
 def load_variant(isa: str, cc: str | None = None) -> ctypes.CDLL:

@@ -217,6 +217,8 @@ class FusedLayers:
 
     def __init__(self, model: ModelBuffers, cache_dtype: torch.dtype = torch.float32, weight_prefetch: int = 0):
         self.lib = build.require("the fused decoding step", "the torch layer step")
+        # blocks from `many_from` rows on in the variant kept for them (build.for_rows; the same bits), if any
+        self.lib_many, _, self.many_from = build.many_rows() or (None, None, 0)
         reason = why_not(model, cache_dtype)
         if reason is not None:
             raise ValueError(f"fused decoding step: {reason}")
@@ -275,7 +277,8 @@ class FusedLayers:
                 raise ValueError(f"fused step: local cos {tuple(cos_l.shape)}, rows {list(plan_l.rows)}; allowed: "
                                  f"cos {tuple(cos.shape)}, rows {list(plan.rows)}")
             local_args = (plan_l.mask_ptrs, cos_l.data_ptr(), sin_l.data_ptr())
-        status = self.lib.spec_run_layers(ctypes.byref(self.model), start, end, plan.n, plan.rows, plan.starts,
+        lib = self.lib_many if self.lib_many is not None and rows >= self.many_from else self.lib
+        status = lib.spec_run_layers(ctypes.byref(self.model), start, end, plan.n, plan.rows, plan.starts,
                                           plan.smax, plan.keys, plan.values, plan.layer_stride, plan.kv_bytes,
                                           plan.mask_ptrs,
                                           out.data_ptr(), cos.data_ptr(), sin.data_ptr(), *local_args)
@@ -310,7 +313,8 @@ class FusedLayers:
         cos, sin = self._rope
         rows = cos.shape[0] if self._rope_filled is None else self._rope_filled()
         cos_l, sin_l = (table.data_ptr() for table in self._rope_local) if self._rope_local else (None, None)
-        status = self.lib.spec_decode_layers(ctypes.byref(self.model), start, end, t, cache_position, cache.max_length,
+        lib = self.lib_many if self.lib_many is not None and t >= self.many_from else self.lib
+        status = lib.spec_decode_layers(ctypes.byref(self.model), start, end, t, cache_position, cache.max_length,
                                              cache.keys.data_ptr(), cache.values.data_ptr(), cache.keys.stride(0),
                                              attention_kernel.kv_bytes(cache.dtype),
                                              None if mask is None else mask.data_ptr(), x.data_ptr(), out.data_ptr(),

@@ -61,7 +61,7 @@ def _product(entry: str, x: torch.Tensor, codes: torch.Tensor, *weight_tensors: 
     """
     x = x.contiguous()
     y = torch.empty(x.shape[0], codes.shape[0])
-    status = getattr(build._LIB or require(), entry)(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(),
+    status = getattr(build.for_rows(x.shape[0]) or require(), entry)(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(),
                                                      *(0 if t is None else t.data_ptr() for t in weight_tensors),
                                                      codes.shape[0],
                                                      y.data_ptr(), prefetch)
@@ -116,7 +116,7 @@ def _w8a8k_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offset
         raise ValueError(f"w8a8k_mm: group {group!r}; allowed: 16, 32")
     x = x.contiguous()
     y = torch.empty(x.shape[0], codes.shape[0])
-    status = (build._LIB or require()).spec_w8a8k_f32(
+    status = (build.for_rows(x.shape[0]) or require()).spec_w8a8k_f32(
         x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(), scales.data_ptr(),
         0 if offsets is None else offsets.data_ptr(), group, codes.shape[0], y.data_ptr(), prefetch)
     if status != 0:

@@ -946,7 +946,7 @@ def note_busy(result: TuneResult, others: float | None, log=None, model: str | N
 def _kernel_variant(key: dict) -> str:
     """The C kernels' variant for a table's header: the one loaded, else the one the key asked for."""
     from ..kernels import build
-    return build.loaded_isa() or key.get("kernels", "auto")
+    return build.describe() or key.get("kernels", "auto")
 
 
 def format_table(result: TuneResult) -> str:
