@@ -507,3 +507,35 @@ def test_fp32_faster_by_more_than_the_noise_is_chosen_and_the_choice_kept(tmp_pa
     monkeypatch.setattr(tune, "measure_stored_weights", refuse)
     again = load_model(path, compile=False, log=io.StringIO())
     assert again.weights == "fp32" and again.tune.stored_weights["Q6_K"]["weights"] == "fp32"
+
+
+@needs_kernel
+def test_the_stored_format_choice_reads_the_lm_heads_sample_rows_only(tmp_path, monkeypatch):
+    """A large vocabulary's float32 LM head (a tied model's, mapped from its spooled embedding) is timed on its
+    first rows (``tune.head_sample``), its GGUF codes decoded for those rows alone (``GGUFCodes.first_rows``, the
+    rows of the whole head's codes), the time scaled to the whole head."""
+    from speculant.models.gguf_codes import read_group_quantized
+    path = write_tiny_gguf(tmp_path / "h.gguf", "Q8_0", layers=1, hidden=256, inter=256,
+                           types={"output.weight": "Q6_K"})
+    model = loading.read_checkpoint(str(path))
+    codes = read_group_quantized(path, model.config)
+    vocab = model.config.vocab_size
+    assert "lm_head_proj" in codes and "no.such.projection" not in codes
+    whole, first = codes["lm_head_proj"], codes.first_rows("lm_head_proj", 40)
+    for name in ("codes", "scale", "super_scale"):
+        assert torch.equal(getattr(first, name), getattr(whole, name)[:40]), name
+    packed = []
+    real_pack = tune.pack_linear
+
+    def recording(fmt, weight, bias=None, codes=None):
+        packed.append((weight.shape[0], None if codes is None else codes.shape[0]))
+        return real_pack(fmt, weight, bias, codes)
+    monkeypatch.setattr(tune, "pack_linear", recording)
+    rows = 40
+    monkeypatch.setattr(tune, "HEAD_SAMPLE_BYTES", rows * 4 * 256)
+    sample, scale = tune.head_sample(model.decoder.lm_head_proj)
+    assert sample.out_features == rows and scale == vocab / rows
+    ms = tune.measure_stored_weights(model.decoder, codes, ["w4a8", "fp32"], repeats=1)
+    assert set(ms) == {"w4a8", "fp32"} and all(v > 0 for v in ms.values())
+    assert packed[-1] == (rows, rows)                       # the head: its sample's rows, codes of those rows
+    assert all(out != vocab for out, _ in packed)

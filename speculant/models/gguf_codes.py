@@ -303,6 +303,21 @@ class GGUFCodes(Mapping):
     def __len__(self) -> int:
         return len(self._specs)
 
+    def __contains__(self, key) -> bool:
+        return key in self._specs                   # without decoding (Mapping's would decode the projection)
+
+    def first_rows(self, key: str, rows: int) -> GroupQuantized | list[GroupQuantized]:
+        """``self[key]`` restricted to its first ``rows`` output rows, decoding only those where the key is one
+        tensor in the file's row order (an LM head: a sample of a large vocabulary's head without decoding it
+        whole); else ``self[key].rows(...)``."""
+        parts = self._specs[key]
+        if len(parts) == 1 and parts[0][1] is None:
+            tensor = self._tensors[parts[0][0]]
+            return decode_blocks(tensor.kind, tensor.data[:rows])
+        whole = self[key]
+        index = torch.arange(rows)
+        return [p.rows(index) for p in whole] if isinstance(whole, list) else whole.rows(index)
+
 
 @dataclass
 class IndexedTensor:

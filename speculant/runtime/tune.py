@@ -324,10 +324,11 @@ a large vocabulary's head (Gemma 3's 262144 x 640 is 671 MB: every format's copy
 float32 temporary while each is packed, was ~1.1 GB of a first load's peak memory)."""
 
 
-def head_sample(head: nn.Module, max_bytes: int = HEAD_SAMPLE_BYTES) -> tuple[nn.Module, float]:
+def head_sample(head: nn.Module, max_bytes: int | None = None) -> tuple[nn.Module, float]:
     """``(sample, scale)``: a float32 projection of the first rows of ``head`` (``[O, I]``; a view, no copy) with at
-    most ``max_bytes`` of weights, and ``O / rows`` (the head's time is that of its rows: each is one dot product
-    over the same input); ``(head, 1.0)`` when the whole head is that small."""
+    most ``max_bytes`` of weights (default :data:`HEAD_SAMPLE_BYTES`), and ``O / rows`` (the head's time is that of
+    its rows: each is one dot product over the same input); ``(head, 1.0)`` when the whole head is that small."""
+    max_bytes = HEAD_SAMPLE_BYTES if max_bytes is None else max_bytes
     rows = max(1, min(head.out_features, max_bytes // (4 * head.in_features)))
     if rows == head.out_features:
         return head, 1.0
@@ -471,16 +472,19 @@ def measure(decoder, threads: int | None = None, repeats: int = 5, log=None) -> 
 
 
 def measure_stored_weights(decoder, codes, candidates, fp32_route: str = "linear", repeats: int = 5) -> dict:
-    """One-row pass over the projections of :func:`sample_layers` and the LM head (the whole model's pass estimated
-    as in :func:`measure`) in each of ``candidates`` (``w4a8``: packed from ``codes``, the GGUF's own codes as stored,
-    :func:`~speculant.models.gguf_codes.read_group_quantized`; ``fp32``: the float32 projections on ``fp32_route``),
-    formats alternated, best of ``repeats`` after a warm-up round [milliseconds]; ``decoder`` has float32
-    projections.  Returns ``{fmt: ms}``."""
+    """One-row pass over the projections of :func:`sample_layers` and the LM head's first rows (:func:`head_sample`;
+    the whole model's pass estimated as in :func:`measure`) in each of ``candidates`` (``w4a8``: packed from
+    ``codes``, the GGUF's own codes as stored, :func:`~speculant.models.gguf_codes.read_group_quantized`; ``fp32``:
+    the float32 projections on ``fp32_route``), formats alternated, best of ``repeats`` after a warm-up round
+    [milliseconds]; ``decoder`` has float32 projections.  Returns ``{fmt: ms}``.  A large vocabulary's float32 head
+    is read in its sample's rows only (a tied model's, mapped from its spooled embedding: Gemma 3's 671 MB were
+    otherwise all resident at a first load's peak)."""
     layers = sample_layers(len(decoder.layers), projection_shapes(decoder.config))
     scale = len(decoder.layers) / len(layers)
+    head, head_scale = head_sample(decoder.lm_head_proj)
     keys = [f"layers.{i}.{p}" for i in layers for p in PROJECTIONS] + ["lm_head_proj"]
-    base = [_get(decoder.layers[i], p) for i in layers for p in PROJECTIONS] + [decoder.lm_head_proj]
-    codes = codes if codes is not None else {}
+    base = [_get(decoder.layers[i], p) for i in layers for p in PROJECTIONS] + [head]
+    codes = dict(_sample_codes(codes, keys, head.out_features)) if codes is not None else {}
     variants = {f: base if f == "fp32" else
                 [pack_linear(f if k != "lm_head_proj" else head_format(f), m.weight, m.bias, codes.get(k))
                  for k, m in zip(keys, base)] for f in candidates}
@@ -492,12 +496,26 @@ def measure_stored_weights(decoder, codes, candidates, fp32_route: str = "linear
         with torch.inference_mode():
             for rep in range(repeats + 1):
                 for f in candidates[rep % len(candidates):] + candidates[:rep % len(candidates)]:
-                    ms = _time_pass(variants[f], inputs, None, scale) * 1e3
+                    ms = _time_pass(variants[f], inputs, None, scale, head_scale) * 1e3
                     if rep:                                        # the first round warms up
                         best[f] = min(best[f], ms)
     finally:
         set_routes(base, DEFAULT_ROUTES)
     return {f: round(v, 3) for f, v in best.items()}
+
+
+def _sample_codes(codes, keys: list[str], head_rows: int):
+    """``(key, codes)`` of ``codes`` (a mapping of GGUF codes by module name) for ``keys``, the LM head's restricted
+    to its first ``head_rows`` rows (:func:`head_sample`'s); keys without codes left out."""
+    for k in keys:
+        if k not in codes:
+            continue
+        if k != "lm_head_proj":
+            yield k, codes[k]
+        elif hasattr(codes, "first_rows"):                 # GGUFCodes: those rows decoded alone
+            yield k, codes.first_rows(k, head_rows)
+        else:
+            yield k, codes[k].rows(torch.arange(head_rows))
 
 
 DEFAULT_FORMATS = ("w4a8", "int8")
