@@ -514,3 +514,30 @@ def test_round_contexts_share_one_loss_budget():
     assert len(sizer.contexts) == 5 and all(s.ledger is sizer.ledger for s in sizer.contexts.values())  # + None
     assert not sizer.speculation.within_budget()
     assert sizer.depth(state, 4, "new") == 0
+
+
+def test_a_new_round_context_starts_from_the_generations_pooled_acceptance():
+    """A context met after others starts from the acceptance at depth 1 pooled over the generation's contexts so
+    far, not from certainty: after most drafts of other contexts were rejected, a new context would not draft by
+    choice, where one that started from certainty would."""
+    from types import SimpleNamespace
+
+    from speculant.engine.goodput import DepthAcceptance
+    from speculant.engine.speculation import RoundSizer
+    sizer = RoundSizer(SWITCHING, ChainBuilder(4), confidence=False)
+    state = SimpleNamespace(draft_stop=None)
+    assert sizer.contexts[None].acceptance.alpha(1) == 1.0              # nothing seen yet: certainty
+    want = DepthAcceptance()
+    for r in range(12):                                # contexts 0, 1 in turn: first drafts accepted, then rejected
+        d = sizer.depth(state, 4, r % 2)
+        accepted = d if r < 2 else 0
+        sizer.observe(d, accepted, d, d)
+        if d:
+            want.observe(1, accepted)
+    assert 0.0 < sizer.pooled.alpha(1) == want.alpha(1) < 0.5
+    sizer.depth(state, 4, "new")
+    new = sizer.speculation
+    assert new.acceptance.alpha(1) == want.alpha(1)                     # the new context's prior
+    # what it would draft by choice from that prior: nothing; from certainty (the first context's prior): a depth
+    assert new._depth(4, sizer.nodes, new.acceptance) == 0
+    assert new._depth(4, sizer.nodes, DepthAcceptance()) > 0

@@ -303,13 +303,16 @@ class SequenceSpeculation:
     back (gating them too stopped prompt lookup between its bursts of matches: τ 1.40 -> 1.22 on Spec-Bench).
     Counts and fixed costs only: deterministic given the tokens.
 
+    ``prior``: the acceptance per depth assumed before any is observed (:class:`DepthAcceptance`'s).
+
     Raises:
         SpeculantError: ``explore_every < 1``, ``max_explore_every < explore_every`` or ``loss_budget`` outside
             [0, 1) (and see :class:`CostTable`, :class:`DepthAcceptance`).
     """
 
     def __init__(self, costs: CostTable, explore_every: int = 16, smoothing: float = 0.2,
-                 max_explore_every: int = 256, loss_budget: float = 0.01, ledger: "Ledger | None" = None):
+                 max_explore_every: int = 256, loss_budget: float = 0.01, ledger: "Ledger | None" = None,
+                 prior: float = 1.0):
         if explore_every < 1 or max_explore_every < explore_every:
             raise SpeculantError(f"explore_every={explore_every}, max_explore_every={max_explore_every} are out of "
                                  "range; allowed: 1 <= explore_every <= max_explore_every")
@@ -317,7 +320,7 @@ class SequenceSpeculation:
             raise SpeculantError(f"loss_budget={loss_budget} is out of range; allowed: [0, 1)")
         self.costs, self.explore_every, self.max_explore_every = costs, explore_every, max_explore_every
         self.policy = GoodputPolicy(costs.forward_seconds, warmup=0, explore_every=explore_every)
-        self.acceptance = DepthAcceptance(smoothing)
+        self.acceptance = DepthAcceptance(smoothing, prior)
         self.interval = explore_every        # rounds without drafts before the next probe [count]
         self.loss_budget = loss_budget
         self.ledger = ledger if ledger is not None else Ledger()    # shared by a generation's round contexts
