@@ -304,8 +304,10 @@ STREAM_SHAPES = (("spec_w4a8_f32", 2048, 2048), ("spec_w8a8_f32", 1024, 2048))
 projection and an 8-bit one (LM head), in copies read in turn whose codes (:data:`STREAM_BYTES` in all) do not fit the
 caches, as a decoding step streams its weights from memory: a variant's speed in the caches is not its speed there."""
 STREAM_BYTES = 64 << 20
-PAIR_ROWS_GRID = (1, 2, 4, 8, 16, 32, 64)
-"""Row counts at which :func:`measure_pair_rows` times 256-bit groups against 512-bit pairs."""
+PAIR_ROWS_GRID = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 32, 64)
+"""Row counts at which :func:`measure_pair_rows` times 256-bit groups against 512-bit pairs: every count up to 8
+(a Zen 5's groups won up to 6 rows, by 22 % at 5, a 4-token draft's verification block, which a grid of 1, 2, 4, 8
+had given to pairs)."""
 ROWS_GRID = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)
 """Row counts at which :func:`time_variants` times each variant: a decoding step (1), verification blocks and trees
 (2-16), prefill chunks (64: bound by arithmetic as a 512-token prompt is)."""
@@ -382,7 +384,8 @@ def _kept_pick(cc: str, candidates) -> dict | None:
     try:
         kept = json.loads(_pick_path(cc, candidates).read_text())
         current = kept.get("stream_bytes") == STREAM_BYTES and isinstance(kept.get("pair_rows"), dict) \
-            and "many" in kept and kept.get("rows_grid") == list(ROWS_GRID)
+            and "many" in kept and kept.get("rows_grid") == list(ROWS_GRID) \
+            and kept.get("pair_rows_grid") == list(PAIR_ROWS_GRID)
         return kept if current and all(v in candidates for v in _kept_variants(kept)) else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -451,7 +454,7 @@ def pick_variant(libs: dict[str, ctypes.CDLL], cc: str) -> tuple[str, dict | Non
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
     with os.fdopen(fd, "w") as f:
-        json.dump({"variant": pick, "many": many, "rows_grid": list(ROWS_GRID),
+        json.dump({"variant": pick, "many": many, "rows_grid": list(ROWS_GRID), "pair_rows_grid": list(PAIR_ROWS_GRID),
                    "ms": {isa: {str(m): round(t * 1e3, 3) for m, t in s.items()} for isa, s in seconds.items()},
                    "pair_rows": pair_rows, "shapes": STREAM_SHAPES, "stream_bytes": STREAM_BYTES,
                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, f)
