@@ -195,9 +195,9 @@ class RoundSizer:
     e.g. the size of the n-gram prompt lookup matched: each context keeps its own acceptance per depth and probes;
     the loss budget is the generation's, shared; one context for a drafter without one).  A context met after others
     starts from the generation's acceptance at depth 1 so far, pooled over its contexts (an exponential mean as
-    :class:`~speculant.engine.goodput.DepthAcceptance`'s), not from certainty: at temperature 1 prompt lookup met
-    new n-gram sizes all along and drafted by choice in each, at 8 % acceptance, 4 % slower than ``ar``.  Counts of
-    the generation's own tokens only: deterministic given them.  :meth:`depth` before a round's drafting (and, for a
+    :class:`~speculant.engine.goodput.DepthAcceptance`'s), not from certainty (prompt lookup meets new n-gram sizes
+    all along, and at temperature 1 drafted by choice in each at an acceptance that does not pay: BENCHMARKS.md
+    BA.2).  Counts of the generation's own tokens only: deterministic given them.  :meth:`depth` before a round's drafting (and, for a
     drafter with draft confidence, ``state.draft_stop`` set), :meth:`observe` after its acceptance."""
 
     def __init__(self, costs: CostTable, builder: TreeBuilder, confidence: bool, costs_of=None, extra_of=None):

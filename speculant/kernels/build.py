@@ -14,9 +14,9 @@ bits (exact integer sums, the same float operations after them), so any of them 
 may run on any of them: where the CPU has more than one, :func:`pick_variant` times them at the first load, on
 products whose weights stream from memory as a decoding step's do, at row counts from one (a decoding step) to a
 prefill chunk, and keeps per machine the variant for one row and, where another one wins from some row count on by
-more than the noise, that one for blocks from that row count on (:func:`for_rows`: a 2-core Zen 5 runs one row
-fastest with AVX2's ``vpmaddubsw`` and a 512-token prefill fastest with 512-bit ``vpdpbusd``); the row count from
-which a 512-bit variant pairs groups is measured first (:func:`measure_pair_rows`).  ``$SPECULANT_KERNEL_ISA`` (``auto``, the default, or a
+more than the noise, that one for blocks from that row count on (:func:`for_rows`: a CPU may run one row fastest
+with AVX2's ``vpmaddubsw`` and a long prompt fastest with 512-bit ``vpdpbusd``; BENCHMARKS.md BA); the row count
+from which a 512-bit variant pairs groups is measured first (:func:`measure_pair_rows`).  ``$SPECULANT_KERNEL_ISA`` (``auto``, the default, or a
 variant's name) forces one, to compare them (``benchmarks/step_ab.py --variant``) or to test the VNNI code with
 ``vpdpbusd`` emulated exactly on AVX2.
 
@@ -305,14 +305,14 @@ projection and an 8-bit one (LM head), in copies read in turn whose codes (:data
 caches, as a decoding step streams its weights from memory: a variant's speed in the caches is not its speed there."""
 STREAM_BYTES = 64 << 20
 PAIR_ROWS_GRID = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 32, 64)
-"""Row counts at which :func:`measure_pair_rows` times 256-bit groups against 512-bit pairs: every count up to 8
-(a Zen 5's groups won up to 6 rows, by 22 % at 5, a 4-token draft's verification block, which a grid of 1, 2, 4, 8
-had given to pairs)."""
+"""Row counts at which :func:`measure_pair_rows` times 256-bit groups against 512-bit pairs: every count up to 8,
+where verification blocks lie and where the two routes cross (BENCHMARKS.md BA.3)."""
 ROWS_GRID = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)
 """Row counts at which :func:`time_variants` times each variant: a decoding step (1), verification blocks and trees
 (2-16), prefill chunks (64: bound by arithmetic as a 512-token prompt is)."""
 VARIANT_MARGIN = 0.03
-"""How much faster [fraction of the time] another variant must be than the default (at one row) or than the one-row pick (from a row count on) to be used there: more than the spread of repeated timings."""
+"""How much faster [fraction of the time] another variant must be than the default (at one row) or than the one-row
+pick (from a row count on) to be used there: more than the spread of repeated timings."""
 
 
 def _has_pairs(isa: str) -> bool:

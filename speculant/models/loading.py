@@ -771,8 +771,8 @@ def tokenizer_of(path: Path):
         tokenizer = load_tokenizer(path)
     except (OSError, ValueError) as e:
         raise SpeculantError(f"cannot load the tokenizer of {str(path)!r} ({str(e).splitlines()[0]})") from None
-    # the tokenizers library leaves its parse of tokenizer.json on the C heap, freed but held: Gemma 3's 33 MB
-    # file kept ~190 MB of a process's memory until trimmed
+    # the tokenizers library leaves its parse of tokenizer.json on the C heap, freed but held until trimmed (a
+    # 262k-token vocabulary's: BENCHMARKS.md BA.4)
     release_memory()
     return tokenizer
 

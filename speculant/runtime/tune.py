@@ -477,8 +477,8 @@ def measure_stored_weights(decoder, codes, candidates, fp32_route: str = "linear
     ``codes``, the GGUF's own codes as stored, :func:`~speculant.models.gguf_codes.read_group_quantized`; ``fp32``:
     the float32 projections on ``fp32_route``), formats alternated, best of ``repeats`` after a warm-up round
     [milliseconds]; ``decoder`` has float32 projections.  Returns ``{fmt: ms}``.  A large vocabulary's float32 head
-    is read in its sample's rows only (a tied model's, mapped from its spooled embedding: Gemma 3's 671 MB were
-    otherwise all resident at a first load's peak)."""
+    is read in its sample's rows only (a tied model's is mapped from its spooled embedding: read whole, all of it
+    would be resident at a first load's peak)."""
     layers = sample_layers(len(decoder.layers), projection_shapes(decoder.config))
     scale = len(decoder.layers) / len(layers)
     head, head_scale = head_sample(decoder.lm_head_proj)
