@@ -25,9 +25,9 @@ SEED_MAX = 2**63 - 1
 
 def cmd_generate(args) -> int:
     check_range("--seed", args.seed, 0, SEED_MAX)
-    config_from_args(args)                      # bad control values fail before the model loads
-    if not args.prompt or not args.prompt.strip():
+    if not args.prompt or not args.prompt.strip():        # before the control checks, which import torch
         raise SpeculantError("prompt is empty; allowed: a non-empty string")
+    config_from_args(args)                      # bad control values fail before the model loads
     method_spec_from_args(args)                 # bad flag combinations fail before the model loads
     from .engine.methods import build_generator
     model = load_for_decoding(args)
@@ -201,11 +201,10 @@ def main(argv=None) -> int:
     except SystemExit as e:             # a usage error (one line, OneLineParser.error) or --help: its code, returned
         return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
     try:
-        import torch
-        from .runtime.loader import user_threads
-        threads = user_threads()        # $SPECULANT_NUM_THREADS; otherwise the tuned count (runtime.tune)
-        if threads is not None:
-            torch.set_num_threads(threads)
+        if os.environ.get("SPECULANT_NUM_THREADS"):     # else the tuned count (runtime.tune); torch not imported
+            import torch                                 # for a command that fails on its arguments
+            from .runtime.loader import user_threads
+            torch.set_num_threads(user_threads())
         return args.func(args)
     except SpeculantError as e:
         print(f"speculant: error: {e}", file=sys.stderr)

@@ -268,3 +268,18 @@ def test_threads_option_fixes_the_count_and_turns_the_governor_off(capsys, model
     code, _, err = run_cli(capsys, "generate", "t1", "--model", str(model_dir), "--threads", "0")
     assert code == 2 and err.strip().splitlines() == ["speculant: error: --threads=0 is out of range; allowed: [1, inf)"]
     assert len(loaded) == 1
+
+
+def test_help_and_argument_errors_do_not_import_torch():
+    """``speculant --help`` and a command refused on its own arguments (an empty prompt, a bad seed) answer without
+    importing torch (seconds of a CPU's time), in a fresh interpreter."""
+    import os
+    import subprocess
+    import sys
+    code = ("import sys; from speculant.cli import main; "
+            "codes = [main(a) for a in (['generate', ''], ['generate', '--seed', '-1', 'hi'])]; "
+            "print(codes, 'torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "SPECULANT_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.strip() == "[2, 2] False", (out.stdout, out.stderr)
+    assert "prompt is empty" in out.stderr and "--seed=-1 is out of range" in out.stderr
