@@ -433,6 +433,25 @@ def test_an_unobserved_depth_takes_the_deepest_observed_estimate():
     assert a.alpha(1) == 0.75 and a.alpha(2) == 0.375 and a.alpha(3) == 0.375   # depth 2 started from depth 1's
 
 
+def test_the_prior_counts_as_one_observation_until_the_exponential_weight_takes_over():
+    """The n-th observation of a depth weighs max(1 / (n + 1), smoothing): a rejection after a prior of certainty
+    halves it (the exponential mean alone left 0.8, and an early-exit draft kept drafting by choice), and from the
+    fourth observation on (weight 1/5 = 0.2) the mean is the exponential one."""
+    from speculant.engine.goodput import DepthAcceptance
+    a = DepthAcceptance(smoothing=0.2, prior=1.0)
+    a.observe(1, 0)
+    assert a.alpha(1) == 0.5
+    a.observe(1, 0)
+    assert abs(a.alpha(1) - 1 / 3) < 1e-12                      # the mean of the prior and two rejections
+    for _ in range(2):
+        a.observe(1, 1)
+    assert abs(a.alpha(1) - 0.6) < 1e-12                        # (1 + 0 + 0 + 1 + 1) / 5
+    before = a.alpha(1)
+    a.observe(1, 0)
+    assert abs(a.alpha(1) - 0.8 * before) < 1e-12               # weight 0.2 from here on
+    assert DepthAcceptance(smoothing=0.2, prior=0.3).alpha(2) == 0.3
+
+
 def test_a_costly_first_draft_call_is_charged_once_per_round():
     """A round's drafting costs ``c_1 + (d - 1) c``: with a costly first call (an EAGLE head's catch-up) depth 1
     alone does not pay where depth 3 does, which one cost per call could not express."""

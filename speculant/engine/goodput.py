@@ -196,13 +196,16 @@ class GoodputPolicy:
 
 class DepthAcceptance:
     """Running acceptance per depth of one generation: ``alpha_d`` = P(the depth-``d`` token is accepted | the
-    path up to depth ``d - 1`` was), an exponential mean (weight ``smoothing``) over the rounds that drafted depth
-    ``d`` with ``d - 1`` accepted, starting at ``prior``; a depth not observed yet takes the estimate of the deepest
-    one observed (acceptance seldom rises with depth: a first depth seen to fail must not leave deeper drafts
-    looking certain).  Updated from accepted lengths only (no timing), so a
-    choice made from it is the same whenever the tokens are.  (A bias-corrected mean, the first observations
-    weighing ``1 / (n + 1)``, was measured: it stopped prompt lookup's drafting after short runs of misses, τ 1.70 ->
-    1.57 on Spec-Bench, BENCHMARKS.md AJ.)
+    path up to depth ``d - 1`` was), a mean over the rounds that drafted depth ``d`` with ``d - 1`` accepted,
+    starting at ``prior`` counted as one observation: the ``n``-th observation weighs ``max(1 / (n + 1),
+    smoothing)`` (the plain mean of the prior and the first observations, then an exponential mean of weight
+    ``smoothing``: one rejection after a prior of certainty no longer leaves 0.8, which kept an early-exit draft
+    that pays from ~0.4 drafting by choice for four rounds of every generation; BENCHMARKS.md BA.2).  A depth not
+    observed yet takes the estimate of the deepest one observed (acceptance seldom rises with depth: a first depth
+    seen to fail must not leave deeper drafts looking certain).  Updated from accepted lengths only (no timing), so
+    a choice made from it is the same whenever the tokens are.  (The bias-corrected mean without the floor, weight
+    ``1 / (n + 1)`` all along, stopped prompt lookup's drafting after short runs of misses: τ 1.70 -> 1.57 on
+    Spec-Bench, BENCHMARKS.md AJ.)
 
     Raises:
         SpeculantError: ``smoothing`` outside (0, 1] or ``prior`` outside [0, 1].
@@ -215,6 +218,7 @@ class DepthAcceptance:
             raise SpeculantError(f"prior={prior} is out of range; allowed: [0, 1]")
         self.smoothing, self.prior = smoothing, prior
         self.alphas: list[float] = []
+        self.counts: list[int] = []          # observations per depth, the prior counted as one
 
     def alpha(self, depth: int) -> float:
         """``alpha_depth`` (depth >= 1)."""
@@ -227,7 +231,10 @@ class DepthAcceptance:
         for d in range(1, min(accepted + 1, drafted_depth) + 1):
             while len(self.alphas) < d:
                 self.alphas.append(self.alpha(d))
-            self.alphas[d - 1] += self.smoothing * (float(d <= accepted) - self.alphas[d - 1])
+                self.counts.append(1)
+            self.counts[d - 1] += 1
+            weight = max(1.0 / self.counts[d - 1], self.smoothing)
+            self.alphas[d - 1] += weight * (float(d <= accepted) - self.alphas[d - 1])
 
 
 @dataclass(frozen=True)
