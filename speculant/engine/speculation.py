@@ -194,8 +194,8 @@ class RoundSizer:
     the builder's tree shape per round context (the drafter's :meth:`~speculant.drafters.base.Drafter.round_context`,
     e.g. the size of the n-gram prompt lookup matched: each context keeps its own acceptance per depth and probes;
     the loss budget is the generation's, shared; one context for a drafter without one).  A context met after others
-    starts from the generation's acceptance at depth 1 so far, pooled over its contexts (an exponential mean as
-    :class:`~speculant.engine.goodput.DepthAcceptance`'s), not from certainty (prompt lookup meets new n-gram sizes
+    starts from the generation's acceptance at depth 1 so far, pooled over its contexts (the running mean of a
+    :class:`~speculant.engine.goodput.DepthAcceptance`), not from certainty (prompt lookup meets new n-gram sizes
     all along, and at temperature 1 drafted by choice in each at an acceptance that does not pay: BENCHMARKS.md
     BA.2).  Counts of the generation's own tokens only: deterministic given them.  :meth:`depth` before a round's drafting (and, for a
     drafter with draft confidence, ``state.draft_stop`` set), :meth:`observe` after its acceptance."""
