@@ -248,6 +248,11 @@ class FusedLayers:
         head = model.head
         self._head = None if head is None or head.bias is not None or head.parts else head
 
+    def _lib_for(self, rows: int):
+        """The library for a forward of ``rows`` rows: ``lib_many`` from ``many_from`` rows on, if set, else ``lib``
+        (:func:`~speculant.kernels.build.for_rows` as captured at construction; benchmarks swap them)."""
+        return self.lib_many if self.lib_many is not None and rows >= self.many_from else self.lib
+
     def run(self, x: torch.Tensor, start: int, end: int, cos: torch.Tensor, sin: torch.Tensor,
             plan: attention_kernel.RaggedPlan, local: tuple | None = None) -> torch.Tensor:
         """Layers ``start .. end-1`` over the rows ``x`` ``[R, D]`` (float32) of the sequences of ``plan``
@@ -277,8 +282,7 @@ class FusedLayers:
                 raise ValueError(f"fused step: local cos {tuple(cos_l.shape)}, rows {list(plan_l.rows)}; allowed: "
                                  f"cos {tuple(cos.shape)}, rows {list(plan.rows)}")
             local_args = (plan_l.mask_ptrs, cos_l.data_ptr(), sin_l.data_ptr())
-        lib = self.lib_many if self.lib_many is not None and rows >= self.many_from else self.lib
-        status = lib.spec_run_layers(ctypes.byref(self.model), start, end, plan.n, plan.rows, plan.starts,
+        status = self._lib_for(rows).spec_run_layers(ctypes.byref(self.model), start, end, plan.n, plan.rows, plan.starts,
                                           plan.smax, plan.keys, plan.values, plan.layer_stride, plan.kv_bytes,
                                           plan.mask_ptrs,
                                           out.data_ptr(), cos.data_ptr(), sin.data_ptr(), *local_args)
@@ -313,8 +317,7 @@ class FusedLayers:
         cos, sin = self._rope
         rows = cos.shape[0] if self._rope_filled is None else self._rope_filled()
         cos_l, sin_l = (table.data_ptr() for table in self._rope_local) if self._rope_local else (None, None)
-        lib = self.lib_many if self.lib_many is not None and t >= self.many_from else self.lib
-        status = lib.spec_decode_layers(ctypes.byref(self.model), start, end, t, cache_position, cache.max_length,
+        status = self._lib_for(t).spec_decode_layers(ctypes.byref(self.model), start, end, t, cache_position, cache.max_length,
                                              cache.keys.data_ptr(), cache.values.data_ptr(), cache.keys.stride(0),
                                              attention_kernel.kv_bytes(cache.dtype),
                                              None if mask is None else mask.data_ptr(), x.data_ptr(), out.data_ptr(),
