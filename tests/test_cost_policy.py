@@ -560,3 +560,45 @@ def test_a_new_round_context_starts_from_the_generations_pooled_acceptance():
     # what it would draft by choice from that prior: nothing; from certainty (the first context's prior): a depth
     assert new._depth(4, sizer.nodes, new.acceptance) == 0
     assert new._depth(4, sizer.nodes, DepthAcceptance()) > 0
+
+
+def test_calibration_rounds_draft_the_depths_in_turn(model):
+    """The calibration's generation (``timed_rounds``): its rounds draft no depth, one and the builder's in turn, each
+    as asked unless nothing is left to draft; a round's draft calls are its depths for this chain."""
+    from speculant.engine.methods import _drafter
+    from speculant.engine.speculation import timed_rounds
+    drafter = _drafter(MethodSpec(method="early-exit", exit_layer=1), model)
+    rounds = timed_rounds(model, drafter, ChainBuilder(4), (0, 1, 4), PROMPT, 40, SamplingConfig())
+    assert len(rounds) >= 12 and all(seconds > 0 for seconds, _, _ in rounds)
+    assert [nodes for _, nodes, _ in rounds[0::3]] == [0] * len(rounds[0::3])
+    assert {nodes for _, nodes, _ in rounds[1::3]} == {1}
+    deep = [nodes for _, nodes, _ in rounds[2::3]]
+    assert set(deep[:-2]) == {4} and set(deep[-2:]) <= {1, 2, 3, 4}     # the last ones cut by max_new_tokens
+    assert all(nodes == calls for _, nodes, calls in rounds)
+
+
+def test_draft_figures_reproduce_the_calibration_rounds(model, monkeypatch):
+    """``measure_draft_seconds`` on fixed round times (no timing): with forward(1) = 1, turns of an ``ar`` round of 2
+    (its overhead too), a depth-1 round of 3 (one node) and a depth-4 round of 5 (four nodes, four calls) must come
+    back as ``forward(1 + n) + drafting`` = 1.5 and 2.5 forward units: first = 1.5 - forward(2), further =
+    (2.5 - forward(5) - first) / 3 (ratios within a turn: a turn twice as slow says the same; the tenth of the
+    turns on each side left out: one outlier among 11 changes nothing); a turn whose round drafted less than asked
+    is left out; figures below zero are 0; nothing drafted gives (0, 0)."""
+    from speculant.engine import speculation
+    from speculant.engine.methods import _drafter
+    forward = {1: 1.0, 2: 1.1, 5: 1.4}
+    turns = [[(2.0, 0, 0), (3.0, 1, 1), (5.0, 4, 4)]] * 9 + [[(4.0, 0, 0), (6.0, 1, 1), (10.0, 4, 4)],
+                                                         [(2.0, 0, 0), (9.0, 1, 1), (5.0, 4, 4)],
+                                                         [(2.0, 0, 0), (2.0, 0, 0), (9.0, 4, 4)]]
+    monkeypatch.setattr(speculation, "timed_rounds", lambda *a: [r for t in turns for r in t])
+    drafter = _drafter(MethodSpec(method="early-exit", exit_layer=1), model)
+
+    def figures():
+        return speculation.measure_draft_seconds(model, drafter, ChainBuilder(4), forward=forward, repeats=1)
+    first, further = figures()
+    assert first == pytest.approx(1.5 - 1.1)
+    assert further == pytest.approx((2.5 - 1.4 - 0.4) / 3)
+    turns[:] = [[(2.0, 0, 0), (3.0, 1, 1), (2.0, 4, 4)]] * 3                 # a deep round cheaper than its rows
+    assert figures() == (pytest.approx(0.4), 0.0)
+    turns[:] = [[(2.0, 0, 0), (2.0, 0, 0), (2.0, 0, 0)]]                     # nothing drafted
+    assert figures() == (0.0, 0.0)

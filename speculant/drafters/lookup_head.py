@@ -25,13 +25,14 @@ class LookupMixin:
     Attributes:
         lookup_max_ngram, lookup_min_ngram: the n-gram sizes looked up [tokens]; shorter matches leave the round
             to the head.
-        lookup_seconds: seconds of one lookup draft call, ``{greedy: s}`` (measured as prompt lookup's, with the
-            acceptance's extra time under sampling; :func:`speculant.engine.speculation.draft_seconds`) [s].
+        lookup_seconds: seconds of a copying round's first lookup draft call and of each further one,
+            ``{greedy: (first, further)}`` (measured as prompt lookup's, greedy or sampled;
+            :func:`speculant.engine.speculation.draft_seconds`) [s].
     """
 
     lookup_max_ngram = 5
     lookup_min_ngram = 2
-    lookup_seconds: dict = {True: 0.0, False: 0.0}
+    lookup_seconds: dict = {True: (0.0, 0.0), False: (0.0, 0.0)}
 
     def begin(self, state):
         st = super().begin(state)
@@ -52,8 +53,8 @@ class LookupMixin:
         """The head's ``costs`` for its own rounds; a lookup round's draft calls cost :attr:`lookup_seconds`."""
         if context is None:
             return costs
-        c = self.lookup_seconds[state.sampling.greedy]
-        return replace(costs, draft_seconds=c, first_draft_seconds=c)
+        first, further = self.lookup_seconds[state.sampling.greedy]
+        return replace(costs, draft_seconds=further, first_draft_seconds=first)
 
     def round_extra_seconds(self, state, context=None) -> float:
         """The head's catch-up (:meth:`DraftHeadDrafter.round_extra_seconds`) in its own rounds; none in a round that

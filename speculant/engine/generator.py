@@ -197,12 +197,7 @@ class SpeculativeGenerator:
         else:
             state = self._prefill(prompt_ids, config.sampling, min(ctx, len(prompt_ids) + max_new + budget + 2),
                                   generator, stats, t0, controls)
-        costs = self.costs_for(config.sampling)
-        sizer = None
-        if costs is not None:
-            sizer = RoundSizer(costs, builder, self.drafter.capabilities.draft_confidence,
-                               lambda context: self.drafter.round_costs(state, context, costs),
-                               lambda context: self.drafter.round_extra_seconds(state, context))
+        sizer = self.round_sizer(state, builder, self.costs_for(config.sampling))
         block = state.tokens[-1:]
         while True:
             yield list(block)
@@ -213,6 +208,15 @@ class SpeculativeGenerator:
             block = self._round(state, builder, budget, max_new - emitted, generator, eos, stats, sizer)
             stats.new_tokens = emitted + len(block)
             stats.seconds = time.perf_counter() - t0
+
+    def round_sizer(self, state: DecodingState, builder: TreeBuilder | None, costs: CostTable | None):
+        """What sizes a generation's rounds: a :class:`~speculant.engine.speculation.RoundSizer` from ``costs``
+        (``None`` without costs: every round drafts as deep as the builder allows)."""
+        if costs is None:
+            return None
+        return RoundSizer(costs, builder, self.drafter.capabilities.draft_confidence,
+                          lambda context: self.drafter.round_costs(state, context, costs),
+                          lambda context: self.drafter.round_extra_seconds(state, context))
 
     @torch.inference_mode()
     def _prefill(self, prompt_ids, sampling, cache_length, generator, stats, t0, controls=None) -> DecodingState:

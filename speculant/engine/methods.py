@@ -224,16 +224,16 @@ def drafter_signature(spec: MethodSpec) -> str:
 
 
 def lookup_costs(model: LoadedModel, spec: MethodSpec):
-    """``seconds(sampled)``: the measured seconds of one prompt-lookup draft call with ``spec``'s n-gram sizes and
-    length on ``model`` (greedy, or with the sampled acceptance's extra time), kept in the tune as prompt lookup's
-    own (:func:`speculant.engine.speculation.draft_seconds`): what an ``eagle-lookup`` round that copies pays."""
+    """``seconds(sampled)``: the measured ``(first, further)`` seconds of prompt-lookup draft calls with ``spec``'s
+    n-gram sizes and length on ``model`` (greedy, or sampled), kept in the tune as prompt lookup's own
+    (:func:`speculant.engine.speculation.draft_seconds`): what an ``eagle-lookup`` round that copies pays."""
     from .speculation import draft_seconds
     lookup = MethodSpec(method="prompt-lookup", num_speculations=spec.num_speculations, max_ngram=spec.max_ngram,
                         min_ngram=spec.min_ngram)
     drafter, builder = _drafter(lookup, model), _builder(lookup)
 
     def seconds(sampled: bool) -> float:
-        return draft_seconds(model, drafter, builder, drafter_signature(lookup), sampled)[1]
+        return draft_seconds(model, drafter, builder, drafter_signature(lookup), sampled)
     return seconds
 
 
@@ -261,7 +261,7 @@ def build_generator(model: LoadedModel, spec: MethodSpec | None = None, costs: C
         if costs is not None:
             lookup = lookup_costs(model, spec) if spec.method == "eagle-lookup" else None
             if lookup is not None:
-                drafter.lookup_seconds = {True: lookup(False), False: 0.0}
+                drafter.lookup_seconds = {True: lookup(False), False: (0.0, 0.0)}
 
             def sampled_costs():
                 if lookup is not None:

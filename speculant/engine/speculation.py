@@ -6,15 +6,15 @@ policy calls the same function with its batch size), through
 :class:`~speculant.engine.goodput.SequenceSpeculation`, from:
 
 * ``cost(T)``: seconds of the target's forward over ``T`` new tokens, measured once per machine and model by the
-  tuner (:func:`speculant.runtime.tune.measure_forward_rows`, ``T`` from 1 to 16 on the fused step; other formats: the
-  tuner's pass over all projections at 1, 2, 4, 5, 8 and 16 rows), linear in between;
-* ``c``: seconds of one draft call (one depth of drafting) of this drafter, measured once per machine, model and
-  drafter by :func:`draft_seconds` (a short greedy generation that drafts every round, the draft calls timed as they
-  run between verifications) and kept with the tune, the round's first call apart (``c_1``: a model drafter's first
-  call also runs the entries committed since its last round, and it is the only call of a depth-1 round); for sampled generations a second figure, measured the same way
-  at temperature 1, also holds the acceptance's time per draft call (recursive rejection sampling's residual
-  distributions over the vocabulary, which a greedy round does not compute), so that sampling does not draft where
-  its extra work makes a round cost more than it gives;
+  tuner (:func:`speculant.runtime.tune.measure_forward_rows`, ``T`` from 1 to 16 on the fused step, ratios to
+  ``T = 1`` paired within each sweep; other formats: the tuner's pass over all projections at 1, 2, 4, 5, 8 and 16
+  rows), linear in between;
+* ``c``: what one draft call (one depth of drafting) adds to a round, measured once per machine, model and drafter
+  by :func:`measure_draft_seconds` and kept with the tune: rounds drafting no depth, one depth and every depth
+  timed in one run, each against the forward table, so that a depth-``d`` round costs what such rounds took beside
+  this drafter's ``ar`` rounds (the round's first call apart, ``c_1``, which also holds what a drafting round pays
+  beyond its forward: the tree's bookkeeping, the acceptance of more rows and, for sampled generations, measured
+  again at temperature 1, recursive rejection sampling's residual distributions);
 * ``alpha_d``: the sequence's running acceptance per depth (:class:`~speculant.engine.goodput.DepthAcceptance`,
   counts only);
 * where the drafter declares ``draft_confidence``: the draft probability of the top token at each depth, times that
@@ -31,6 +31,7 @@ generator drafts as ``always`` does unless given a :class:`~speculant.engine.goo
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -41,11 +42,20 @@ from .goodput import CostTable
 
 SPECULATION = ("cost", "always")
 """``--speculation`` choices."""
-CALIBRATION_TOKENS = 32
-"""New tokens of each timed calibration generation of :func:`draft_seconds` [tokens] (the warm-up makes a quarter)."""
-CALIBRATION_SECONDS = 1.0
-"""Timed calibration generations stop repeating once they took this long in all [s] (a slow weight format, e.g.
-eager float32, is timed once rather than ``repeats`` times: each generation already averages over its draft calls)."""
+CALIBRATION_TOKENS = 128
+"""New tokens of each timed calibration generation of :func:`measure_draft_seconds` [tokens] (the warm-up makes a
+quarter)."""
+CALIBRATION_CONTEXT = 192
+"""Random tokens before the calibration prompt's pattern [tokens]: the rounds run over a context of about the size
+the target's forward table is measured at (:data:`speculant.runtime.tune.FORWARD_CONTEXT`), as a generation's
+would."""
+SAMPLED_TEMPERATURES = (1.0, 0.25)
+"""Temperatures of the sampled calibration of :func:`measure_draft_seconds`, tried in turn until rounds draft: a
+round's sampled acceptance costs the same at any temperature, and at 1 a drafter that copies (prompt lookup) finds
+nothing to copy once the sampled text leaves the prompt's pattern."""
+CALIBRATION_SECONDS = 2.0
+"""What the timed calibration generations of one figure take at most, warm-up included [s]
+(:func:`calibration_turns`)."""
 
 
 def check_speculation(value: str) -> str:
@@ -123,58 +133,133 @@ def draft_seconds(model, drafter, builder: TreeBuilder, signature: str, sampled:
 
 def measure_draft_seconds(model, drafter, builder: TreeBuilder, tokens: int = CALIBRATION_TOKENS,
                           repeats: int = 3, budget: float = CALIBRATION_SECONDS,
-                          sampled: bool = False) -> tuple[float, float]:
-    """Time ``drafter``'s draft calls as they run in decoding, between the target's verifications: generations of
-    ``tokens`` tokens that draft every round (``--speculation always``) from a prompt of a 24-token random pattern
-    said twice (so that prompt lookup finds continuations; EOS ignored), greedy, or with ``sampled`` at temperature
-    1 (seed 7), a warm-up of ``tokens // 4`` tokens and then up to ``repeats``, fewer once the timed ones took
-    ``budget`` seconds (at least one).  Returns ``(first, further)``: seconds in ``draft`` per round's first draft
-    forward and per further one (both per drafted depth for a drafter without forwards, prompt lookup), with
-    ``sampled`` each plus the rounds' acceptance time beyond an ``ar`` round's one draw (the residual
-    distributions) per draft call; each the least of the repeats (the figure least disturbed by other work) [s];
-    ``(0, 0)`` if nothing drafted.  ~1 s for SmolLM2-135M on 2 cores in ``w4a8``."""
+                          sampled: bool = False, forward: dict[int, float] | None = None,
+                          context: int = CALIBRATION_CONTEXT) -> tuple[float, float]:
+    """What a round's drafting costs in decoding, on the scale of the target's forward table ``forward``
+    (default :func:`forward_seconds`): generations of ``tokens`` tokens (EOS ignored) from a prompt of ``context``
+    random tokens and a 24-token random pattern said twice (so that prompt lookup finds continuations), greedy, or
+    with ``sampled`` at temperature 1 (seed 7; :data:`SAMPLED_TEMPERATURES`), whose rounds draft in turn no depth
+    (this drafter's ``ar`` round, time ``A``), one depth (``R_1``, ``n_1`` nodes) and as deep as ``builder`` allows (``R_K``, ``n_K`` nodes in
+    ``c_K`` draft calls) (:class:`CyclingDepth`).  Each ratio ``R / A`` is taken within one turn of three adjacent
+    rounds (a shared VM's speed drifts between generations: figures from separate generations moved by a tenth of
+    a step from one measurement to the next, BENCHMARKS.md BB), averaged over all turns of up to ``repeats``
+    generations after a warm-up, within ``budget`` seconds (:func:`calibration_turns`), the tenth of the turns on
+    each side left out (the first catch-up over a prompt, another process's work; not a median: a sampled round's
+    time has two modes, its draft accepted or not).  With ``u = forward(1)``:
+
+    * ``first = R_1 / A * u - forward(1 + n_1)``: what a round's first draft call costs, with all a drafting round
+      pays beyond its verification forward (the tree's bookkeeping, the acceptance of more rows, under sampling the
+      residual distributions);
+    * ``further = (R_K / A * u - forward(1 + n_K) - first) / (c_K - 1)``: each further call (``first`` where the
+      builder drafts one depth).
+
+    A depth-``d`` round of the cost model then costs what such rounds took beside this drafter's ``ar`` rounds (a
+    draft call timed alone, against a kept table, predicted a depth-1 round at 1.19 ``ar`` rounds where it took
+    1.39-1.50, BENCHMARKS.md BB).  Returns ``(first, further)`` [s], each at least 0; ``(0, 0)`` if no turn drafted
+    as asked or without a forward table.  ~2 s for SmolLM2-135M on 2 cores in ``w4a8``."""
     from ..sampling import SamplingConfig
+    from .goodput import GoodputPolicy
+    forward = forward or forward_seconds(model)
+    if not forward:
+        return 0.0, 0.0
+    cost = GoodputPolicy(forward).cost
+    vocab = model.config.vocab_size
+    context = max(0, min(context, model.config.context_length - 48 - tokens - builder.budget() - 2))
+    g = torch.Generator().manual_seed(7)
+    pattern = torch.randint(vocab, (24,), generator=g).tolist()
+    prompt = torch.randint(vocab, (context,), generator=g).tolist() + pattern * 2
+    depths = (0, 1, builder.max_depth) if builder.max_depth > 1 else (0, 1)
+    for temperature in (SAMPLED_TEMPERATURES if sampled else (0.0,)):
+        turns = calibration_turns(model, drafter, builder, depths, prompt, tokens, repeats, budget,
+                                  SamplingConfig(temperature=temperature, seed=7))
+        if turns:
+            break
+    else:
+        return 0.0, 0.0
+    u = cost(1)
+
+    def figure(k: int) -> tuple[float, float, float]:
+        """(mean ratio of the turns' k-th round to their ar round, the tenth on each side left out; mean nodes;
+        mean draft calls)."""
+        ratios = sorted(t[k][0] / t[0][0] for t in turns)
+        cut = len(ratios) // 10
+        return (statistics.fmean(ratios[cut:len(ratios) - cut]), statistics.fmean(t[k][1] for t in turns),
+                statistics.fmean(t[k][2] for t in turns))
+    r1, n1, _ = figure(1)
+    first = max(r1 * u - cost(1 + n1), 0.0)
+    if len(depths) < 3:
+        return first, first
+    rk, nk, ck = figure(2)
+    further = (rk * u - cost(1 + nk) - first) / (ck - 1) if ck > 1 else first
+    return first, max(further, 0.0)
+
+
+def calibration_turns(model, drafter, builder: TreeBuilder, depths: tuple[int, ...], prompt: list[int], tokens: int,
+                      repeats: int, budget: float, sampling) -> list[list[tuple[float, int, int]]]:
+    """The turns of :func:`measure_draft_seconds`: :func:`timed_rounds` of a warm-up generation of ``tokens // 4``
+    tokens and then of up to ``repeats`` of ``tokens``, all within ``budget`` seconds (the warm-up within a quarter
+    of it; a generation stops at the round that ends past it: a slow weight format, e.g. eager float32, is timed
+    over fewer rounds), cut into turns of ``len(depths)`` rounds; only the turns whose every round drafted as asked
+    (an ``ar`` round, then rounds that drafted)."""
+    turns = []
+    start = time.perf_counter()
+    for rep in range(repeats + 1):                                    # the first is a warm-up
+        deadline = start + (budget if rep else budget / 4)
+        rounds = timed_rounds(model, drafter, builder, depths, prompt, tokens if rep else max(1, tokens // 4),
+                              sampling, deadline)
+        if rep:
+            turns += [rounds[i:i + len(depths)] for i in range(0, len(rounds) - len(depths) + 1, len(depths))]
+        if time.perf_counter() >= deadline:
+            break
+    return [t for t in turns if t[0][1] == 0 and all(r[1] > 0 for r in t[1:])]
+
+
+class CyclingDepth:
+    """The calibration's round sizer (:func:`measure_draft_seconds`): the rounds draft ``depths`` in turn (0: an
+    ``ar`` round of the drafter's generator), as deep as each allows; :class:`RoundSizer`'s interface, no policy."""
+
+    def __init__(self, depths: tuple[int, ...]):
+        self.depths, self.asked = depths, 0
+
+    def depth(self, state, max_depth: int, context=None) -> int:
+        d = min(self.depths[self.asked % len(self.depths)], max_depth)
+        self.asked += 1
+        state.draft_stop = None
+        return d
+
+    def observe(self, drafted_depth: int, accepted: int, nodes: int, calls: int) -> None:
+        """Nothing to learn."""
+
+
+def timed_rounds(model, drafter, builder: TreeBuilder, depths: tuple[int, ...], prompt_ids: list[int], tokens: int,
+                 sampling, deadline: float | None = None) -> list[tuple[float, int, int]]:
+    """One generation of ``tokens`` tokens (EOS ignored) by ``drafter`` and ``builder`` on ``model`` whose rounds
+    draft ``depths`` in turn (:class:`CyclingDepth`), stopped after the round that ends past ``deadline`` (a
+    ``time.perf_counter()`` value) if given: ``(seconds [s], nodes [tokens], draft calls)`` of each round in order
+    (a round drafts less than asked only where the drafter has nothing to draft or the remaining tokens end it)."""
     from .generator import GenerationConfig, SpeculativeGenerator
     from .stats import GenerationStats
-    vocab = model.config.vocab_size
-    pattern = torch.randint(vocab, (24,), generator=torch.Generator().manual_seed(7)).tolist()
-    gen = SpeculativeGenerator(model, drafter, builder)
-    sampling = SamplingConfig(temperature=1.0, seed=7) if sampled else SamplingConfig()
-    draw = draw_seconds(vocab, sampling) if sampled else 0.0       # an ar round's acceptance: one draw
-    best, best_first, spent = float("inf"), float("inf"), 0.0
-    for rep in range(repeats + 1):
-        stats = GenerationStats()
-        config = GenerationConfig(max_new_tokens=tokens if rep else max(1, tokens // 4), ignore_eos=True,
-                                  sampling=sampling)
-        t0 = time.perf_counter()
-        for _ in gen.generate_blocks(pattern * 2, config, stats):
-            pass
-        calls = stats.draft_forwards or sum(stats.drafted_at_depth)
-        if rep and calls:                                            # the first is a warm-up
-            extra = max(stats.accept_seconds - stats.rounds * draw, 0.0) / calls if sampled else 0.0
-            firsts = (stats.drafted_at_depth or [0])[0] if stats.draft_forwards and stats.first_draft_seconds else 0
-            if firsts and calls > firsts:
-                best_first = min(best_first, stats.first_draft_seconds / firsts + extra)
-                best = min(best, (stats.draft_seconds - stats.first_draft_seconds) / (calls - firsts) + extra)
-            else:
-                best = best_first = min(best, stats.draft_seconds / calls + extra)
-        spent += (time.perf_counter() - t0) if rep else 0.0
-        if spent >= budget:
-            break
-    return (best_first, best) if best < float("inf") else (0.0, 0.0)
 
-
-def draw_seconds(vocab: int, sampling, repeats: int = 5) -> float:
-    """Seconds of an ``ar`` round's acceptance: one draw from fp32 logits ``[vocab]`` under ``sampling``, the least
-    of ``repeats`` [s]."""
-    from .rounds import pick_token
-    logits, generator = torch.randn(vocab), sampling.generator()
-    best = float("inf")
-    for _ in range(repeats):
+    class Calibrating(SpeculativeGenerator):
+        def round_sizer(self, state, builder, costs):
+            return CyclingDepth(depths)
+    gen = Calibrating(model, drafter, builder)
+    stats = GenerationStats()
+    config = GenerationConfig(max_new_tokens=tokens, ignore_eos=True, sampling=sampling)
+    out = []
+    blocks = gen.generate_blocks(prompt_ids, config, stats)
+    next(blocks)                                                       # the prefill's token
+    while True:
+        nodes, calls, depth = stats.drafted_tokens, stats.draft_forwards, sum(stats.drafted_at_depth)
         t0 = time.perf_counter()
-        pick_token(logits, sampling, generator)
-        best = min(best, time.perf_counter() - t0)
-    return best
+        if next(blocks, None) is None:
+            return out
+        t1 = time.perf_counter()
+        out.append((t1 - t0, stats.drafted_tokens - nodes,
+                    max(stats.draft_forwards - calls, sum(stats.drafted_at_depth) - depth)))
+        if deadline is not None and t1 > deadline:
+            blocks.close()
+            return out
 
 
 def cost_table(model, drafter, builder: TreeBuilder | None, signature: str, sampled: bool = False) -> CostTable | None:

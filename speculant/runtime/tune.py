@@ -58,6 +58,7 @@ import hashlib
 import json
 import os
 import shlex
+import statistics
 import sys
 import time
 import warnings
@@ -122,10 +123,11 @@ where the best of 20 gave 1.16-1.25 in one process; three sweeps gave 1.13-1.42 
 drafts too little (BENCHMARKS.md AX)."""
 FORWARD_SECONDS = 3.0
 """Time after which :func:`measure_forward_rows` stops sweeping (after at least 5 timed sweeps) [s]."""
-FORWARD_VERSION = 2
+FORWARD_VERSION = 3
 """How ``forward_ms`` is measured (:attr:`TuneResult.forward_version`): 1, the best of 3 sweeps on the tuner's probe
-executor; 2, the best of up to :data:`FORWARD_REPEATS` on an executor with the tuned choices.  A tune measured
-otherwise has its ``forward_ms`` measured again at the next load."""
+executor; 2, the best of up to :data:`FORWARD_REPEATS` on an executor with the tuned choices; 3, ratios to ``T = 1``
+paired within each sweep (:func:`measure_forward_rows`).  A tune measured otherwise has its ``forward_ms`` measured
+again at the next load, and its drafters' ``draft_ms`` (figures relative to ``forward_ms``) with it."""
 SCHEMA = 2
 
 
@@ -823,6 +825,7 @@ def complete_for_fused(result: TuneResult, executor, log=None, model: str | None
                                                      log=log)
             result.forward_version = FORWARD_VERSION
             result.forward_kernels = build.kernel_signature()
+            result.draft_ms = {}                              # relative to forward_ms: measured again when used
         finally:
             torch.set_num_threads(before)
         measured = True
@@ -836,10 +839,13 @@ def measure_forward_rows(decoder, rows=FORWARD_ROWS, repeats: int = FORWARD_REPE
                          seconds: float = FORWARD_SECONDS) -> dict:
     """Time the model's forward (all layers, final norm, LM head over every row) over ``T`` new tokens after
     :data:`FORWARD_CONTEXT` cached ones (fewer if the model's positions end sooner), for each ``T`` in ``rows``:
-    the T-row costs that cost-aware speculation decides from.  The row counts alternated, best of ``repeats``
-    sweeps after a warm-up one, fewer once ``seconds`` are spent (at least 5 or ``repeats``); the minimum is the
-    figure least disturbed by other work, and a few sweeps leave it high for the multi-row forwards (see
-    :data:`FORWARD_REPEATS`); ~2 s for SmolLM2-135M on 2 cores.  Random tokens: the cost does not depend on them.
+    the T-row costs that cost-aware speculation decides from.  Sweeps over the row counts (in turn forwards and
+    backwards) after a warm-up one, ``repeats`` of them, fewer once ``seconds`` are spent (at least 5 or
+    ``repeats``).  A decision compares costs, so each ``T`` is kept as a ratio to ``T = 1`` taken within each sweep,
+    the median over the sweeps (a shared VM's memory bandwidth drifts during the measurement: the least time of
+    each ``T`` taken apart put ``T = 2`` below ``T = 1`` in a kept table, where paired ratios gave 1.03-1.09,
+    BENCHMARKS.md BB), times the least ``T = 1`` time (the figure least disturbed by other work); ~2 s for
+    SmolLM2-135M on 2 cores.  Random tokens: the cost does not depend on them.
 
     Returns:
         ``{T: ms}`` with string keys (as JSON stores them) [milliseconds].
@@ -847,23 +853,25 @@ def measure_forward_rows(decoder, rows=FORWARD_ROWS, repeats: int = FORWARD_REPE
     start = time.perf_counter()
     ctx = max(1, min(FORWARD_CONTEXT, decoder.config.context_length - max(rows)))
     g = torch.Generator().manual_seed(5)
-    best = {r: float("inf") for r in rows}
+    times: dict[int, list[float]] = {r: [] for r in rows}
     with torch.inference_mode():
         cache = decoder.new_cache(ctx + max(rows))
         fill_cache(decoder, cache, ctx, g)
         ids = {r: timing_tokens(decoder, (1, r), g) for r in rows}
         for rep in range(repeats + 1):
-            for r in rows:
+            for r in (rows if rep % 2 else rows[::-1]):
                 t = time.perf_counter()
                 decoder(ids[r], None, None, cache, ctx)
-                if rep:                                                  # the first round is a warm-up
-                    best[r] = min(best[r], time.perf_counter() - t)
+                if rep:                                                  # the first sweep is a warm-up
+                    times[r].append(time.perf_counter() - t)
             if rep >= min(5, repeats) and time.perf_counter() - start > seconds:
                 break
+    one = min(times[rows[0]])
+    ms = {r: one * statistics.median(t / t1 for t, t1 in zip(times[r], times[rows[0]])) for r in rows}
     if log is not None:
         print(f"speculant: T-row forwards timed in {time.perf_counter() - start:.1f} s (T = 1: "
-              f"{best[rows[0]] * 1e3:.2f} ms, T = {rows[-1]}: {best[rows[-1]] * 1e3:.2f} ms)", file=log, flush=True)
-    return {str(r): round(v * 1e3, 4) for r, v in best.items()}
+              f"{ms[rows[0]] * 1e3:.2f} ms, T = {rows[-1]}: {ms[rows[-1]] * 1e3:.2f} ms)", file=log, flush=True)
+    return {str(r): round(v * 1e3, 4) for r, v in ms.items()}
 
 
 def _drafter_packed(fmt: str, projections):
