@@ -352,14 +352,15 @@ def test_forward_costs_are_timed_with_the_tuned_choices_and_measured_again_when_
     """The T-row forward costs (the cost-aware policy's table) are timed on an executor with the KV cache dtype and
     weight prefetch decoding will use (not on the tuner's probe), and a tune whose ``forward_ms`` was measured the
     older way (``forward_version`` below :data:`tune.FORWARD_VERSION`) or with another kernel library (new kernels,
-    another variant or pair threshold) has them measured again, once."""
+    another variant or pair threshold) has them measured again, once, and the drafters' figures with them."""
     from helpers import on_fused_step
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
     model = on_fused_step(packable_tiny())
     probe = executor_of(model).replace(kv_dtype=torch.float32, weight_prefetch=0)
     result = tune.TuneResult(key=tune.tune_key(model.config, 1), weights="w4a8", fp32_route="linear", threads=1,
                              fused_prompt_tokens=64, weight_prefetch=512, kv_cache="float16",
-                             decode_thread_ms={"1": 1.0}, forward_ms={"1": 9.0, "2": 30.0}, forward_version=1)
+                             decode_thread_ms={"1": 1.0}, forward_ms={"1": 9.0, "2": 30.0}, forward_version=1,
+                             draft_ms={"eagle": 0.3, "eagle first": 0.4})
     seen = []
 
     def timed(executor, **kw):
@@ -369,6 +370,7 @@ def test_forward_costs_are_timed_with_the_tuned_choices_and_measured_again_when_
     assert tune.complete_for_fused(result, probe)
     assert seen == [(torch.float16, 512)] and result.forward_ms == {"1": 1.0, "2": 1.1}
     assert result.forward_version == tune.FORWARD_VERSION
+    assert result.draft_ms == {}                         # the drafters' figures are relative to it: measured again
     assert tune.load(result.key).forward_ms == {"1": 1.0, "2": 1.1}          # saved
     assert not tune.complete_for_fused(result, probe) and len(seen) == 1      # current: not measured again
     assert (probe.kv_dtype, probe.weight_prefetch) == (torch.float32, 0)      # the probe left as it was
@@ -376,3 +378,32 @@ def test_forward_costs_are_timed_with_the_tuned_choices_and_measured_again_when_
     monkeypatch.setattr(build, "_SIGNATURE", build.kernel_signature() + "-other")   # new kernels, another pick ...
     assert tune.complete_for_fused(result, probe) and len(seen) == 2          # ... measured again, once
     assert not tune.complete_for_fused(result, probe) and len(seen) == 2
+
+
+def test_forward_rows_are_ratios_to_one_row_paired_within_each_sweep(monkeypatch):
+    """``measure_forward_rows`` on a fake clock (no timing): each forward takes ``base[T]`` times its sweep's speed
+    (the warm-up sweep 100x slow, then 1x and 2x in turn) and one T = 2 forward is hit by a 10x spike: the table is
+    T = 1's least time times each T's median ratio to T = 1 within a sweep, so exactly ``base`` (the warm-up, the
+    slow sweeps and the spike leave no trace); the rows are swept forwards and backwards in turn."""
+    base = {1: 2.0, 2: 2.2, 5: 3.0}
+    clock = [0.0]
+    calls = []
+
+    class Decoder:
+        config = type("C", (), {"context_length": 512, "vocab_size": 64})()
+
+        def new_cache(self, length):
+            return None
+
+        def __call__(self, ids, *args):
+            sweep = len(calls) // len(base)
+            rows = ids.shape[1]
+            calls.append(rows)
+            speed = 100.0 if sweep == 0 else (1.0 if sweep % 2 else 2.0)
+            spike = 10.0 if (sweep, rows) == (3, 2) else 1.0
+            clock[0] += base[rows] * speed * spike / 1e3
+    monkeypatch.setattr(tune, "fill_cache", lambda *a: None)
+    monkeypatch.setattr(tune.time, "perf_counter", lambda: clock[0])
+    ms = tune.measure_forward_rows(Decoder(), rows=tuple(base), repeats=6, seconds=1e9)
+    assert ms == {str(r): pytest.approx(v) for r, v in base.items()}
+    assert calls[:3] == [5, 2, 1] and calls[3:6] == [1, 2, 5] and len(calls) == 7 * 3
