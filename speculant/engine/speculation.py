@@ -118,9 +118,10 @@ FIRST = " first"
 
 
 def draft_seconds(model, drafter, builder: TreeBuilder, signature: str, sampled: bool = False) -> tuple[float, float]:
-    """Seconds of a round's first draft call and of each further one of ``drafter`` on ``model`` [s]:
-    ``model.tune.draft_ms[signature + FIRST]`` and ``[signature]`` (``sampled``: ``signature + SAMPLED``, acceptance
-    included) if measured, else :func:`measure_draft_seconds`, then kept there (and saved with the tune)."""
+    """What a round's first draft call adds to it (with all a drafting round pays beyond its forward) and what each
+    further one adds, for ``drafter`` on ``model`` [s]: ``model.tune.draft_ms[signature + FIRST]`` and ``[signature]``
+    (``sampled``: ``signature + SAMPLED``, measured at temperature) if measured, else :func:`measure_draft_seconds`,
+    then kept there (and saved with the tune)."""
     tune = model.tune
     key = signature + (SAMPLED if sampled else "")
     if key not in tune.draft_ms or key + FIRST not in tune.draft_ms:

@@ -169,8 +169,9 @@ class TuneResult:
         forward_kernels: the kernel library ``forward_ms`` was measured with (:func:`speculant.kernels.build.
             kernel_signature`: variant, build digest, pair threshold; ``""``: not recorded); another one (new
             kernels, another variant pick) has ``forward_ms`` measured again at the next load.
-        draft_ms: one draft call (one depth of drafting) per drafter, ``{drafter signature: ms}`` [milliseconds]
-            (:func:`speculant.engine.speculation.draft_seconds`: the tune step of a drafter, run by the method factory
+        draft_ms: what a draft call (one depth of drafting) adds to a round, per drafter, ``{drafter signature: ms}``
+            [milliseconds], on the scale of ``forward_ms`` (cleared when it is measured again;
+            :func:`speculant.engine.speculation.draft_seconds`: the tune step of a drafter, run by the method factory
             :func:`speculant.engine.methods.build_generator` the first time it builds that drafter on this machine
             under ``speculation="cost"``).
         drafter_weights: the weight format of a drafter's own projections per drafter shape,
