@@ -38,7 +38,7 @@ import torch
 
 from ..errors import SpeculantError
 from ..trees.builders import ChainBuilder, ConstantBranchingBuilder, StochasticBeamBuilder, TreeBuilder
-from .goodput import CostTable
+from .goodput import CostTable, DepthAcceptance, GoodputPolicy, Ledger, SequenceSpeculation
 
 SPECULATION = ("cost", "always")
 """``--speculation`` choices."""
@@ -140,13 +140,13 @@ def measure_draft_seconds(model, drafter, builder: TreeBuilder, tokens: int = CA
     (default :func:`forward_seconds`): generations of ``tokens`` tokens (EOS ignored) from a prompt of ``context``
     random tokens and a 24-token random pattern said twice (so that prompt lookup finds continuations), greedy, or
     with ``sampled`` at temperature 1 (seed 7; :data:`SAMPLED_TEMPERATURES`), whose rounds draft in turn no depth
-    (this drafter's ``ar`` round, time ``A``), one depth (``R_1``, ``n_1`` nodes) and as deep as ``builder`` allows (``R_K``, ``n_K`` nodes in
-    ``c_K`` draft calls) (:class:`CyclingDepth`).  Each ratio ``R / A`` is taken within one turn of three adjacent
-    rounds (a shared VM's speed drifts between generations: figures from separate generations moved by a tenth of
-    a step from one measurement to the next, BENCHMARKS.md BB), averaged over all turns of up to ``repeats``
-    generations after a warm-up, within ``budget`` seconds (:func:`calibration_turns`), the tenth of the turns on
-    each side left out (the first catch-up over a prompt, another process's work; not a median: a sampled round's
-    time has two modes, its draft accepted or not).  With ``u = forward(1)``:
+    (this drafter's ``ar`` round, time ``A``), one depth (``R_1``, ``n_1`` nodes) and as deep as ``builder``
+    allows (``R_K``, ``n_K`` nodes in ``c_K`` draft calls) (:class:`CyclingDepth`).  Each ratio ``R / A`` is taken
+    within one turn of three adjacent rounds (a shared VM's speed drifts between generations: figures from separate
+    generations moved by a tenth of a step from one measurement to the next, BENCHMARKS.md BB), averaged over all
+    turns of up to ``repeats`` generations after a warm-up, within ``budget`` seconds (:func:`calibration_turns`),
+    the tenth of the turns on each side left out (the first catch-up over a prompt, another process's work; not a
+    median: a sampled round's time has two modes, its draft accepted or not).  With ``u = forward(1)``:
 
     * ``first = R_1 / A * u - forward(1 + n_1)``: what a round's first draft call costs, with all a drafting round
       pays beyond its verification forward (the tree's bookkeeping, the acceptance of more rows, under sampling the
@@ -159,7 +159,6 @@ def measure_draft_seconds(model, drafter, builder: TreeBuilder, tokens: int = CA
     1.39-1.50, BENCHMARKS.md BB).  Returns ``(first, further)`` [s], each at least 0; ``(0, 0)`` if no turn drafted
     as asked or without a forward table.  ~2 s for SmolLM2-135M on 2 cores in ``w4a8``."""
     from ..sampling import SamplingConfig
-    from .goodput import GoodputPolicy
     forward = forward or forward_seconds(model)
     if not forward:
         return 0.0, 0.0
@@ -240,11 +239,8 @@ def timed_rounds(model, drafter, builder: TreeBuilder, depths: tuple[int, ...], 
     (a round drafts less than asked only where the drafter has nothing to draft or the remaining tokens end it)."""
     from .generator import GenerationConfig, SpeculativeGenerator
     from .stats import GenerationStats
-
-    class Calibrating(SpeculativeGenerator):
-        def round_sizer(self, state, builder, costs):
-            return CyclingDepth(depths)
-    gen = Calibrating(model, drafter, builder)
+    gen = SpeculativeGenerator(model, drafter, builder)
+    gen.round_sizer = lambda state, builder, costs: CyclingDepth(depths)
     stats = GenerationStats()
     config = GenerationConfig(max_new_tokens=tokens, ignore_eos=True, sampling=sampling)
     out = []
@@ -283,8 +279,9 @@ class RoundSizer:
     starts from the generation's acceptance at depth 1 so far, pooled over its contexts (the running mean of a
     :class:`~speculant.engine.goodput.DepthAcceptance`), not from certainty (prompt lookup meets new n-gram sizes
     all along, and at temperature 1 drafted by choice in each at an acceptance that does not pay: BENCHMARKS.md
-    BA.2).  Counts of the generation's own tokens only: deterministic given them.  :meth:`depth` before a round's drafting (and, for a
-    drafter with draft confidence, ``state.draft_stop`` set), :meth:`observe` after its acceptance."""
+    BA.2).  Counts of the generation's own tokens only: deterministic given them.  :meth:`depth` before a round's
+    drafting (and, for a drafter with draft confidence, ``state.draft_stop`` set), :meth:`observe` after its
+    acceptance."""
 
     def __init__(self, costs: CostTable, builder: TreeBuilder, confidence: bool, costs_of=None, extra_of=None):
         self.costs_of = costs_of or (lambda context: costs)     # a context's own table (Drafter.round_costs)
@@ -293,12 +290,10 @@ class RoundSizer:
         self.contexts: dict = {}
         self.nodes = nodes_at_depth(builder)
         self.confidence = confidence
-        from .goodput import DepthAcceptance
         self.pooled = DepthAcceptance()             # depth 1 over all contexts: a new context's prior
         self.speculation = self._of(None)
 
     def _of(self, context):
-        from .goodput import Ledger, SequenceSpeculation
         if context not in self.contexts:
             if not self.contexts:
                 self.ledger = Ledger()

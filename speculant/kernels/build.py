@@ -16,8 +16,8 @@ products whose weights stream from memory as a decoding step's do, at row counts
 prefill chunk, and keeps per machine the variant for one row and, where another one wins from some row count on by
 more than the noise, that one for blocks from that row count on (:func:`for_rows`: a CPU may run one row fastest
 with AVX2's ``vpmaddubsw`` and a long prompt fastest with 512-bit ``vpdpbusd``; BENCHMARKS.md BA); the row count
-from which a 512-bit variant pairs groups is measured first (:func:`measure_pair_rows`).  ``$SPECULANT_KERNEL_ISA`` (``auto``, the default, or a
-variant's name) forces one, to compare them (``benchmarks/step_ab.py --variant``) or to test the VNNI code with
+from which a 512-bit variant pairs groups is measured first (:func:`measure_pair_rows`).  ``$SPECULANT_KERNEL_ISA``
+(``auto``, the default, or a variant's name) forces one, to compare them (``benchmarks/step_ab.py --variant``) or to test the VNNI code with
 ``vpdpbusd`` emulated exactly on AVX2.
 
 :func:`available` says whether the kernels can run here (x86-64 with AVX2 and FMA, a C compiler that builds

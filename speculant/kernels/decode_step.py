@@ -282,10 +282,11 @@ class FusedLayers:
                 raise ValueError(f"fused step: local cos {tuple(cos_l.shape)}, rows {list(plan_l.rows)}; allowed: "
                                  f"cos {tuple(cos.shape)}, rows {list(plan.rows)}")
             local_args = (plan_l.mask_ptrs, cos_l.data_ptr(), sin_l.data_ptr())
-        status = self._lib_for(rows).spec_run_layers(ctypes.byref(self.model), start, end, plan.n, plan.rows, plan.starts,
-                                          plan.smax, plan.keys, plan.values, plan.layer_stride, plan.kv_bytes,
-                                          plan.mask_ptrs,
-                                          out.data_ptr(), cos.data_ptr(), sin.data_ptr(), *local_args)
+        lib = self._lib_for(rows)
+        status = lib.spec_run_layers(ctypes.byref(self.model), start, end, plan.n, plan.rows, plan.starts,
+                                     plan.smax, plan.keys, plan.values, plan.layer_stride, plan.kv_bytes,
+                                     plan.mask_ptrs,
+                                     out.data_ptr(), cos.data_ptr(), sin.data_ptr(), *local_args)
         if status != 0:
             raise MemoryError("fused decoding step: cannot allocate its workspace")
         return out
@@ -317,12 +318,13 @@ class FusedLayers:
         cos, sin = self._rope
         rows = cos.shape[0] if self._rope_filled is None else self._rope_filled()
         cos_l, sin_l = (table.data_ptr() for table in self._rope_local) if self._rope_local else (None, None)
-        status = self._lib_for(t).spec_decode_layers(ctypes.byref(self.model), start, end, t, cache_position, cache.max_length,
-                                             cache.keys.data_ptr(), cache.values.data_ptr(), cache.keys.stride(0),
-                                             attention_kernel.kv_bytes(cache.dtype),
-                                             None if mask is None else mask.data_ptr(), x.data_ptr(), out.data_ptr(),
-                                             cos.data_ptr(), sin.data_ptr(), rows, positions.data_ptr(),
-                                             cos_l, sin_l)
+        lib = self._lib_for(t)
+        status = lib.spec_decode_layers(ctypes.byref(self.model), start, end, t, cache_position, cache.max_length,
+                                        cache.keys.data_ptr(), cache.values.data_ptr(), cache.keys.stride(0),
+                                        attention_kernel.kv_bytes(cache.dtype),
+                                        None if mask is None else mask.data_ptr(), x.data_ptr(), out.data_ptr(),
+                                        cos.data_ptr(), sin.data_ptr(), rows, positions.data_ptr(),
+                                        cos_l, sin_l)
         if status == -2:
             raise IndexError(f"fused step: positions {positions.tolist()} outside the RoPE tables' computed rows "
                              f"(allowed: 0 .. {rows - 1})")
