@@ -87,6 +87,44 @@ def test_packing_by_blocks_of_rows_gives_the_whole_matrix_layout(kind, tmp_path,
 
 
 @pytest.mark.parametrize("kind", TYPES)
+def test_a_head_decoded_and_packed_by_slices_of_rows_is_the_whole_heads_packing(kind, tmp_path, monkeypatch):
+    """An LM head that is one tensor of the file is decoded and packed :data:`PACK_ROWS` rows at a time
+    (:func:`block_linear_by_rows` over :meth:`GGUFCodes.row_slices`: one slice's codes held at a time): the same
+    class and every buffer equal to packing the whole decoded tensor, with a partial slice last; each slice decodes
+    only its own rows."""
+    from speculant.models import gguf_codes
+    from speculant.runtime import formats
+    raw = _raw(kind, 8 * 7 + 5, 256, np.random.default_rng(13))
+    path = tmp_path / f"{kind}.bin"
+    raw.tofile(path)
+    tensor = IndexedTensor("token_embd.weight", kind, 0, raw.shape, str(path))
+    codes = gguf_codes.GGUFCodes(gguf_codes.TensorIndex([tensor]), {"lm_head_proj": [("token_embd.weight", None)]})
+    rows, decode = codes.row_slices("lm_head_proj")
+    assert rows == raw.shape[0]
+    whole = block_linear(codes["lm_head_proj"])
+    asked = []
+    monkeypatch.setattr(formats, "PACK_ROWS", 16)
+    sliced = formats.block_linear_by_rows(rows, lambda a, b: asked.append((a, b)) or decode(a, b))
+    assert asked == [(0, 16), (16, 32), (32, 48), (48, 61)]
+    assert type(sliced) is type(whole) is KERNEL_CLASS[kind]
+    assert whole.state_dict().keys() == sliced.state_dict().keys()
+    assert all(torch.equal(v, sliced.state_dict()[k]) for k, v in whole.state_dict().items())
+    assert torch.equal(sliced.group_quantized().dequantize(), codes["lm_head_proj"].dequantize())
+
+
+def test_slices_that_pack_into_different_classes_leave_the_head_to_the_whole_packing(tmp_path, monkeypatch):
+    """Where one slice of rows packs into another class than the first (a K-quant whose scales factor exactly in
+    some rows only), :func:`block_linear_by_rows` returns ``None`` (the whole is packed instead)."""
+    from speculant.runtime import formats
+    rng = np.random.default_rng(14)
+    q4, q8 = (_codes(k, _raw(k, 16, 256, rng), tmp_path) for k in ("Q4_0", "Q8_0"))
+    monkeypatch.setattr(formats, "PACK_ROWS", 8)
+    assert formats.block_linear_by_rows(16, lambda a, b: q4.rows(torch.arange(a, b)) if a == 0
+                                        else q8.rows(torch.arange(a, b))) is None
+    assert isinstance(formats.block_linear_by_rows(16, lambda a, b: q8.rows(torch.arange(a, b))), W8A8Linear)
+
+
+@pytest.mark.parametrize("kind", TYPES)
 def test_decoded_codes_are_gguf_dequantize_bit_for_bit(kind, tmp_path):
     rng = np.random.default_rng(TYPES.index(kind))
     raw = _raw(kind, 24, 512, rng)

@@ -28,7 +28,7 @@ through a memory map.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -306,14 +306,26 @@ class GGUFCodes(Mapping):
     def __contains__(self, key) -> bool:
         return key in self._specs                   # without decoding (Mapping's would decode the projection)
 
+    def row_slices(self, key: str) -> tuple[int, Callable[[int, int], GroupQuantized]] | None:
+        """``(rows, decode)`` where ``self[key]`` is one tensor in the file's row order (an LM head):
+        ``decode(start, end)`` is ``self[key]`` restricted to rows ``[start, end)``, only those rows' blocks read
+        (their file pages mapped only while decoded); ``None`` for a fused or unpermuted projection.
+
+        Raises:
+            KeyError: ``key`` not held as codes."""
+        parts = self._specs[key]
+        if len(parts) != 1 or parts[0][1] is not None:
+            return None
+        tensor = self._tensors[parts[0][0]]
+        return tensor.data_shape[0], lambda start, end: decode_blocks(tensor.kind, tensor.data[start:end])
+
     def first_rows(self, key: str, rows: int) -> GroupQuantized | list[GroupQuantized]:
         """``self[key]`` restricted to its first ``rows`` output rows, decoding only those where the key is one
         tensor in the file's row order (an LM head: a sample of a large vocabulary's head without decoding it
-        whole); else ``self[key].rows(...)``."""
-        parts = self._specs[key]
-        if len(parts) == 1 and parts[0][1] is None:
-            tensor = self._tensors[parts[0][0]]
-            return decode_blocks(tensor.kind, tensor.data[:rows])
+        whole, :meth:`row_slices`); else ``self[key].rows(...)``."""
+        sliced = self.row_slices(key)
+        if sliced is not None:
+            return sliced[1](0, rows)
         whole = self[key]
         index = torch.arange(rows)
         return [p.rows(index) for p in whole] if isinstance(whole, list) else whole.rows(index)

@@ -594,6 +594,15 @@ def hf_state_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig, consume: 
     return out
 
 
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)`` along the rows; for meta tensors (weights left unread,
+    :class:`~speculant.models.streaming.WithoutWeights`) a meta tensor of the sum's shape made directly: torch's meta
+    ``cat`` is a Python reference whose first call imports ``torch._dynamo`` and sympy (~70 MiB of a process)."""
+    if all(p.is_meta for p in parts):
+        return torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype, device="meta")
+    return torch.cat(parts, dim=0)
+
+
 def hf_layer_to_ours(take, cfg: ModelConfig, i: int) -> dict[str, torch.Tensor]:
     """Our parameters ``layers.{i}.*`` of decoder layer ``i`` (:func:`hf_state_to_ours`), each HF tensor got by
     ``take(name)``."""
@@ -601,12 +610,12 @@ def hf_layer_to_ours(take, cfg: ModelConfig, i: int) -> dict[str, torch.Tensor]:
     q = f"layers.{i}."
     out = {}
     for kind in ["weight"] + (["bias"] if cfg.qkv_bias else []):
-        out[q + f"self_attn.qkv_proj.{kind}"] = torch.cat([take(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"], dim=0)
+        out[q + f"self_attn.qkv_proj.{kind}"] = _cat_rows([take(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"])
     for kind in ["weight"] + (["bias"] if cfg.o_bias else []):
         out[q + f"self_attn.o_proj.{kind}"] = take(p + f"self_attn.o_proj.{kind}")
     for kind in ["weight"] + (["bias"] if cfg.mlp_bias else []):
-        out[q + f"mlp.gate_up_proj.{kind}"] = torch.cat(
-            [take(p + f"mlp.gate_proj.{kind}"), take(p + f"mlp.up_proj.{kind}")], dim=0)
+        out[q + f"mlp.gate_up_proj.{kind}"] = _cat_rows([take(p + f"mlp.gate_proj.{kind}"),
+                                                         take(p + f"mlp.up_proj.{kind}")])
         out[q + f"mlp.down_proj.{kind}"] = take(p + f"mlp.down_proj.{kind}")
     out[q + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
     out[q + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")

@@ -100,8 +100,8 @@ def open_fast(path: str | Path) -> FastTokenizer | None:
             return None
         if (path / "chat_template.json").is_file():
             return None
-        from tokenizers import Tokenizer
-        backend = Tokenizer.from_file(str(path / "tokenizer.json"))
+        from .tokenizer_store import open_tokenizer
+        backend = open_tokenizer(path / "tokenizer.json")      # a BPE model from its arrays: half the memory
         if not _plain_config(conf, backend):
             return None
         template_file = path / "chat_template.jinja"

@@ -869,12 +869,49 @@ def layer_codes(codes, i: int) -> dict:
     return {name: (codes or {}).get(f"layers.{i}.{name}") for name in PROJECTIONS}
 
 
+def block_linear_by_rows(rows: int, decode, bias: torch.Tensor | None = None) -> "_BlockLinear | None":
+    """:func:`block_linear` of a tensor's ``rows`` rows of codes, decoded and packed :data:`PACK_ROWS` rows at a
+    time (``decode(start, end)``: the :class:`GroupQuantized` of rows ``[start, end)``, e.g.
+    :meth:`~speculant.models.gguf_codes.GGUFCodes.row_slices`) and copied into the whole's buffers: one slice's codes
+    held at a time beside the packed result, not the whole tensor's (a 262k-token LM head: 160 MiB of int8 codes).
+    The same buffers as packing the whole (the kernels' interleaving stays within groups of :data:`LANES` rows, and
+    :data:`PACK_ROWS` is a multiple of it).  ``None`` where the slices do not all pack into one class with buffers of
+    the same row shapes (a K-quant's scales that factor exactly in some rows only): then pack the whole."""
+    whole, cls, in_features = {}, None, None
+    for start in range(0, rows, PACK_ROWS):
+        end = min(rows, start + PACK_ROWS)
+        part = block_linear(decode(start, end))
+        buffers = dict(part.named_buffers(recurse=False))
+        if cls is None:
+            cls, in_features = type(part), part.in_features
+            whole = {k: torch.empty((rows, *v.shape[1:]), dtype=v.dtype) for k, v in buffers.items()}
+        if type(part) is not cls or set(buffers) != set(whole) or any(
+                v.shape[1:] != whole[k].shape[1:] or v.dtype != whole[k].dtype or v.shape[0] != end - start
+                for k, v in buffers.items()):
+            return None
+        for k, v in buffers.items():
+            whole[k][start:end] = v
+        del part, buffers
+    if bias is not None:
+        whole["bias"] = bias
+    return cls.empty(in_features, rows, whole)
+
+
 def pack_head(decoder, fmt: str, codes=None) -> None:
     """Put ``decoder``'s LM head in the head format of ``fmt`` (:func:`head_format`; ``codes``: as
     :func:`apply_weight_format`'s) and record ``fmt`` as ``decoder.weight_format``: the last step of packing a
-    model whose layers are packed (:func:`pack_projections`)."""
-    head = decoder.lm_head_proj
-    decoder.lm_head_proj = pack_linear(head_format(fmt), head.weight, head.bias, (codes or {}).get("lm_head_proj"))
+    model whose layers are packed (:func:`pack_projections`).  A head that is one tensor of a GGUF file in its row
+    order is decoded and packed a slice of rows at a time (:func:`block_linear_by_rows`)."""
+    head, packed = decoder.lm_head_proj, None
+    sliced = None
+    if (head_format(fmt) in ("w4a8", "w8a8") and head.in_features % INT4_GROUP == 0
+            and hasattr(codes, "row_slices") and "lm_head_proj" in codes):
+        sliced = codes.row_slices("lm_head_proj")
+    if sliced is not None and sliced[0] == head.out_features:
+        qgemm.require()
+        packed = block_linear_by_rows(*sliced, head.bias)
+    decoder.lm_head_proj = packed if packed is not None else pack_linear(
+        head_format(fmt), head.weight, head.bias, (codes or {}).get("lm_head_proj"))
     decoder.weight_format = fmt
 
 

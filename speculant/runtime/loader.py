@@ -76,11 +76,15 @@ def _from_packed(name_or_path: str, cfg: ModelConfig, packed_dir: Path, source: 
     Raises:
         SpeculantError: the tokenizer files of ``source`` are unreadable.
     """
-    decoder = load_packed(packed_path(packed_dir, fmt), cfg)
+    path = packed_path(packed_dir, fmt)
+    if not path.is_file():
+        return None
+    tokenizer = loading.tokenizer_of(source)    # first: its parse's transient memory while the process is small
+    decoder = load_packed(path, cfg)
     if decoder is None:
         return None
     name = name_or_path if loading.is_gguf_source(name_or_path) else source.name
-    return LoadedModel(name, decoder, loading.tokenizer_of(source), source)
+    return LoadedModel(name, decoder, tokenizer, source)
 
 
 def _read_and_pack(name_or_path: str, dtype: torch.dtype, weights: str, result, threads: int, packed_dir, stored,
@@ -158,6 +162,7 @@ def _stream_and_pack(name_or_path: str, weights: str, result, threads: int, inde
             opened = None                     # the whole read says what is wrong
     if opened is None:
         return None
+    tokenizer = loading.tokenizer_of(source)    # first: its parse's transient memory while the process is small
     decoder, checkpoint = opened
     layers = cfg.num_hidden_layers
     if result is None or stored:          # the tuner's sample (and that of the stored-format choice) in float32
@@ -185,7 +190,7 @@ def _stream_and_pack(name_or_path: str, weights: str, result, threads: int, inde
     loading.release_memory()
     progress.done()
     name = name_or_path if loading.is_gguf_source(name_or_path) else source.name
-    return LoadedModel(name, decoder, loading.tokenizer_of(source), source), result, fmt
+    return LoadedModel(name, decoder, tokenizer, source), result, fmt
 
 
 def _coded_weights(codes, checkpoint, layers: int) -> dict[str, tuple[int, ...]]:
