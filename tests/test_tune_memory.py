@@ -41,8 +41,8 @@ def test_measure_times_the_head_sample_and_scales_it(monkeypatch):
 def test_sampled_layers_are_bounded_by_their_float32_bytes():
     small = [(64, 64)] * 7 + [(1000, 64)]                          # 7 projections of a tiny layer, then the LM head
     assert tune.sample_layers(30, small) == tune.sample_layers(30) == [0, 6, 12, 17, 23, 29]
-    big = [(20 << 10, 1 << 10)] + [(1000, 64)]                      # 80 MiB a layer in float32: 3 fit in 256 MiB
-    assert tune.SAMPLE_BYTES == 256 << 20
+    big = [(5 << 10, 1 << 10)] + [(1000, 64)]                       # 20 MiB a layer in float32: 3 fit in 64 MiB
+    assert tune.SAMPLE_BYTES == 64 << 20
     assert tune.sample_layers(30, big) == [0, 14, 29]
     huge = [(1 << 20, 1 << 10)] + [(1000, 64)]                      # one projection of 4 GiB: one layer, the middle one
     assert tune.sample_layers(30, huge) == [15] and tune.sample_layers(1, huge) == [0]

@@ -51,21 +51,43 @@ def copy_dir(tokenizer_json: Path) -> Path:
     return cache_root() / "tokenizers" / key
 
 
-def _merge_parts(merge, vocab: dict) -> tuple[int, int] | None:
-    """The two parts' ids of one merge of the file (``[a, b]``, or the older ``"a b"``), ``None`` when it has not
-    exactly two parts that are tokens of ``vocab``."""
+def _merge_parts(merge, position: dict) -> tuple[int, int] | None:
+    """The two parts' positions in the file's vocabulary (``position``: token -> its place in the file's order) of
+    one merge of the file (``[a, b]``, or the older ``"a b"``), ``None`` when it has not exactly two parts that are
+    tokens of the vocabulary."""
     parts = merge.split(" ") if isinstance(merge, str) else merge
     if not isinstance(parts, list) or len(parts) != 2:
         return None
-    a, b = vocab.get(parts[0]), vocab.get(parts[1])
+    a, b = position.get(parts[0]), position.get(parts[1])
     return None if a is None or b is None else (a, b)
+
+
+def _added_ids_as_read(vocab: dict, added: list) -> bool:
+    """Whether ``tokenizers`` reading the file gives each added token the id the file records (the copy fixes those
+    ids before the model is set): a token of the vocabulary takes the vocabulary's id, the others the next ids after
+    the vocabulary, in the file's order; with the vocabulary's ids ``0 .. n-1`` (no gap for a new id to follow)."""
+    n = len(vocab)
+    if any(not isinstance(i, int) or not 0 <= i < n for i in vocab.values()) or len(set(vocab.values())) != n:
+        return False
+    following = n
+    for token in added:
+        if not isinstance(token, dict) or not isinstance(token.get("content"), str):
+            return False
+        known = vocab.get(token["content"])
+        if known is None:
+            if token.get("id") != following:
+                return False
+            following += 1
+        elif token.get("id") != known:
+            return False
+    return True
 
 
 def write(tokenizer_json: Path) -> Path | None:
     """Save the arrays of ``tokenizer_json`` (see the module docstring) in :func:`copy_dir`, written in a temporary
     directory renamed into place.  Returns the directory, or ``None`` where the file's model is not a BPE model this
     copy reproduces (another type, a setting outside :data:`BPE_OPTIONS`, a merge whose parts are not tokens of the
-    vocabulary) or the file is not valid JSON (``tokenizers`` then says what is wrong).
+    vocabulary, ids with gaps or added tokens at ids ``tokenizers`` would not give them) or the file is not valid JSON (``tokenizers`` then says what is wrong).
 
     Raises:
         OSError: the file cannot be read or the cache cannot be written.
@@ -80,15 +102,17 @@ def write(tokenizer_json: Path) -> Path | None:
                                                                                      *BPE_OPTIONS}):
         return None
     vocab, merges, added = model.get("vocab"), model.get("merges"), data.get("added_tokens") or []
-    if not isinstance(vocab, dict) or not isinstance(merges, list) or not isinstance(added, list):
+    if (not isinstance(vocab, dict) or not isinstance(merges, list) or not isinstance(added, list)
+            or not _added_ids_as_read(vocab, added)):
         return None
+    position = {t: i for i, t in enumerate(vocab)}
     pairs = np.empty((len(merges), 2), dtype=np.int32)
     for i, merge in enumerate(merges):
-        ids = _merge_parts(merge, vocab)
+        ids = _merge_parts(merge, position)
         if ids is None:
             return None
         pairs[i] = ids
-    del merges
+    del merges, position
     tokens = [t.encode("utf-8") for t in vocab]
     offsets = np.zeros(len(tokens) + 1, dtype=np.int64)
     np.cumsum([len(t) for t in tokens], out=offsets[1:])
@@ -140,7 +164,10 @@ def load(tokenizer_json: Path):
     vocab = dict(zip(tokens, ids))
     merges = [(tokens[i], tokens[j]) for i, j in zip(pairs[:, 0].tolist(), pairs[:, 1].tolist())]
     del tokens, ids
-    tokenizer.model = BPE(vocab=vocab, merges=merges, **options)
+    try:
+        tokenizer.model = BPE(vocab=vocab, merges=merges, **options)
+    except Exception:              # noqa: BLE001 - a merged token outside the vocabulary: the file's own error then
+        return None
     del vocab, merges
     if tokenizer.get_vocab_size(with_added_tokens=False) != meta["vocab_size"]:
         return None

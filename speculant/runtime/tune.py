@@ -83,10 +83,12 @@ BATCH_ROWS = (32, 64)
 batch invariance only (the ``invariant_rows`` column), so the one-sequence choice of format is unchanged."""
 SAMPLE_LAYERS = 6
 """Decoder layers whose projections are packed and timed (evenly spaced; every layer when the model has no more)."""
-SAMPLE_BYTES = 256 << 20
+SAMPLE_BYTES = 64 << 20
 """float32 bytes of the sampled layers' projections at most (:func:`sample_layers`), at least one layer: every
-format's copy of them is held at once while they are timed, so a 1B model's six layers (1.5 GB in float32) made
-a first load's peak memory several times the model's (SmolLM2's and Gemma 3 270M's six layers are 85 and 130 MB)."""
+format's copy of them is held at once while they are timed (~2.5 times their float32 bytes in all), so a 1B model's
+six layers (1.5 GB in float32) made a first load's peak memory several times the model's, and Gemma 3 270M's six
+(130 MB) put ~330 MB on it (issue 26's bound is the file's size + 400 MB): SmolLM2 gets 4 layers, Gemma 3 270M 2,
+a 1B model 1."""
 ATTENTION_CONTEXTS = (256, 1024)
 """Cached tokens at which the one-token step's attention is timed."""
 PROMPT_LENGTHS = (128, 1024)
@@ -802,19 +804,26 @@ def complete_for_fused(result: TuneResult, executor, log=None, model: str | None
     from ..kernels import build
     if executor.fused_layers() is None:
         return False
+    from ..models.loading import release_memory
     measured, start = False, occupancy.reading()
+    # each measurement's caches and workspaces handed back before the next (glibc keeps freed heap otherwise: the
+    # four left ~160 MiB on Gemma 3 270M's first load, above the model itself)
     if result.kv_cache is None:
         result.kv_cache, result.kv_cache_ms = measure_kv_cache(executor, log=log)
         measured = True
+        release_memory()
     if result.weight_prefetch is None:
         result.weight_prefetch, result.weight_prefetch_ms = measure_weight_prefetch(executor, log=log)
         measured = True
+        release_memory()
     if result.fused_prompt_tokens is None:
         result.fused_prompt_tokens, result.prompt_ms = measure_prompt_route(executor, log=log)
         measured = True
+        release_memory()
     if not result.decode_thread_ms:
         result.threads, result.decode_thread_ms = measure_decode_threads(executor, log=log)
         measured = True
+        release_memory()
     if (not result.forward_ms or result.forward_version != FORWARD_VERSION
             or result.forward_kernels != build.kernel_signature()):
         before = torch.get_num_threads()
