@@ -177,3 +177,25 @@ def test_the_transformers_baseline_of_a_packed_gguf_model_has_its_float32_weight
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ours.decoder(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_projections_left_unread_are_fused_without_importing_torch_dynamo():
+    """The projections ``w4a8`` packs from the file's codes stay meta tensors while a layer is read
+    (``streaming.WithoutWeights``); fusing them (q|k|v, gate|up) gives the fused shape and, unlike torch's meta
+    ``cat`` (a Python reference whose first call imports ``torch._dynamo`` and sympy, ~70 MiB of a first load),
+    imports nothing (a fresh interpreter: the test process may have imported them already)."""
+    import subprocess
+    import sys
+    code = ("import sys, torch\n"
+            "from speculant.models.loading import _cat_rows\n"
+            "parts = [torch.empty(4, 8, device='meta'), torch.empty(2, 8, device='meta')]\n"
+            "out = _cat_rows(parts)\n"
+            "assert out.is_meta and out.shape == (6, 8) and out.dtype == torch.float32, out\n"
+            "assert 'torch._dynamo' not in sys.modules and 'sympy' not in sys.modules\n"
+            "real = [torch.randn(4, 8), torch.randn(2, 8)]\n"
+            "assert torch.equal(_cat_rows(real), torch.cat(real))\n"
+            "torch.cat(parts)\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "True"          # the premise: torch's own meta cat does import it
