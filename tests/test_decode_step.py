@@ -185,6 +185,43 @@ def test_a_prompt_on_the_fused_step_gets_the_bits_of_decoding_it_token_by_token(
     assert float((fused_route - torch_route).abs().max()) <= 2e-5 * float(torch_route.abs().max())
 
 
+def test_a_long_block_on_the_fused_step_runs_in_chunks_with_the_whole_blocks_bits(model, monkeypatch):
+    """A prompt longer than :data:`PREFILL_CHUNK` runs on the fused step as consecutive chunks (each attending to
+    the cache the chunks before it wrote): the hidden states and the KV cache are the whole block's in one call, bit
+    for bit, for a prompt and for a continuation after a cached prefix; the fused step is called once per chunk;
+    the first chunk decides the route (a ``fused_prompt_tokens`` below it keeps the torch prompt step)."""
+    from speculant.kernels import decode_step
+    from speculant.runtime import executor as executor_module
+    dec = executor_of(model)
+    ids = torch.tensor([[1 + (7 * i) % 90 for i in range(29)]])
+    calls = []
+    real_step = decode_step.FusedLayers.step
+    monkeypatch.setattr(decode_step.FusedLayers, "step",
+                        lambda self, hidden, *a, **k: calls.append(hidden.shape[1]) or real_step(self, hidden, *a, **k))
+
+    def run(chunk, tokens=64):
+        monkeypatch.setattr(executor_module, "PREFILL_CHUNK", chunk)
+        dec.fused_prompt_tokens = tokens
+        cache = dec.new_cache(40)
+        with torch.inference_mode():
+            whole = dec.run_layers(dec.embed(ids), 0, dec.num_layers, torch.arange(29), None, cache, 0)
+            more = dec.run_layers(dec.embed(ids[:, :9]), 0, dec.num_layers, torch.arange(29, 38), None, cache, 29)
+        return whole, more, cache
+    try:
+        whole, more, cache = run(1000)
+        assert calls == [29, 9]
+        calls.clear()
+        chunked, more_chunked, chunked_cache = run(4)
+        assert calls == [4] * 7 + [1] + [4, 4, 1]
+        assert torch.equal(whole, chunked) and torch.equal(more, more_chunked)
+        assert torch.equal(cache.keys, chunked_cache.keys) and torch.equal(cache.values, chunked_cache.values)
+        calls.clear()
+        run(8, tokens=4)                           # the first chunk is beyond fused_prompt_tokens: the torch step
+        assert calls == [8, 1]                     # ... for the prompt; the continuation is no prompt: chunks
+    finally:
+        dec.fused_prompt_tokens = 0
+
+
 @pytest.mark.parametrize("method,kw", [("ar", {}), ("prompt-lookup", {}), ("early-exit", {"exit_layer": 2}),
                                        ("rsd-s", {"exit_layer": 1, "beam_width": 2, "draft_length": 3})])
 def test_prompts_on_the_fused_step_keep_every_method_exact(model, method, kw):

@@ -5,8 +5,9 @@ The model is pure (config, weights, a torch reference forward); the executor own
 - the route of a forward: every layer of a range as one call of our fused C step
   (:class:`speculant.kernels.decode_step.FusedLayers`, ``w4a8`` weights over a float32 or float16 KV cache), or
   the torch layer step (:mod:`speculant.runtime.steps`), compiled (:mod:`speculant.runtime.compiled`) or eager;
-  prompts of up to :attr:`Executor.fused_prompt_tokens` tokens through the fused step, longer ones through the
-  torch prompt step;
+  prompts through the fused step where :attr:`Executor.fused_prompt_tokens` covers a chunk of them
+  (:data:`PREFILL_CHUNK` tokens at a time: the same bits as the whole block in one call), else through the torch
+  prompt step;
 - the KV cache dtype (:attr:`Executor.kv_dtype`) and the kernels' buffers (built once from the packed weights).
 
 Its one entry point for the layers is :meth:`Executor.run`, over a list of
@@ -28,6 +29,15 @@ from ..models.kv_cache import KVCache, mark_dynamic
 from ..models.llama import LlamaDecoder, dense_mask
 from .blocks import Block
 from .steps import COMPILED_MAX_ROWS, decoder_layer_step, prefill_layer_step
+
+
+PREFILL_CHUNK = 256
+"""Rows of a block without a mask (a prompt, a prompt's continuation after a cached prefix) that the fused step runs
+per call [tokens]: a longer block runs as consecutive chunks, each attending to the cache the chunks before it wrote,
+which gives the very bits of the whole block in one call (each row's products and attention are computed alone:
+``tests/test_decode_step.py``) with the call's workspaces (quadratic in its rows) bounded, as llama.cpp bounds its
+micro-batch.  On the Zen 5 of BENCHMARKS.md BD, 1000-token prompts ran in 0.84-0.99 of the whole block's time
+(SmolLM2, Gemma 3 270M, a 1B shape), 2000-token ones 0.45-0.81 (they took the torch prompt step before)."""
 
 
 def default_kv_dtype(head_dim: int) -> torch.dtype:
@@ -135,7 +145,8 @@ class Executor:
             projections are replaced).
         kv_dtype: the KV caches' dtype (float32 or float16: our attention kernel; float64: SDPA); default
             :func:`default_kv_dtype`.
-        fused_prompt_tokens: prompts of up to this many tokens run through the fused step (0: none).
+        fused_prompt_tokens: prompts whose first :data:`PREFILL_CHUNK` tokens are at most this many run through the
+            fused step, a chunk at a time (0: none).
         use_fused: run ``w4a8`` layers through the fused step where it applies (``False``: the torch step).
         layer_step: the one-sequence torch layer step (:func:`~speculant.runtime.steps.decoder_layer_step` or its
             compiled version, :func:`speculant.runtime.compiled.enable_compile`).
@@ -269,7 +280,8 @@ class Executor:
         """Run each block through its layers ``block.start_layer .. end-1`` (default ``end``: all layers).
 
         One block runs by the route of this executor: the fused step where it applies (a prompt, ``cache_position``
-        0 without a mask, only up to :attr:`fused_prompt_tokens` tokens), else the torch step: the prompt step into
+        0 without a mask, only where its first :data:`PREFILL_CHUNK` tokens are within :attr:`fused_prompt_tokens`;
+        a block without a mask longer than :data:`PREFILL_CHUNK` runs as chunks of it), else the torch step: the prompt step into
         an empty cache, the (compiled) layer step otherwise; a ``[B, T, D]`` block over a batched cache, or one
         without a cache, the model's layer halves with :func:`~speculant.runtime.steps.attend`.  Several blocks
         (each with its own cache: a batched round, batched prompts) run in one pass per layer, their rows
@@ -312,7 +324,12 @@ class Executor:
             raise SpeculantError(f"KV cache overflow: slot {visible} > max_length={cache.max_length}")
         prompt = cache_position == 0 and attention_mask is None and t > 1
         fused = self.fused_layers() if cache.dtype in attention_kernel.CACHE_DTYPES else None
-        if fused is not None and not (prompt and t > self.fused_prompt_tokens):
+        if fused is not None and not (prompt and min(t, PREFILL_CHUNK) > self.fused_prompt_tokens):
+            if attention_mask is None and t > PREFILL_CHUNK:     # consecutive chunks: the same bits, bounded memory
+                flat = positions.reshape(-1)
+                return torch.cat([self._run_one(hidden[:, i:i + PREFILL_CHUNK], start, end, flat[i:i + PREFILL_CHUNK],
+                                                None, cache, cache_position + i)
+                                  for i in range(0, t, PREFILL_CHUNK)], dim=1)
             # every layer of the range in one C call (speculant.kernels.decode_step), RoPE rows and mask too
             mask = None if attention_mask is None else dense_mask(attention_mask, t, cache_position, hidden.device)
             out = fused.step(hidden, start, end, positions.reshape(-1), cache, cache_position, mask)

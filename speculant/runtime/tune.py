@@ -28,7 +28,8 @@ it runs alone (a decoding step) or inside a block (a verification).  So :func:`m
 6. once the model runs in a format with the fused step (``w4a8``), times a prompt's forward through the fused step
    and through the torch layer step at :data:`PROMPT_LENGTHS` tokens on the model itself
    (:func:`measure_prompt_route`, at the first load in that format) and keeps the fused step for prompts up to the
-   longest length at which it was not slower (``fused_prompt_tokens``);
+   longest length at which it was not slower (``fused_prompt_tokens``; a prompt whose first chunk of
+   :data:`~speculant.runtime.executor.PREFILL_CHUNK` tokens it covers runs on the fused step a chunk at a time);
 7. in that format too, times the model's one-token forward with the products prefetching their weights
    :data:`WEIGHT_PREFETCH_BYTES` ahead (:func:`measure_weight_prefetch`) and keeps the fastest distance
    (``weight_prefetch``; 0 = none);
@@ -91,8 +92,10 @@ six layers (1.5 GB in float32) made a first load's peak memory several times the
 a 1B model 1."""
 ATTENTION_CONTEXTS = (256, 1024)
 """Cached tokens at which the one-token step's attention is timed."""
-PROMPT_LENGTHS = (128, 1024)
-"""Prompt lengths at which the two prompt routes are timed (:func:`measure_prompt_route`) [tokens]."""
+PROMPT_LENGTHS = (128, 256)
+"""Prompt lengths at which the two prompt routes are timed (:func:`measure_prompt_route`) [tokens]: up to the
+fused step's chunk (:data:`speculant.runtime.executor.PREFILL_CHUNK`; a longer prompt runs as chunks of it).  A
+1024-token timing (before the chunks) held 144 MiB above Gemma 3 270M's loaded model, the top of its first load."""
 WEIGHT_PREFETCH_BYTES = (0, 512, 1024, 2048, 4096)
 """Weight prefetch distances timed (:func:`measure_weight_prefetch`) [bytes ahead; 0: none]."""
 WEIGHT_PREFETCH_CONTEXT = 256
