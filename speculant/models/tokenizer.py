@@ -101,7 +101,7 @@ def open_fast(path: str | Path) -> FastTokenizer | None:
         if (path / "chat_template.json").is_file():
             return None
         from .tokenizer_store import open_tokenizer
-        backend = open_tokenizer(path / "tokenizer.json")      # a BPE model from its arrays: half the memory
+        backend = open_tokenizer(path / "tokenizer.json")      # a BPE model from its arrays: less memory
         if not _plain_config(conf, backend):
             return None
         template_file = path / "chat_template.jinja"

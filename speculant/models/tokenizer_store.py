@@ -1,15 +1,17 @@
-"""A BPE ``tokenizer.json`` kept as arrays: the ``tokenizers.Tokenizer`` built from them at half the memory of
+"""A BPE ``tokenizer.json`` kept as arrays: the ``tokenizers.Tokenizer`` built from them at 60 % of the memory of
 parsing the file.
 
 The ``tokenizers`` library parses a whole ``tokenizer.json`` through an intermediate tree of its JSON before it
 builds the model: Gemma 3's 33 MB file (262144 tokens, 514906 merges) takes ~355 MB above the process while
-parsed and ~97 MB after.  Here the file is read once (Python's ``json``), its vocabulary and merges are saved as
-arrays (:func:`write`: the tokens' UTF-8 bytes and offsets, their ids, each merge as the ids of its two parts) beside
+parsed and ~97 MB after; built here, ~212 MB and ~72 MB (BENCHMARKS.md BC).  The file is read once (Python's
+``json``), its vocabulary and merges are saved as arrays (:func:`write`: the tokens' UTF-8 bytes and offsets in the
+file's order, their ids, each merge as its two parts' places in that order) beside
 the rest of the file (the pipeline, the added tokens), and a load (:func:`load`) builds the tokenizer from the
 pipeline with an empty model, then sets the BPE model made from the arrays (``tokenizers.models.BPE(vocab, merges,
 ...)``, the merges' order their rank as in the file).  The added tokens' ids are fixed before the model is set: the
 empty model's vocabulary holds exactly them, at the file's ids, which is what ``tokenizers`` assigns when it reads the
-file whole (an added token takes the model's id for its content, else the next free one: the ids the file records).
+file whole (an added token takes the model's id for its content, else the next free one) wherever the copy is made:
+a file whose ids differ from those is not copied (:func:`write`).
 
 The copy lives under ``$SPECULANT_CACHE/tokenizers``, keyed by the file's resolved path, size and modification time.
 :func:`open_tokenizer` is the entry point: the copy when there is one, else written first (for a BPE model whose
@@ -87,7 +89,8 @@ def write(tokenizer_json: Path) -> Path | None:
     """Save the arrays of ``tokenizer_json`` (see the module docstring) in :func:`copy_dir`, written in a temporary
     directory renamed into place.  Returns the directory, or ``None`` where the file's model is not a BPE model this
     copy reproduces (another type, a setting outside :data:`BPE_OPTIONS`, a merge whose parts are not tokens of the
-    vocabulary, ids with gaps or added tokens at ids ``tokenizers`` would not give them) or the file is not valid JSON (``tokenizers`` then says what is wrong).
+    vocabulary, ids with gaps or added tokens at ids ``tokenizers`` would not give them) or the file is not valid
+    JSON (``tokenizers`` then says what is wrong).
 
     Raises:
         OSError: the file cannot be read or the cache cannot be written.
