@@ -224,17 +224,24 @@ def test_a_long_block_on_the_fused_step_runs_in_chunks_with_the_whole_blocks_bit
 
 @pytest.mark.parametrize("method,kw", [("ar", {}), ("prompt-lookup", {}), ("early-exit", {"exit_layer": 2}),
                                        ("rsd-s", {"exit_layer": 1, "beam_width": 2, "draft_length": 3})])
-def test_prompts_on_the_fused_step_keep_every_method_exact(model, method, kw):
+def test_prompts_on_the_fused_step_keep_every_method_exact(model, method, kw, monkeypatch):
+    """Every method equals ``ar`` with prompts on the fused step, whole and in chunks of 4 tokens (prompts of 2-11
+    tokens: the longer ones chunked), and ``ar`` chunked equals ``ar`` whole."""
     from speculant import GenerationConfig, build_generator
     from speculant.engine.methods import MethodSpec
+    from speculant.runtime import executor as executor_module
     executor_of(model).fused_prompt_tokens = 64
     try:
         prompts = [[1 + (i * 5 + j) % 90 for j in range(2 + 3 * i)] for i in range(4)]
         ar = build_generator(model, method="ar")
         gen = build_generator(model, MethodSpec(method=method, **kw))
-        for p in prompts:
-            cfg = GenerationConfig(max_new_tokens=12)
-            assert gen.generate(p, cfg).token_ids == ar.generate(p, cfg).token_ids
+        cfg = GenerationConfig(max_new_tokens=12)
+        whole = [ar.generate(p, cfg).token_ids for p in prompts]
+        for chunk in (1000, 4):
+            monkeypatch.setattr(executor_module, "PREFILL_CHUNK", chunk)
+            for p, expected in zip(prompts, whole):
+                assert ar.generate(p, cfg).token_ids == expected
+                assert gen.generate(p, cfg).token_ids == expected
     finally:
         executor_of(model).fused_prompt_tokens = 0
 

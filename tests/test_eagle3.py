@@ -131,6 +131,15 @@ def test_fused_step_gives_the_auxiliary_states_and_matches_ar(tmp_path):
         last, aux = run_with_features(lambda h, a, b: ex.run_layers(h, a, b, pos, None, cache, 0), ex.embed(ids),
                                       0, 5, [1, 3, 5])
         assert torch.equal(one, last) and torch.equal(aux[-1], last)
+        from speculant.runtime import executor as executor_module   # in chunks of 4 (the prompt is 9): the same bits
+        chunk, executor_module.PREFILL_CHUNK = executor_module.PREFILL_CHUNK, 4
+        try:
+            cache = ex.new_cache(16)
+            last4, aux4 = run_with_features(lambda h, a, b: ex.run_layers(h, a, b, pos, None, cache, 0), ex.embed(ids),
+                                            0, 5, [1, 3, 5])
+        finally:
+            executor_module.PREFILL_CHUNK = chunk
+        assert torch.equal(last4, last) and all(torch.equal(a, b) for a, b in zip(aux4, aux))
         ex.use_fused = False
         ref = ex.run_layers(ex.embed(ids), 0, 3, pos, None, ex.new_cache(16), 0)
         ex.use_fused, ex.fused_prompt_tokens = True, 0
