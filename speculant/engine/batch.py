@@ -39,6 +39,7 @@ from ..kernels import attention as attention_kernel
 from ..models.loading import LoadedModel
 from ..runtime.executor import executor_of
 from ..runtime.blocks import Block
+from ..sampling.argmax import rows_argmax
 from ..trees.builders import IIDTreeBuilder, TreeBuilder
 from ..trees.tree import DraftTree
 from .generator import GenerationConfig
@@ -357,7 +358,7 @@ class BatchedGenerator:
         if self.batched_verification:
             every, logits = self._verify(seqs, trees)
             if any(s.state.sampling.greedy for s in seqs):      # one argmax call for the round's rows
-                best = every.argmax(-1).tolist()
+                best = rows_argmax(every).tolist()
                 ends = list(itertools.accumulate(lg.shape[0] for lg in logits))
                 argmax = [best[a:b] for a, b in zip([0] + ends, ends)]
         else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..sampling.controls import SequenceControls
+from ..sampling.argmax import first_argmax
 from ..sampling.processors import SamplingConfig, logits_to_probs, sample_categorical
 from ..trees.tree import DraftTree
 from ..verification.rules import greedy_accept
@@ -38,7 +39,7 @@ def controlled_pick(controls: SequenceControls, logits: torch.Tensor, sampling: 
     logits under greedy decoding, else one draw from the processed distribution."""
     row = processed_row(controls, logits, ())
     if sampling.greedy:
-        return int(row.argmax())
+        return first_argmax(row)
     return int(sample_categorical(logits_to_probs(row, sampling), generator)[0])
 
 
@@ -49,7 +50,7 @@ class _LazyArgmax:
         self.controls, self.tree, self.logits = controls, tree, logits
 
     def __getitem__(self, entry: int) -> int:
-        return int(processed_row(self.controls, self.logits[entry], entry_path(self.tree, entry)).argmax())
+        return first_argmax(processed_row(self.controls, self.logits[entry], entry_path(self.tree, entry)))
 
 
 def controlled_accept(controls: SequenceControls, tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig,

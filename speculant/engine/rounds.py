@@ -12,6 +12,7 @@ import torch
 
 from ..drafters.base import DecodingState, Drafter, target_prefill
 from ..models.llama import LlamaDecoder
+from ..sampling.argmax import first_argmax, rows_argmax
 from ..sampling.processors import SamplingConfig, logits_to_probs, sample_categorical
 from ..trees.builders import TreeBuilder
 from ..trees.tree import DraftTree
@@ -24,7 +25,7 @@ from .stats import GenerationStats
 def pick_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:
     """The target's token from fp32 logits ``[V]``: argmax under greedy decoding, else one draw."""
     if sampling.greedy:
-        return int(logits.argmax())
+        return first_argmax(logits)
     return int(sample_categorical(logits_to_probs(logits, sampling), generator)[0])
 
 
@@ -98,7 +99,7 @@ class RowArgmax:
         self.logits = logits
 
     def __getitem__(self, entry: int) -> int:
-        return int(self.logits[entry].argmax())
+        return first_argmax(self.logits[entry])
 
 
 def accept_and_commit(state: DecodingState, drafter: Drafter, builder: TreeBuilder | None, tree: DraftTree,
@@ -121,7 +122,7 @@ def accept_and_commit(state: DecodingState, drafter: Drafter, builder: TreeBuild
                                         verification)
     elif sampling.greedy:
         if target_argmax is None:
-            target_argmax = logits.argmax(-1).tolist() if tree.is_chain else RowArgmax(logits)
+            target_argmax = rows_argmax(logits).tolist() if tree.is_chain else RowArgmax(logits)
         path, token = greedy_accept(tree, target_argmax)
     elif len(tree) == 0:         # an ar round: every rule reduces to one draw from the target (the same draw)
         path, token = [], pick_token(logits[0], sampling, generator)

@@ -27,6 +27,7 @@ import torch
 
 from ..errors import SpeculantError
 from ..sampling.gumbel import sample_without_replacement, truncated_gumbel_below
+from ..sampling.argmax import rows_argmax
 from ..sampling.processors import sample_categorical
 
 
@@ -107,7 +108,7 @@ class ChainBuilder(TreeBuilder):
         return self.num_speculations
 
     def expand(self, depth, q, greedy, generator):
-        toks = q.argmax(-1) if greedy else sample_categorical(q, generator)[:, 0]
+        toks = rows_argmax(q) if greedy else sample_categorical(q, generator)[:, 0]
         if self.adaptive and depth > 1:
             keep = (q.amax(-1) >= self.current_threshold).tolist()
             return [[t] if k else [] for t, k in zip(toks.tolist(), keep)]
