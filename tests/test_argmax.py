@@ -1,11 +1,13 @@
-"""The two-level argmax (speculant.sampling.argmax) gives ``torch.argmax``'s index on every row: random values,
-maxima tied within a block, across blocks and with the entries after the last whole block, NaNs (first one wins),
-infinities, constant rows, lengths below, at and around a block, a vocabulary's size; one row and rows at once."""
+"""numpy's argmax (speculant.sampling.argmax) gives ``torch.argmax``'s index on every row: random values, tied
+maxima near and far apart, NaNs (the first one wins), infinities, constant rows, short and vocabulary-sized lengths,
+float32/float16/float64 and bfloat16 (torch's own), non-contiguous rows; one row and rows at once."""
 
 import pytest
 import torch
 
-from speculant.sampling.argmax import BLOCK, first_argmax, rows_argmax
+from speculant.sampling.argmax import first_argmax, rows_argmax
+
+BLOCK = 256
 
 LENGTHS = (1, 7, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK, 3 * BLOCK + 45, 49152, 49152 + 37)
 
@@ -37,22 +39,25 @@ def _rows(v: int, g: torch.Generator) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("v", LENGTHS)
-def test_one_row_is_torch_argmax(v):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64, torch.bfloat16])
+def test_one_row_is_torch_argmax(v, dtype):
     g = torch.Generator().manual_seed(v)
     for row in _rows(v, g):
+        row = row.to(dtype)
         assert first_argmax(row) == int(torch.argmax(row)), row
+        assert first_argmax(torch.stack([row, row], 1)[:, 1]) == int(torch.argmax(row))    # a strided view
 
 
 @pytest.mark.parametrize("v", LENGTHS)
 def test_rows_at_once_are_torch_argmax(v):
     g = torch.Generator().manual_seed(v + 1)
     rows = torch.stack(_rows(v, g))
-    assert torch.equal(rows_argmax(rows), torch.argmax(rows, -1))
+    assert torch.equal(rows_argmax(rows), torch.argmax(rows, -1)) and rows_argmax(rows).dtype == torch.int64
     assert torch.equal(rows_argmax(rows[:1]), torch.argmax(rows[:1], -1))
+    assert torch.equal(rows_argmax(rows.t().contiguous().t()), torch.argmax(rows, -1))     # column-major rows
 
 
-def test_the_premises_the_tail_rule_relies_on():
-    """torch.argmax takes the first of tied maxima and a NaN as the maximum (its first occurrence): the rule for the
-    entries after the last whole block copies both."""
+def test_the_premises_both_libraries_document():
+    """torch.argmax takes the first of tied maxima and a NaN as the maximum (its first occurrence)."""
     assert int(torch.argmax(torch.tensor([1.0, 3.0, 3.0]))) == 1
     assert int(torch.argmax(torch.tensor([1.0, float("nan"), 5.0, float("nan")]))) == 1
