@@ -61,3 +61,10 @@ def test_the_premises_both_libraries_document():
     """torch.argmax takes the first of tied maxima and a NaN as the maximum (its first occurrence)."""
     assert int(torch.argmax(torch.tensor([1.0, 3.0, 3.0]))) == 1
     assert int(torch.argmax(torch.tensor([1.0, float("nan"), 5.0, float("nan")]))) == 1
+
+
+def test_shapes_and_views_numpy_cannot_take_go_to_torch():
+    row = torch.tensor([0.5, -2.0, 3.0, 3.0])
+    assert first_argmax(row.neg()) == int(torch.argmax(-row)) == 1 and first_argmax(torch._neg_view(row)) == 1
+    assert torch.equal(rows_argmax(row), torch.argmax(row, -1)) and rows_argmax(row).dim() == 0
+    assert torch.equal(rows_argmax(torch._neg_view(row[None])), torch.tensor([1]))

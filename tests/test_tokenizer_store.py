@@ -13,6 +13,7 @@ here (no downloads); ``SPECULANT_CACHE`` is a fresh directory per test.
 
 import json
 import os
+import time
 
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -169,6 +170,23 @@ def test_a_changed_file_gets_a_new_copy(tmp_path, store):
     assert new_dir.is_dir() and old.get_vocab_size() != got.get_vocab_size()
     _assert_same(got, path)
     assert {p.name for p in store.iterdir()} >= {old_dir.name, new_dir.name}
+
+
+def test_a_file_replaced_with_its_size_and_modification_time_gets_a_new_copy(tmp_path, store):
+    """Content of the same size written over the file and its modification time restored (``cp -p``, ``tar``,
+    ``rsync -t``): its status-change time differs, so the copy is not the old file's."""
+    path = tmp_path / "tokenizer.json"
+    merges = [["a", "b"], ["ab", "c"], ["a", " "], ["a ", "b"]]
+    path.write_text(json.dumps(_file(V, merges)))
+    st = path.stat()
+    before = tokenizer_store.open_tokenizer(path)
+    time.sleep(0.01)
+    path.write_text(json.dumps(_file(V, merges[::-1])))          # the same bytes in another order: the same size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+    got = tokenizer_store.open_tokenizer(path)
+    assert got.to_str() != before.to_str()
+    _assert_same(got, path, ["a b c", "abc", "a bc", "ab c"])
 
 
 def _word_level():

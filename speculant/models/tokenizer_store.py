@@ -41,15 +41,17 @@ BPE_OPTIONS = ("dropout", "unk_token", "continuing_subword_prefix", "end_of_word
 
 
 def copy_dir(tokenizer_json: Path) -> Path:
-    """Where the arrays of ``tokenizer_json`` live: keyed by :data:`FORMAT` and the file's resolved path, size and
-    modification time (a changed file gets a new copy).
+    """Where the arrays of ``tokenizer_json`` live: keyed by :data:`FORMAT` and the file's resolved path, device,
+    inode, size, modification and status-change times (a changed file gets a new copy, also one replaced by a file of
+    the same size with its old modification time restored: its inode or change time differ).
 
     Raises:
         OSError: the file cannot be read (``stat``).
     """
     path = Path(tokenizer_json).resolve()
     st = path.stat()
-    key = hashlib.sha256(f"{FORMAT}\0{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:20]
+    stamp = (FORMAT, path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    key = hashlib.sha256("\0".join(map(str, stamp)).encode()).hexdigest()[:20]
     return cache_root() / "tokenizers" / key
 
 

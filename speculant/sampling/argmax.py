@@ -16,15 +16,20 @@ import torch
 _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 
 
+def _torch_only(logits: torch.Tensor) -> bool:
+    """Whether numpy cannot read ``logits`` as they are (another device or dtype, a lazily negated view)."""
+    return logits.dtype not in _NUMPY_DTYPES or logits.device.type != "cpu" or logits.is_neg()
+
+
 def first_argmax(logits: torch.Tensor) -> int:
     """``int(torch.argmax(logits))`` of one row ``[V]`` on the CPU (any float dtype)."""
-    if logits.dtype not in _NUMPY_DTYPES or logits.device.type != "cpu":
+    if _torch_only(logits):
         return int(logits.argmax())
     return int(logits.detach().numpy().argmax())
 
 
 def rows_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """``torch.argmax(logits, -1)`` of rows ``[R, V]`` on the CPU -> ``[R]`` (int64)."""
-    if logits.dtype not in _NUMPY_DTYPES or logits.device.type != "cpu":
+    """``torch.argmax(logits, -1)`` of rows ``[R, V]`` on the CPU -> ``[R]`` (int64; other shapes: torch's)."""
+    if _torch_only(logits) or logits.dim() != 2:
         return logits.argmax(-1)
     return torch.from_numpy(logits.detach().numpy().argmax(-1).astype("int64", copy=False))
