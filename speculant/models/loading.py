@@ -597,7 +597,7 @@ def hf_state_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig, consume: 
 def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     """``torch.cat(parts)`` along the rows; for meta tensors (weights left unread,
     :class:`~speculant.models.streaming.WithoutWeights`) a meta tensor of the sum's shape made directly: torch's meta
-    ``cat`` is a Python reference whose first call imports ``torch._dynamo`` and sympy (~70 MiB of a process)."""
+    ``cat`` is a Python reference whose first call imports ``torch._dynamo`` and sympy (BENCHMARKS.md BC)."""
     if all(p.is_meta for p in parts):
         return torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype, device="meta")
     return torch.cat(parts, dim=0)

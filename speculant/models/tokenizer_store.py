@@ -1,9 +1,9 @@
-"""A BPE ``tokenizer.json`` kept as arrays: the ``tokenizers.Tokenizer`` built from them at 60 % of the memory of
-parsing the file.
+"""A BPE ``tokenizer.json`` kept as arrays: the ``tokenizers.Tokenizer`` built from them in less memory than
+parsing the file takes.
 
 The ``tokenizers`` library parses a whole ``tokenizer.json`` through an intermediate tree of its JSON before it
-builds the model: Gemma 3's 33 MB file (262144 tokens, 514906 merges) takes ~355 MB above the process while
-parsed and ~97 MB after; built here, ~212 MB and ~72 MB (BENCHMARKS.md BC).  The file is read once (Python's
+builds the model, several times the file's size for a 262k-token vocabulary (Gemma 3's; the figures before and
+after are in BENCHMARKS.md BC).  The file is read once (Python's
 ``json``), its vocabulary and merges are saved as arrays (:func:`write`: the tokens' UTF-8 bytes and offsets in the
 file's order, their ids, each merge as its two parts' places in that order) beside
 the rest of the file (the pipeline, the added tokens), and a load (:func:`load`) builds the tokenizer from the

@@ -36,8 +36,7 @@ PREFILL_CHUNK = 256
 per call [tokens]: a longer block runs as consecutive chunks, each attending to the cache the chunks before it wrote,
 which gives the very bits of the whole block in one call (each row's products and attention are computed alone:
 ``tests/test_decode_step.py``) with the call's workspaces (quadratic in its rows) bounded, as llama.cpp bounds its
-micro-batch.  On the Zen 5 of BENCHMARKS.md BD, 1000-token prompts ran in 0.84-0.99 of the whole block's time
-(SmolLM2, Gemma 3 270M, a 1B shape), 2000-token ones 0.45-0.81 (they took the torch prompt step before)."""
+micro-batch; not slower than the whole block on the models measured (BENCHMARKS.md BD)."""
 
 
 def default_kv_dtype(head_dim: int) -> torch.dtype:

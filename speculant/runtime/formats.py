@@ -873,7 +873,7 @@ def block_linear_by_rows(rows: int, decode, bias: torch.Tensor | None = None) ->
     """:func:`block_linear` of a tensor's ``rows`` rows of codes, decoded and packed :data:`PACK_ROWS` rows at a
     time (``decode(start, end)``: the :class:`GroupQuantized` of rows ``[start, end)``, e.g.
     :meth:`~speculant.models.gguf_codes.GGUFCodes.row_slices`) and copied into the whole's buffers: one slice's codes
-    held at a time beside the packed result, not the whole tensor's (a 262k-token LM head: 160 MiB of int8 codes).
+    held at a time beside the packed result, not the whole tensor's (a 262k-token LM head's, BENCHMARKS.md BC).
     The same buffers as packing the whole (the kernels' interleaving stays within groups of :data:`LANES` rows, and
     :data:`PACK_ROWS` is a multiple of it).  ``None`` where the slices do not all pack into one class with buffers of
     the same row shapes (a K-quant's scales that factor exactly in some rows only): then pack the whole."""

@@ -86,16 +86,14 @@ SAMPLE_LAYERS = 6
 """Decoder layers whose projections are packed and timed (evenly spaced; every layer when the model has no more)."""
 SAMPLE_BYTES = 64 << 20
 """float32 bytes of the sampled layers' projections at most (:func:`sample_layers`), at least one layer: every
-format's copy of them is held at once while they are timed (~2.5 times their float32 bytes in all), so a 1B model's
-six layers (1.5 GB in float32) made a first load's peak memory several times the model's, and Gemma 3 270M's six
-(130 MB) put ~330 MB on it (issue 26's bound is the file's size + 400 MB): SmolLM2 gets 4 layers, Gemma 3 270M 2,
-a 1B model 1."""
+format's copy of them is held at once while they are timed, on top of a first load's memory (issue 26 bounds it
+by the file's size + 400 MB; BENCHMARKS.md BC): SmolLM2 gets 4 layers, Gemma 3 270M 3, a 1B model 1."""
 ATTENTION_CONTEXTS = (256, 1024)
 """Cached tokens at which the one-token step's attention is timed."""
 PROMPT_LENGTHS = (128, 256)
 """Prompt lengths at which the two prompt routes are timed (:func:`measure_prompt_route`) [tokens]: up to the
-fused step's chunk (:data:`speculant.runtime.executor.PREFILL_CHUNK`; a longer prompt runs as chunks of it).  A
-1024-token timing (before the chunks) held 144 MiB above Gemma 3 270M's loaded model, the top of its first load."""
+fused step's chunk (:data:`speculant.runtime.executor.PREFILL_CHUNK`; a longer prompt runs as chunks of it, and a
+longer timing was the top of a first load's memory, BENCHMARKS.md BC)."""
 WEIGHT_PREFETCH_BYTES = (0, 512, 1024, 2048, 4096)
 """Weight prefetch distances timed (:func:`measure_weight_prefetch`) [bytes ahead; 0: none]."""
 WEIGHT_PREFETCH_CONTEXT = 256
@@ -809,8 +807,8 @@ def complete_for_fused(result: TuneResult, executor, log=None, model: str | None
         return False
     from ..models.loading import release_memory
     measured, start = False, occupancy.reading()
-    # each measurement's caches and workspaces handed back before the next (glibc keeps freed heap otherwise: the
-    # four left ~160 MiB on Gemma 3 270M's first load, above the model itself)
+    # each measurement's caches and workspaces handed back before the next (glibc keeps freed heap otherwise, under
+    # the next measurement's: BENCHMARKS.md BC)
     if result.kv_cache is None:
         result.kv_cache, result.kv_cache_ms = measure_kv_cache(executor, log=log)
         measured = True

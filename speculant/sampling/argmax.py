@@ -1,10 +1,9 @@
-"""The argmax of a vocabulary's logits, as ``torch.argmax`` gives it, in a tenth of its time.
+"""The argmax of a vocabulary's logits, as ``torch.argmax`` gives it, in less time.
 
-``torch.argmax`` over a row of logits is not vectorized on the CPU: 29 us for SmolLM2's 49152 entries and 150 us
-for Gemma 3's 262144 (2 threads on a Zen 5 EPYC, BENCHMARKS.md BE), a greedy verification paying it per row it
-reads.  numpy's ``argmax`` over the same memory (no copy) is SIMD code run on the calling thread: 2.7 and 12 us
-(a two-level argmax in torch, block maxima first, ran 3-9x faster alone but slower inside decoding: its reductions
-wake torch's thread pool between our kernels' parallel regions).  The same index whatever the values: the first of
+``torch.argmax`` over a row of logits is not vectorized on the CPU, and a greedy verification pays it per row it
+reads.  numpy's ``argmax`` over the same memory (no copy) is SIMD code run on the calling thread (BENCHMARKS.md BE
+has the times; a two-level argmax in torch, block maxima first, was faster alone but slower inside decoding: its
+reductions wake torch's thread pool between our kernels' parallel regions).  The same index whatever the values: the first of
 tied maxima, the first NaN where there is one (both libraries document the first; ``tests/test_argmax.py`` holds
 them equal on planted ties, NaNs, infinities and lengths).  Dtypes numpy lacks (bfloat16) go to ``torch.argmax``.
 """
