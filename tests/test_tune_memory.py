@@ -38,12 +38,28 @@ def test_measure_times_the_head_sample_and_scales_it(monkeypatch):
     assert decoder.lm_head_proj is head and result.weights in tune.FORMATS
 
 
-def test_sampled_layers_are_bounded_by_their_float32_bytes():
+def test_sampled_layers_are_bounded_by_their_float32_bytes(monkeypatch):
     small = [(64, 64)] * 7 + [(1000, 64)]                          # 7 projections of a tiny layer, then the LM head
     assert tune.sample_layers(30, small) == tune.sample_layers(30) == [0, 6, 12, 17, 23, 29]
     big = [(5 << 10, 1 << 10)] + [(1000, 64)]                       # 20 MiB a layer in float32: 3 fit in 64 MiB
-    assert tune.SAMPLE_BYTES == 64 << 20
+    monkeypatch.setattr(tune, "SAMPLE_BYTES", 64 << 20)
     assert tune.sample_layers(30, big) == [0, 14, 29]
     huge = [(1 << 20, 1 << 10)] + [(1000, 64)]                      # one projection of 4 GiB: one layer, the middle one
     assert tune.sample_layers(30, huge) == [15] and tune.sample_layers(1, huge) == [0]
     assert tune.sample_layers(4, small) == [0, 1, 2, 3]
+
+
+def test_fill_cache_runs_chunks_and_fills_what_one_forward_would(monkeypatch):
+    decoder = tiny_model(seed=2).decoder
+    ctx = 2 * tune.FILL_CHUNK + 5
+    whole, chunked = decoder.new_cache(ctx + 1), decoder.new_cache(ctx + 1)
+    ids = tune.timing_tokens(decoder, (1, ctx), torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        decoder.run_layers(decoder.embed(ids), 0, decoder.num_layers, torch.arange(ctx), None, whole, 0)
+        seen = []
+        run_layers = decoder.run_layers
+        monkeypatch.setattr(decoder, "run_layers", lambda h, *a: seen.append(h.shape[1]) or run_layers(h, *a))
+        tune.fill_cache(decoder, chunked, ctx, torch.Generator().manual_seed(0))
+    assert seen == [tune.FILL_CHUNK, tune.FILL_CHUNK, 5]
+    torch.testing.assert_close(chunked.keys, whole.keys)
+    torch.testing.assert_close(chunked.values, whole.values)

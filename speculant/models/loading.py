@@ -11,8 +11,6 @@ as ``model.safetensors`` the first time it needs it.  Nothing is ever downloaded
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import importlib.util
 import json
 import os
@@ -25,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SpeculantError
+from ..heap import release_memory
 from ..paths import cache_root
 from . import gguf_files
 from .config import ModelConfig
@@ -65,24 +64,6 @@ KNOWN_MODELS: dict[str, GGUFSource] = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
-
-
-def release_memory() -> None:
-    """Collect garbage and hand the C heap's free pages back to the system (glibc ``malloc_trim``; elsewhere only the
-    collection): after a large model copy is dropped, so that the next large allocation does not add to a peak of
-    memory the process keeps but no longer uses."""
-    gc.collect()
-    global _TRIM
-    if _TRIM is None:
-        try:
-            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _TRIM = False
-    if _TRIM:
-        _TRIM(0)
-
-
-_TRIM = None
 
 
 def find_gguf(source: GGUFSource) -> Path:

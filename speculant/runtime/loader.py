@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SpeculantError
+from ..heap import mapped_allocations, release_memory
 from ..models import loading
 from ..models.config import ModelConfig
 from ..models.loading import DEFAULT_MODEL, LoadedModel
@@ -110,7 +111,7 @@ def _read_and_pack(name_or_path: str, dtype: torch.dtype, weights: str, result, 
     model = loading.read_checkpoint(name_or_path, dtype)
     if result is None and dtype == torch.float32:
         result = tune.load_or_measure(model.decoder, threads, log=log, model=name_or_path)
-        loading.release_memory()            # the tuner's packed copies, before the model is packed
+        release_memory()            # the tuner's packed copies, before the model is packed
     fmt = "fp32" if result is None else (result.weights if weights == "auto" else check_format(weights))
     if stored and result is not None:
         fmt = _stored_choice(name_or_path, model, result, stored, index, log)
@@ -118,7 +119,7 @@ def _read_and_pack(name_or_path: str, dtype: torch.dtype, weights: str, result, 
         codes = _gguf_codes(name_or_path, model.config, index) if fmt in ("int4", "w4a8") else None
         apply_weight_format(model.decoder, fmt, codes)
         del codes
-        loading.release_memory()            # the float32 projections and the GGUF's unpacked codes
+        release_memory()            # the float32 projections and the GGUF's unpacked codes
         _save(model, name_or_path, packed_dir, fmt)
     return model, result, fmt
 
@@ -169,7 +170,7 @@ def _stream_and_pack(name_or_path: str, weights: str, result, threads: int, inde
         streaming.fill_layers(decoder, checkpoint, tune.sample_layers(layers, tune.projection_shapes(cfg)))
     if result is None:
         result = tune.load_or_measure(decoder, threads, log=log, model=name_or_path)
-        loading.release_memory()            # the tuner's packed copies, before the model is packed
+        release_memory()            # the tuner's packed copies, before the model is packed
     fmt = result.weights if weights == "auto" else check_format(weights)
     if stored:
         fmt = _stored_choice(name_or_path, LoadedModel(name_or_path, decoder, None, source), result, stored, index, log)
@@ -187,7 +188,7 @@ def _stream_and_pack(name_or_path: str, weights: str, result, threads: int, inde
     if fmt != "fp32":
         pack_head(decoder, fmt, codes)
     codes = checkpoint = None              # the GGUF's codes and the open weight files
-    loading.release_memory()
+    release_memory()
     progress.done()
     name = name_or_path if loading.is_gguf_source(name_or_path) else source.name
     return LoadedModel(name, decoder, tokenizer, source), result, fmt
@@ -264,6 +265,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
             is exact within the choice: every method reads the same cache.
     Returns:
         a :class:`LoadedModel` whose ``weights``, ``compiled``, ``fused`` and ``tune`` fields say what was chosen.
+        Like torch's thread count, the process's ``malloc`` mmap threshold is set for decoding
+        (:func:`speculant.heap.mapped_allocations`).
     Raises:
         SpeculantError: unknown model, format or KV cache dtype, a dtype/weights combination that does not exist,
             a bad GGUF file or a format that would requantize its weights, or ``kv_cache='float16'`` where our
@@ -294,14 +297,16 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
     cfg, packed_dir, source = _cached_source(name_or_path)
     result = tune.load(tune.tune_key(cfg, threads)) if cfg is not None else None
     model = None
-    if result is not None:
-        fmt = result.weights if weights == "auto" else check_format(weights)
-        if stored:
-            fmt = _stored_choice(name_or_path, None, result, stored, None, log)
-        if fmt not in (None, "fp32"):
-            model = _from_packed(name_or_path, cfg, packed_dir, source, fmt)
-    if model is None:
-        model, result, fmt = _read_and_pack(name_or_path, dtype, weights, result, threads, packed_dir, stored, log)
+    with mapped_allocations():      # large blocks mapped while packing; decoding's allocator setting after (heap)
+        if result is not None:
+            fmt = result.weights if weights == "auto" else check_format(weights)
+            if stored:
+                fmt = _stored_choice(name_or_path, None, result, stored, None, log)
+            if fmt not in (None, "fp32"):
+                model = _from_packed(name_or_path, cfg, packed_dir, source, fmt)
+        if model is None:
+            model, result, fmt = _read_and_pack(name_or_path, dtype, weights, result, threads, packed_dir, stored,
+                                                log)
     model.weights = fmt
     model.tune = result
     explicit_kv = None if kv_cache == "auto" else kv_cache
@@ -312,7 +317,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
         measured = tune.complete_for_fused(result, probe, log=log, model=name_or_path)
         del probe
         if measured:
-            loading.release_memory()        # the measurements' KV caches and workspaces, once they are dropped
+            release_memory()        # the measurements' KV caches and workspaces, once they are dropped
     executor = Executor.from_tune(model.decoder, result, None if explicit_kv is None else _KV_DTYPES[explicit_kv])
     if explicit_kv:
         set_kv_cache(executor, explicit_kv)          # checks that our kernel reads it
@@ -351,7 +356,7 @@ def _stored_choice(name_or_path: str, model, result, stored: tuple, index, log) 
              "weights": candidates[0] if busy else tune.keep_default_format(ms, candidates[0])}
     result.stored_weights[types] = entry
     tune.save(result)
-    loading.release_memory()                  # the sample's packed copies
+    release_memory()                  # the sample's packed copies
     timings = ", ".join(f"{f} {entry['ms'][f]:.2f} ms" for f in candidates)
     print(f"speculant: {name_or_path} holds {types} weights, taken as stored by {' and '.join(candidates)}: weights auto loads "
           f"{entry['weights']} (one-row pass measured here: {timings}; {candidates[0]} unless another is faster by "

@@ -84,10 +84,12 @@ BATCH_ROWS = (32, 64)
 batch invariance only (the ``invariant_rows`` column), so the one-sequence choice of format is unchanged."""
 SAMPLE_LAYERS = 6
 """Decoder layers whose projections are packed and timed (evenly spaced; every layer when the model has no more)."""
-SAMPLE_BYTES = 64 << 20
+SAMPLE_BYTES = 32 << 20
 """float32 bytes of the sampled layers' projections at most (:func:`sample_layers`), at least one layer: every
 format's copy of them is held at once while they are timed, on top of a first load's memory (issue 26 bounds it
-by the file's size + 400 MB; BENCHMARKS.md BC): SmolLM2 gets 4 layers, Gemma 3 270M 3, a 1B model 1."""
+by the file's size + 400 MB; BENCHMARKS.md BC, BG): SmolLM2 gets 2 layers, Gemma 3 270M 1, a 1B model 1.  The
+formats are timed in turn, so each format's sample is read from memory after the others' (together over 100 MB
+with :data:`HEAD_SAMPLE_BYTES`), not from the last-level cache."""
 ATTENTION_CONTEXTS = (256, 1024)
 """Cached tokens at which the one-token step's attention is timed."""
 PROMPT_LENGTHS = (128, 256)
@@ -323,11 +325,12 @@ def _time_pass(modules, inputs, routes: Routes | None, scale: float = 1.0, head_
     return (t_head - t) * scale + (end - t_head) * head_scale
 
 
-HEAD_SAMPLE_BYTES = 64 << 20
-"""float32 bytes of the LM head's rows :func:`measure` packs and times (:func:`head_sample`): at least DRAM-sized
-on the CPUs we run on (a sample smaller than the last-level cache would be timed from it), and a small part of
-a large vocabulary's head (Gemma 3's 262144 x 640 is 671 MB: every format's copy of it held at once, plus a
-float32 temporary while each is packed, was ~1.1 GB of a first load's peak memory)."""
+HEAD_SAMPLE_BYTES = 32 << 20
+"""float32 bytes of the LM head's rows :func:`measure` packs and times (:func:`head_sample`): with the layers' sample
+(:data:`SAMPLE_BYTES`) and every format's copies, more than a last-level cache holds between two passes of one
+format, and a small part of a large vocabulary's head (Gemma 3's 262144 x 640 is 671 MB: every format's copy of it
+held at once, plus a float32 temporary while each is packed, was ~1.1 GB of a first load's peak memory; 64 MiB
+samples were ~130 MiB of SmolLM2's, BENCHMARKS.md BG)."""
 
 
 def head_sample(head: nn.Module, max_bytes: int | None = None) -> tuple[nn.Module, float]:
@@ -679,13 +682,21 @@ def timing_tokens(model, shape: tuple[int, ...], g: torch.Generator) -> torch.Te
     return torch.randint(min(model.config.vocab_size, TIMING_VOCAB), shape, generator=g)
 
 
+FILL_CHUNK = 64
+"""Tokens per forward of :func:`fill_cache`: a 512-token block's activations (a 1B model's ``[512, 8192]`` MLP
+products among them) were ~130 MiB above a first load's memory (BENCHMARKS.md BG)."""
+
+
 def fill_cache(model, cache, ctx: int, g: torch.Generator) -> None:
     """Write the keys/values of ``ctx`` random tokens (drawn from ``g``) to slots ``0 .. ctx-1`` of ``cache`` with
-    ``model``'s layers (an :class:`~speculant.runtime.executor.Executor` or a decoder), without the LM head: a
-    prompt's ``[1, ctx, V]`` logits are 512 MiB for a 262k-token vocabulary at ``ctx`` = 512, and a timing only
-    needs the cache."""
+    ``model``'s layers (an :class:`~speculant.runtime.executor.Executor` or a decoder), :data:`FILL_CHUNK` tokens
+    a forward, without the LM head: a prompt's ``[1, ctx, V]`` logits are 512 MiB for a 262k-token vocabulary at
+    ``ctx`` = 512, and a timing only needs the cache."""
     ids = timing_tokens(model, (1, ctx), g)
-    model.run_layers(model.embed(ids), 0, model.num_layers, torch.arange(ctx), None, cache, 0)
+    for start in range(0, ctx, FILL_CHUNK):
+        end = min(ctx, start + FILL_CHUNK)
+        model.run_layers(model.embed(ids[:, start:end]), 0, model.num_layers, torch.arange(start, end), None, cache,
+                         start)
 
 
 def measure_kv_cache(executor, repeats: int = 15, log=None) -> tuple[str, dict]:
@@ -805,7 +816,7 @@ def complete_for_fused(result: TuneResult, executor, log=None, model: str | None
     from ..kernels import build
     if executor.fused_layers() is None:
         return False
-    from ..models.loading import release_memory
+    from ..heap import release_memory
     measured, start = False, occupancy.reading()
     # each measurement's caches and workspaces handed back before the next (glibc keeps freed heap otherwise, under
     # the next measurement's: BENCHMARKS.md BC)

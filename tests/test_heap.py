@@ -1,0 +1,84 @@
+"""The C heap around a model's load (speculant.heap): large blocks mapped while packing, decoding's setting after."""
+
+import ctypes
+import platform
+
+import pytest
+import torch
+
+from speculant import heap
+
+GLIBC = platform.libc_ver()[0] == "glibc"
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+
+def _mapped_bytes() -> int:
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    return libc.mallinfo2().hblkhd
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's mallopt and mallinfo2 only")
+def test_blocks_over_the_load_threshold_are_mapped_inside_and_not_after():
+    size = 4 * heap.LOAD_MMAP_THRESHOLD                        # over the load's threshold, under decoding's
+    assert size < heap.DECODE_MMAP_THRESHOLD
+    with heap.mapped_allocations():
+        before = _mapped_bytes()
+        block = torch.empty(size, dtype=torch.uint8)
+        assert _mapped_bytes() - before >= size                # a mapping of its own
+        del block
+        assert _mapped_bytes() - before < size                 # ... handed back when freed
+    before = _mapped_bytes()
+    block = torch.empty(size, dtype=torch.uint8)
+    assert _mapped_bytes() - before < size                     # from the heap under decoding's threshold
+    del block
+
+
+def test_the_decoding_setting_is_restored_when_the_load_raises(monkeypatch):
+    calls = []
+
+    class FakeLibc:
+        def mallopt(self, param, value):
+            calls.append((param, value))
+            return 1
+
+        def malloc_trim(self, pad):
+            calls.append(("trim", pad))
+            return 1
+
+    monkeypatch.setattr(heap, "_LIBC", FakeLibc())
+    with pytest.raises(RuntimeError, match="bad file"):
+        with heap.mapped_allocations():
+            assert calls == [(heap.M_MMAP_THRESHOLD, heap.LOAD_MMAP_THRESHOLD),
+                             (heap.M_TRIM_THRESHOLD, 2 * heap.LOAD_MMAP_THRESHOLD)]
+            raise RuntimeError("bad file")
+    assert calls[2:] == [(heap.M_MMAP_THRESHOLD, heap.DECODE_MMAP_THRESHOLD),
+                         (heap.M_TRIM_THRESHOLD, 2 * heap.DECODE_MMAP_THRESHOLD)]
+    heap.release_memory()
+    assert calls[-1] == ("trim", 0)
+
+
+def test_without_glibc_nothing_is_set(monkeypatch):
+    monkeypatch.setattr(heap, "_LIBC", False)
+    assert heap.set_mmap_threshold(1 << 20) is False
+    with heap.mapped_allocations():
+        pass
+    heap.release_memory()                                      # collects only
+
+
+def test_mkl_buffers_are_freed_where_torch_links_mkl(monkeypatch):
+    freed = []
+    monkeypatch.setattr(heap, "_MKL_FREE", lambda: freed.append(1))
+    heap.release_memory()
+    assert freed == [1]
+    monkeypatch.setattr(heap, "_MKL_FREE", None)
+    found = heap._mkl_free_buffers()
+    if torch.backends.mkl.is_available() and platform.system() == "Linux":
+        assert found is not None                               # the symbol this module calls is in torch's library
+        a = torch.randn(256, 256)
+        a @ a                                                  # MKL's buffers in use, then freed
+        found()
