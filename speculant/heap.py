@@ -6,7 +6,7 @@ each freed mapping under 32 MiB raises it to that block's size.  A first load pa
 its first large free every packed buffer and temporary under 32 MiB came from the heap, and the heap's freed
 temporaries added to the load's peak (a 1B-parameter file's first load peaked ~160 MiB higher; BENCHMARKS.md BG).
 :func:`mapped_allocations` serves blocks of :data:`LOAD_MMAP_THRESHOLD` and more by mappings while a model is read and
-packed, and then sets :data:`DECODE_MMAP_THRESHOLD`, where the dynamic threshold ends, for decoding: every load (the
+packed (those that no free heap chunk fits: glibc takes a fitting one first), and then sets :data:`DECODE_MMAP_THRESHOLD`, where the dynamic threshold ends, for decoding: every load (the
 first, which measures the machine's timings, and the later ones, which reuse them) leaves decoding under the same
 allocator setting.  Both are process-wide, like torch's thread count; elsewhere than glibc nothing changes.
 

@@ -34,6 +34,7 @@ def pytest_configure(config):
             config._speculant_temporary_cache = cache
         os.environ[SESSION_CACHE_VAR] = cache
     os.environ["SPECULANT_CACHE"] = cache
+    _first_loads_in_process()
     _convert_known_models_once()
     _first_load_of_known_models_once()
 
@@ -42,6 +43,15 @@ def pytest_unconfigure(config):
     cache = getattr(config, "_speculant_temporary_cache", None)
     if cache:
         shutil.rmtree(cache, ignore_errors=True)
+
+
+def _first_loads_in_process() -> None:
+    """First loads read, tune and pack in the test's own process (``loader.FIRST_LOAD_IN_CHILD``): tests patch those
+    steps here, and a child interpreter per tiny model costs ~2 s.  The child route has its own tests
+    (tests/test_first_load_child.py), and the CLI's tests run it (a ``speculant`` subprocess keeps the default)."""
+    from speculant.runtime import loader
+
+    loader.FIRST_LOAD_IN_CHILD = False
 
 
 def _convert_known_models_once() -> None:

@@ -267,14 +267,15 @@ def test_speculant_models_lists_converted_gguf_files_and_each_models_artefacts(t
 
 
 def test_a_conversion_child_is_interrupted_when_its_parent_is_terminated(tmp_path):
-    """The conversion child's guard (``_interrupted_with_parent``): a parent ended by SIGTERM (no Python handler
-    runs, so it cannot interrupt the child itself) leaves a child that is interrupted as by Ctrl-C, not one that
-    converts on alone, even where the child inherited SIGINT ignored and blocked (as from a test runner's worker)."""
+    """The conversion child's guard (``child_process.interrupted_with_parent``): a parent ended by SIGTERM (no
+    Python handler runs, so it cannot interrupt the child itself) leaves a child that is interrupted as by Ctrl-C,
+    not one that converts on alone, even where the child inherited SIGINT ignored and blocked (as from a test
+    runner's worker)."""
     import signal
     import time
     marker = tmp_path / "interrupted"
-    child = ("import os, sys, time\nfrom speculant.models.loading import _interrupted_with_parent\n"
-             "_interrupted_with_parent(int(sys.argv[1]))\n"
+    child = ("import os, sys, time\nfrom speculant.models.child_process import interrupted_with_parent\n"
+             "interrupted_with_parent(int(sys.argv[1]))\n"
              "try:\n    open(sys.argv[2] + '.ready', 'w').close()\n    time.sleep(60)\n"
              "except KeyboardInterrupt:\n    open(sys.argv[2], 'w').close()\n")   # ready inside the try: no window
     parent = ("import os, signal, subprocess, sys, time\n"          # SIGINT ignored and blocked: the child inherits both

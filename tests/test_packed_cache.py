@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import tiny_model
-from speculant.models import loading
+from speculant.models import child_process, loading
 from speculant.models.loading import save_hf_dir
 from speculant.runtime import formats, loader
 from speculant.runtime.store import packed_path
@@ -98,7 +98,7 @@ def test_the_child_progress_lines_are_passed_on(tmp_path):
     out = io.StringIO()
     finished = threading.Event()
     with open(tmp_path / "err", "w+b") as f:
-        relay = threading.Thread(target=loading._relay_progress, args=(f.fileno(), out, finished))
+        relay = threading.Thread(target=child_process.relay_progress, args=(f.fileno(), out, finished))
         relay.start()
         f.write(b"noise\nspeculant:   3/9 tensors converted\npartial")
         f.flush()

@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import tempfile
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,115 +163,39 @@ class LoadedModel:
 
 def convert_gguf_in_child(name: str, out_dir: Path, meanwhile=None, progress=None, weights: bool = True) -> Path:
     """:func:`convert_gguf` of ``name`` (a known model or a GGUF file's path; ``weights``: also the float32
-    ``model.safetensors``) in a child process (same interpreter and ``speculant``):
+    ``model.safetensors``) in a child process (:func:`~speculant.models.child_process.run_in_child`):
     this process then never holds transformers' model classes, the GGUF reader's tables or the heap the
     dequantization leaves fragmented (~0.3 GB that would otherwise stay under everything loaded after).
     ``meanwhile()``, if given, runs in this process while the child converts (the conversion is one core's
     work for ~30-45 s; the loader reads the file's tensor table and builds the kernels on the other).
-
-    The child's messages are kept in a temporary file; its progress lines (``speculant: ...``) are passed on to
-    ``progress`` (a text file, e.g. stderr; ``None``: not shown) as they come; the last line of a failure (the
-    child's error) is said in one line.  Interrupted (Ctrl-C), the child is interrupted too and removes its partial output.
+    The child's progress lines go to ``progress`` (``None``: not shown); interrupted (Ctrl-C), the child is
+    interrupted too and removes its partial output.
 
     Raises:
         SpeculantError: the package or file is missing (checked here first), or the conversion failed (its exit
             status and last message).
     """
-    import signal
-    import subprocess
-    import sys
+    from .child_process import run_in_child
 
     label = find_gguf(KNOWN_MODELS[name]).name if name in KNOWN_MODELS else str(gguf_files.inspect_gguf(name).path)
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    code = ("import sys; from speculant.models.loading import convert_in_child_main; convert_in_child_main(sys.argv[1:])")
-    with tempfile.TemporaryFile("w+", errors="replace") as errors:
-        what = "weights" if weights else "description"
-        proc = subprocess.Popen([sys.executable, "-c", code, name, str(out_dir), what, str(os.getpid())], env=env,
-                                stdout=subprocess.DEVNULL, stderr=errors)
-        finished = threading.Event()
-        relay = threading.Thread(target=_relay_progress, args=(errors.fileno(), progress, finished), daemon=True)
-        if progress is not None:
-            relay.start()
-        try:
-            if meanwhile is not None:
-                meanwhile()
-            proc.wait()
-            finished.set()
-            if progress is not None:
-                relay.join()
-        except BaseException:
-            finished.set()
-            proc.send_signal(signal.SIGINT)         # the child removes its temporary directory on KeyboardInterrupt
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            raise
-        errors.seek(0)
-        lines = [line.strip() for line in errors.read().splitlines() if line.strip()]
-    if proc.returncode != 0 or not (out_dir / ("model.safetensors" if weights else "gguf.json")).is_file():
-        last = lines[-1] if lines else "no message"
-        raise SpeculantError(f"converting {label} to {str(out_dir)!r} failed (exit status {proc.returncode}: {last})")
+    failed = f"converting {label} to {str(out_dir)!r}"
+    run_in_child(__name__, "convert_in_child_main", [name, str(out_dir), "weights" if weights else "description"],
+                 failed, progress, meanwhile)
+    if not (out_dir / ("model.safetensors" if weights else "gguf.json")).is_file():
+        raise SpeculantError(f"{failed} failed (exit status 0: no output)")
     return out_dir
-
-
-def _relay_progress(fd: int, out, finished) -> None:
-    """Pass the lines starting with ``speculant:`` that a child writes to the file ``fd`` on to ``out`` as they come
-    (read with ``pread``: the child's file offset is left alone), until ``finished`` is set and all is read."""
-    import time
-
-    offset, pending = 0, b""
-    while True:
-        chunk = os.pread(fd, 1 << 16, offset)
-        if not chunk:
-            if finished.is_set():
-                return
-            time.sleep(0.25)
-            continue
-        offset += len(chunk)
-        *lines, pending = (pending + chunk).split(b"\n")
-        for line in lines:
-            if line.startswith(b"speculant:"):
-                print(line.decode(errors="replace"), file=out, flush=True)
-
-
-def _interrupted_with_parent(parent: int) -> None:
-    """Have SIGINT (``KeyboardInterrupt``) delivered to this process when its parent ``parent`` ends (Linux
-    ``prctl(PR_SET_PDEATHSIG)``; elsewhere nothing); raises ``KeyboardInterrupt`` at once if it has already ended.
-    SIGINT is first given Python's handler and unblocked: a child inherits its parent's signal disposition and mask
-    (a test runner's worker had SIGINT ignored or blocked, and the child then converted on alone)."""
-    import ctypes
-    import signal
-    import sys
-
-    signal.signal(signal.SIGINT, signal.default_int_handler)     # a disposition and a mask inherited from whatever
-    if hasattr(signal, "pthread_sigmask"):                        # started us (SIG_IGN, blocked) would drop SIGINT
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGINT), 0, 0, 0)      # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:
-        raise KeyboardInterrupt
 
 
 def convert_in_child_main(argv: list[str]) -> None:
     """The child of :func:`convert_gguf_in_child`: ``argv`` = ``[known name or GGUF path, output directory,
-    "weights" or "description", the parent's pid]``; a :class:`SpeculantError` is printed as its one line (exit
-    status 2).  Where the parent ends without interrupting it (SIGTERM, SIGKILL), the child is interrupted as by
-    Ctrl-C (Linux: ``PR_SET_PDEATHSIG``), so it removes its partial output and does not convert on alone."""
-    import sys
+    "weights" or "description", the parent's pid]`` (:func:`~speculant.models.child_process.child_main`): it
+    removes its partial output when interrupted, also when its parent ends without interrupting it."""
+    from .child_process import child_main
 
-    name, out_dir, what, parent = argv
-    _interrupted_with_parent(int(parent))
-    try:
+    def convert(args):
+        name, out_dir, what = args
         convert_gguf(KNOWN_MODELS[name] if name in KNOWN_MODELS else Path(name), Path(out_dir), what == "weights")
-    except SpeculantError as e:
-        print(str(e), file=sys.stderr)
-        sys.exit(2)
+    child_main(argv, convert)
 
 
 def config_from_gguf_load(conf: dict) -> ModelConfig:

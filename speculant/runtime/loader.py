@@ -89,11 +89,12 @@ def _from_packed(name_or_path: str, cfg: ModelConfig, packed_dir: Path, source: 
 
 
 def _read_and_pack(name_or_path: str, dtype: torch.dtype, weights: str, result, threads: int, packed_dir, stored,
-                   log):
+                   log, tokenizer: bool = True):
     """The first load of a model in a format (no packed copy cached): read it, measure the kernels (when ``result``,
     the cached tune, is ``None``), pack it and save the packed copy in ``packed_dir`` (GGUF models and HF
     directories).  A float32 load in a format other than ``fp32`` streams (:func:`_stream_and_pack`).  ``stored``:
-    the formats ``auto`` measures for a GGUF file (:func:`_stored_choice`), else ``None``.
+    the formats ``auto`` measures for a GGUF file (:func:`_stored_choice`), else ``None``; ``tokenizer``: read the
+    tokenizer of a streamed model (``False``: the model's ``tokenizer`` is ``None``; a child that only packs).
     Returns ``(model, tune result or None, weight format)``."""
     index = None
     gguf = loading.is_gguf_source(name_or_path)
@@ -102,7 +103,7 @@ def _read_and_pack(name_or_path: str, dtype: torch.dtype, weights: str, result, 
               "(first load only) ...", file=log, flush=True)
         index = _convert_overlapped(name_or_path, log)
     if dtype == torch.float32 and (weights != "fp32" or gguf):
-        streamed = _stream_and_pack(name_or_path, weights, result, threads, index, stored, log)
+        streamed = _stream_and_pack(name_or_path, weights, result, threads, index, stored, log, tokenizer)
         if streamed is not None:
             model, result, fmt = streamed
             if fmt != "fp32":
@@ -137,7 +138,8 @@ def _save(model: LoadedModel, name_or_path: str, packed_dir, fmt: str) -> None:
         pass                                # kept in memory: a copy that cannot be read back changes no result
 
 
-def _stream_and_pack(name_or_path: str, weights: str, result, threads: int, index, stored, log):
+def _stream_and_pack(name_or_path: str, weights: str, result, threads: int, index, stored, log,
+                     tokenizer: bool = True):
     """Read the model layer by layer (:mod:`speculant.models.streaming`), each layer packed as soon as it is read:
     the whole model is never in float32 in memory (only its token embedding, final norm and LM head, and for the
     tuner, when ``result`` is ``None``, the float32 layers of :func:`tune.sample_layers`).  Returns ``(model, tune
@@ -163,7 +165,8 @@ def _stream_and_pack(name_or_path: str, weights: str, result, threads: int, inde
             opened = None                     # the whole read says what is wrong
     if opened is None:
         return None
-    tokenizer = loading.tokenizer_of(source)    # first: its parse's transient memory while the process is small
+    if tokenizer:                               # first: its parse's transient memory while the process is small
+        tokenizer = loading.tokenizer_of(source)
     decoder, checkpoint = opened
     layers = cfg.num_hidden_layers
     if result is None or stored:          # the tuner's sample (and that of the stored-format choice) in float32
@@ -191,7 +194,7 @@ def _stream_and_pack(name_or_path: str, weights: str, result, threads: int, inde
     release_memory()
     progress.done()
     name = name_or_path if loading.is_gguf_source(name_or_path) else source.name
-    return LoadedModel(name, decoder, tokenizer, source), result, fmt
+    return LoadedModel(name, decoder, tokenizer or None, source), result, fmt
 
 
 def _coded_weights(codes, checkpoint, layers: int) -> dict[str, tuple[int, ...]]:
@@ -293,18 +296,15 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
     threads = fixed_threads or torch.get_num_threads()
     torch.set_num_threads(threads)
 
-    # fast path: a cached tune and a cached packed copy (a known model, a GGUF file, an HF directory)
-    cfg, packed_dir, source = _cached_source(name_or_path)
-    result = tune.load(tune.tune_key(cfg, threads)) if cfg is not None else None
-    model = None
-    with mapped_allocations():      # large blocks mapped while packing; decoding's allocator setting after (heap)
-        if result is not None:
-            fmt = result.weights if weights == "auto" else check_format(weights)
-            if stored:
-                fmt = _stored_choice(name_or_path, None, result, stored, None, log)
-            if fmt not in (None, "fp32"):
-                model = _from_packed(name_or_path, cfg, packed_dir, source, fmt)
-        if model is None:
+    # fast path: a cached tune and a cached packed copy (a known model, a GGUF file, an HF directory); a first load
+    # packs in a child process where it can, then takes the fast path (FIRST_LOAD_IN_CHILD)
+    model, result, fmt = _cached_model(name_or_path, weights, threads, stored, log)
+    if model is None and FIRST_LOAD_IN_CHILD and dtype == torch.float32 and weights != "fp32":
+        _first_load_in_child(name_or_path, weights, threads, stored is not None, log)
+        model, result, fmt = _cached_model(name_or_path, weights, threads, stored, log)
+    if model is None:
+        _, packed_dir, _ = _cached_source(name_or_path)
+        with mapped_allocations():      # large blocks mapped while packing; decoding's allocator setting after (heap)
             model, result, fmt = _read_and_pack(name_or_path, dtype, weights, result, threads, packed_dir, stored,
                                                 log)
     model.weights = fmt
@@ -330,6 +330,64 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
         executor.governor = ThreadGovernor(torch.get_num_threads())
     model.compiled = bool(compile) and not model.fused and enable_compile(executor, log=log, blocks=blocks)
     return model
+
+
+FIRST_LOAD_IN_CHILD = True
+"""Whether :func:`load_model` reads, tunes, packs and saves a model without a packed copy in a child process
+(:func:`_first_load_in_child`) and then reads the copy as a later load does: the first load's peak memory is then
+that of the larger of the two processes, not the packing's with all it leaves behind under the measurements on the
+packed model (issue 26 bounds it; BENCHMARKS.md BH).  ``False``: all in this process (the tests of the loader's
+steps, which patch them here)."""
+
+
+def _cached_model(name_or_path: str, weights: str, threads: int, stored, log):
+    """``(model, tune result, weight format)`` from the cached tune and packed copy of ``name_or_path`` (a known
+    model, a converted GGUF file or an HF directory); ``model`` ``None`` where either is missing (or the format is
+    ``fp32``, which has no packed copy); the result, where there is one, is returned all the same.  Reads under
+    :func:`~speculant.heap.mapped_allocations`."""
+    cfg, packed_dir, source = _cached_source(name_or_path)
+    result = tune.load(tune.tune_key(cfg, threads)) if cfg is not None else None
+    if result is None:
+        return None, None, None
+    with mapped_allocations():
+        fmt = result.weights if weights == "auto" else check_format(weights)
+        if stored:
+            fmt = _stored_choice(name_or_path, None, result, stored, None, log)
+        model = _from_packed(name_or_path, cfg, packed_dir, source, fmt) if fmt not in (None, "fp32") else None
+    return model, result, fmt
+
+
+def _first_load_in_child(name_or_path: str, weights: str, threads: int, stored: bool, log) -> None:
+    """Read, tune, pack and save ``name_or_path`` in ``weights`` (``auto`` or a packed format) with ``threads``
+    threads in a child process (:func:`first_load_main`; its progress lines on ``log``), so that a later
+    :func:`_cached_model` finds the tune and the packed copy; ``stored``: ``auto`` chooses among the formats that
+    take the GGUF file's types as stored (:func:`~speculant.models.loading.stored_weights`), as this process does.
+
+    Raises:
+        SpeculantError: the child's error, in one line.
+    """
+    from ..models.child_process import run_in_child
+    run_in_child(__name__, "first_load_main", [name_or_path, weights, str(threads), "stored" if stored else "-"],
+                 f"the first load of {name_or_path}", log)
+
+
+def first_load_main(argv: list[str]) -> None:
+    """The child of :func:`_first_load_in_child`: ``argv`` = ``[model, weights, threads, "stored" or "-", the parent's
+    pid]`` (:func:`~speculant.models.child_process.child_main`); the loader's own first load (:func:`_read_and_pack`,
+    messages on stderr), without the measurements on the packed model (the parent makes them on the copy it reads)."""
+    from ..models.child_process import child_main
+
+    def first_load(args):
+        name_or_path, weights, threads = args[0], args[1], int(args[2])
+        torch.set_num_threads(threads)
+        stored = loading.stored_weights(name_or_path, format_available("w4a8")) if args[3] == "stored" else None
+        stored = stored if stored is not None and len(stored[0]) > 1 else None
+        cfg, packed_dir, _ = _cached_source(name_or_path)
+        result = tune.load(tune.tune_key(cfg, threads)) if cfg is not None else None
+        with mapped_allocations():
+            _read_and_pack(name_or_path, torch.float32, weights, result, threads, packed_dir, stored, sys.stderr,
+                           tokenizer=False)
+    child_main(argv, first_load)
 
 
 def _stored_choice(name_or_path: str, model, result, stored: tuple, index, log) -> str | None:
