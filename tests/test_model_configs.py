@@ -246,3 +246,23 @@ def test_sharded_checkpoint_and_other_safetensors_files(tmp_path):
     (tmp_path / shard).unlink()
     with pytest.raises(SpeculantError, match="which is missing"):
         read_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_the_mlp_outside_autograd_gives_the_bits_it_gives_with_gradients(act):
+    """Outside autograd the MLP multiplies into its activation's buffer: the same bits as the product it makes when
+    gradients are recorded, for SwiGLU and GeGLU."""
+    from speculant.models.llama import MLP
+
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(hidden_size=64, intermediate_size=96, mlp_bias=False, hidden_act=act)   # what MLP reads
+    torch.manual_seed(0)
+    mlp = MLP(cfg)
+    x = torch.randn(3, 7, 64)
+    with_grad = mlp(x)
+    assert with_grad.requires_grad
+    with torch.no_grad():
+        assert torch.equal(mlp(x), with_grad.detach())
+    with torch.inference_mode():
+        assert torch.equal(mlp(x), with_grad.detach())
