@@ -65,3 +65,18 @@ def test_fp32_weights_load_in_process(tmp_path, monkeypatch):
     path = write_tiny_gguf(tmp_path / "f.gguf", "Q8_0", seed=2)
     model = loader.load_model(str(path), weights="fp32", compile=False, log=io.StringIO())
     assert model.weights == "fp32"
+
+
+def test_an_hf_directory_by_a_relative_path_packs_in_a_child(tmp_path, monkeypatch):
+    from helpers import tiny_model
+
+    from speculant.models.loading import save_hf_dir
+
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "FIRST_LOAD_IN_CHILD", True)
+    directory = save_hf_dir(tiny_model(seed=5, scale=2.0), tmp_path / "tiny")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(loader, "_read_and_pack", lambda *a, **k: pytest.fail("read and packed in this process"))
+    model = loader.load_model("tiny", weights="int8", compile=False, log=io.StringIO())
+    assert model.weights == "int8" and model.name == "tiny" and model.tokenizer is not None
+    assert packed_path(loading.packed_cache_dir(directory), "int8").is_file()
