@@ -216,7 +216,7 @@ LANES = 8
 """Outputs per interleaved group of the ``w4a8``/``w8a8`` layout (one 32-bit lane each of a 256-bit vector)."""
 
 
-PACK_ROWS = 4096
+PACK_ROWS = 1024
 """Outputs a block projection's codes are converted and interleaved at a time (a multiple of :data:`LANES`)."""
 
 

@@ -810,7 +810,8 @@ def complete_for_fused(result: TuneResult, executor, log=None, model: str | None
     """The measurements that need the model in its fused-step format, run on ``executor`` where ``result`` lacks
     them (once per machine and model: the first load in that format; ``speculant tune`` runs them again): the KV
     cache dtype, the weight prefetch distance, the prompt route, the decoding thread count and the T-row forward
-    costs.  ``result`` is
+    costs, each after the first with the KV cache dtype (and prefetch) measured before it, as decoding runs.
+    ``result`` is
     updated and saved; the executor is left as it was (the caller builds one from ``result``).  Returns whether
     anything was measured.  ``model``: the name or path the model was loaded by, for the advice of :func:`note_busy`."""
     from ..kernels import build
@@ -824,16 +825,24 @@ def complete_for_fused(result: TuneResult, executor, log=None, model: str | None
         result.kv_cache, result.kv_cache_ms = measure_kv_cache(executor, log=log)
         measured = True
         release_memory()
+    def as_decoding(prefetch: bool = True):
+        """``executor`` with the KV cache dtype (and ``prefetch``: the weight prefetch) decoding will use, where
+        measured: each later measurement runs as decoding does (a float16 cache also holds half the bytes)."""
+        choices = {"kv_dtype": getattr(torch, result.kv_cache)} if result.kv_cache else {}
+        if prefetch and result.weight_prefetch is not None:
+            choices["weight_prefetch"] = result.weight_prefetch
+        return executor.replace(**choices) if choices else executor
     if result.weight_prefetch is None:
-        result.weight_prefetch, result.weight_prefetch_ms = measure_weight_prefetch(executor, log=log)
+        result.weight_prefetch, result.weight_prefetch_ms = measure_weight_prefetch(as_decoding(prefetch=False),
+                                                                                    log=log)
         measured = True
         release_memory()
     if result.fused_prompt_tokens is None:
-        result.fused_prompt_tokens, result.prompt_ms = measure_prompt_route(executor, log=log)
+        result.fused_prompt_tokens, result.prompt_ms = measure_prompt_route(as_decoding(), log=log)
         measured = True
         release_memory()
     if not result.decode_thread_ms:
-        result.threads, result.decode_thread_ms = measure_decode_threads(executor, log=log)
+        result.threads, result.decode_thread_ms = measure_decode_threads(as_decoding(), log=log)
         measured = True
         release_memory()
     if (not result.forward_ms or result.forward_version != FORWARD_VERSION
@@ -841,10 +850,7 @@ def complete_for_fused(result: TuneResult, executor, log=None, model: str | None
         before = torch.get_num_threads()
         torch.set_num_threads(result.threads or before)       # the T-row costs at the count decoding will use
         try:                                                  # ... and with the KV cache and prefetch it will use
-            kv = getattr(torch, result.kv_cache) if result.kv_cache else executor.kv_dtype
-            result.forward_ms = measure_forward_rows(executor.replace(kv_dtype=kv,
-                                                                      weight_prefetch=result.weight_prefetch),
-                                                     log=log)
+            result.forward_ms = measure_forward_rows(as_decoding(), log=log)
             result.forward_version = FORWARD_VERSION
             result.forward_kernels = build.kernel_signature()
             result.draft_ms = {}                              # relative to forward_ms: measured again when used
