@@ -548,6 +548,32 @@ def test_fp32_faster_by_more_than_the_noise_is_chosen_and_the_choice_kept(tmp_pa
 
 
 @needs_kernel
+def test_a_packing_only_load_reads_no_layer_when_fp32_is_chosen(tmp_path, monkeypatch, in_process):
+    """The first-load child (``loader.first_load_main``) makes the packed copy only: where ``auto`` takes fp32
+    (nothing to pack) it reads no layer beyond the tuner's sample and returns no model; the loading process then
+    reads the model itself, once."""
+    from speculant.models import streaming
+    from speculant.runtime import loader
+
+    path = str(write_tiny_gguf(tmp_path / "k3.gguf", "Q8_0", layers=3, hidden=256, inter=1280,
+                               types={"blk.0.ffn_down.weight": "Q6_K"}))
+    monkeypatch.setattr(tune, "sample_layers", lambda n, shapes=None: [1])
+    monkeypatch.setattr(tune, "measure_stored_weights", lambda decoder, codes, candidates, route: {
+        "w4a8": 1.0, "fp32": 1.0 * (1 - 2 * tune.CHOICE_NOISE)})
+    monkeypatch.setattr(occupancy, "other_cores", lambda since, now=None: 0.0)          # a quiet machine
+    filled = []
+    fill = streaming.fill_layers
+    monkeypatch.setattr(streaming, "fill_layers", lambda d, c, layers, *a: filled.append(list(layers)) or fill(
+        d, c, layers, *a))
+    stored = loading.stored_weights(path)
+    model, result, fmt = loader._read_and_pack(path, torch.float32, "auto", None, 1, None, stored, io.StringIO(),
+                                               packed_only=True)
+    assert model is None and fmt == "fp32" and result.stored_weights["Q6_K"]["weights"] == "fp32"
+    assert filled == [[1]]                                        # the tuner's sample layer, no other
+    assert not list(loading.converted_dir(path).glob("packed-*"))                          # nothing saved
+
+
+@needs_kernel
 def test_the_stored_format_choice_reads_the_lm_heads_sample_rows_only(tmp_path, monkeypatch):
     """A large vocabulary's float32 LM head (a tied model's, mapped from its spooled embedding) is timed on its
     first rows (``tune.head_sample``), its GGUF codes decoded for those rows alone (``GGUFCodes.first_rows``, the

@@ -89,12 +89,13 @@ def _from_packed(name_or_path: str, cfg: ModelConfig, packed_dir: Path, source: 
 
 
 def _read_and_pack(name_or_path: str, dtype: torch.dtype, weights: str, result, threads: int, packed_dir, stored,
-                   log, tokenizer: bool = True):
+                   log, packed_only: bool = False):
     """The first load of a model in a format (no packed copy cached): read it, measure the kernels (when ``result``,
     the cached tune, is ``None``), pack it and save the packed copy in ``packed_dir`` (GGUF models and HF
     directories).  A float32 load in a format other than ``fp32`` streams (:func:`_stream_and_pack`).  ``stored``:
-    the formats ``auto`` measures for a GGUF file (:func:`_stored_choice`), else ``None``; ``tokenizer``: read the
-    tokenizer of a streamed model (``False``: the model's ``tokenizer`` is ``None``; a child that only packs).
+    the formats ``auto`` measures for a GGUF file (:func:`_stored_choice`), else ``None``; ``packed_only``: a load
+    that only makes the packed copy (:func:`first_load_main`): a streamed model is read without its tokenizer, and not
+    at all where the format is ``fp32`` (no packed copy; the model is then ``None``).
     Returns ``(model, tune result or None, weight format)``."""
     index = None
     gguf = loading.is_gguf_source(name_or_path)
@@ -103,10 +104,10 @@ def _read_and_pack(name_or_path: str, dtype: torch.dtype, weights: str, result, 
               "(first load only) ...", file=log, flush=True)
         index = _convert_overlapped(name_or_path, log)
     if dtype == torch.float32 and (weights != "fp32" or gguf):
-        streamed = _stream_and_pack(name_or_path, weights, result, threads, index, stored, log, tokenizer)
+        streamed = _stream_and_pack(name_or_path, weights, result, threads, index, stored, log, packed_only)
         if streamed is not None:
             model, result, fmt = streamed
-            if fmt != "fp32":
+            if model is not None and fmt != "fp32":
                 _save(model, name_or_path, packed_dir, fmt)
             return model, result, fmt
     model = loading.read_checkpoint(name_or_path, dtype)
@@ -139,11 +140,11 @@ def _save(model: LoadedModel, name_or_path: str, packed_dir, fmt: str) -> None:
 
 
 def _stream_and_pack(name_or_path: str, weights: str, result, threads: int, index, stored, log,
-                     tokenizer: bool = True):
+                     packed_only: bool = False):
     """Read the model layer by layer (:mod:`speculant.models.streaming`), each layer packed as soon as it is read:
     the whole model is never in float32 in memory (only its token embedding, final norm and LM head, and for the
     tuner, when ``result`` is ``None``, the float32 layers of :func:`tune.sample_layers`).  Returns ``(model, tune
-    result, weight format)``, or ``None`` where the checkpoint cannot be streamed (a bad directory, a tied model's
+    result, weight format)`` (``model`` ``None`` for ``packed_only`` where the format is ``fp32``), or ``None`` where the checkpoint cannot be streamed (a bad directory, a tied model's
     saved LM head copy, stored RoPE frequencies: :func:`~speculant.models.streaming.streamable`)."""
     from ..models import streaming
     from .formats import layer_codes, pack_head, pack_projections
@@ -165,8 +166,8 @@ def _stream_and_pack(name_or_path: str, weights: str, result, threads: int, inde
             opened = None                     # the whole read says what is wrong
     if opened is None:
         return None
-    if tokenizer:                               # first: its parse's transient memory while the process is small
-        tokenizer = loading.tokenizer_of(source)
+    tokenizer = None if packed_only else loading.tokenizer_of(source)   # first: its parse's transient memory
+                                                                        # while the process is small
     decoder, checkpoint = opened
     layers = cfg.num_hidden_layers
     if result is None or stored:          # the tuner's sample (and that of the stored-format choice) in float32
@@ -177,6 +178,8 @@ def _stream_and_pack(name_or_path: str, weights: str, result, threads: int, inde
     fmt = result.weights if weights == "auto" else check_format(weights)
     if stored:
         fmt = _stored_choice(name_or_path, LoadedModel(name_or_path, decoder, None, source), result, stored, index, log)
+    if packed_only and fmt == "fp32":
+        return None, result, fmt          # nothing to pack: the loading process reads the model itself
     decoder.spooled.drop_pages()          # the timings read a tied model's spooled embedding whole, as its LM head
     codes = _gguf_codes(name_or_path, cfg, index) if fmt in ("int4", "w4a8") else None
     progress = _Progress(log, f"reading {layers} layers" + ("" if fmt == "fp32" else f" into {fmt}"), layers)
@@ -194,7 +197,7 @@ def _stream_and_pack(name_or_path: str, weights: str, result, threads: int, inde
     release_memory()
     progress.done()
     name = name_or_path if loading.is_gguf_source(name_or_path) else source.name
-    return LoadedModel(name, decoder, tokenizer or None, source), result, fmt
+    return LoadedModel(name, decoder, tokenizer, source), result, fmt
 
 
 def _coded_weights(codes, checkpoint, layers: int) -> dict[str, tuple[int, ...]]:
@@ -386,7 +389,7 @@ def first_load_main(argv: list[str]) -> None:
         result = tune.load(tune.tune_key(cfg, threads)) if cfg is not None else None
         with mapped_allocations():
             _read_and_pack(name_or_path, torch.float32, weights, result, threads, packed_dir, stored, sys.stderr,
-                           tokenizer=False)
+                           packed_only=True)
     child_main(argv, first_load)
 
 
