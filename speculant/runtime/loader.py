@@ -144,8 +144,9 @@ def _stream_and_pack(name_or_path: str, weights: str, result, threads: int, inde
     """Read the model layer by layer (:mod:`speculant.models.streaming`), each layer packed as soon as it is read:
     the whole model is never in float32 in memory (only its token embedding, final norm and LM head, and for the
     tuner, when ``result`` is ``None``, the float32 layers of :func:`tune.sample_layers`).  Returns ``(model, tune
-    result, weight format)`` (``model`` ``None`` for ``packed_only`` where the format is ``fp32``), or ``None`` where the checkpoint cannot be streamed (a bad directory, a tied model's
-    saved LM head copy, stored RoPE frequencies: :func:`~speculant.models.streaming.streamable`)."""
+    result, weight format)`` (``model`` ``None`` for ``packed_only`` where the format is ``fp32``), or ``None`` where
+    the checkpoint cannot be streamed (a bad directory, a tied model's saved LM head copy, stored RoPE frequencies:
+    :func:`~speculant.models.streaming.streamable`)."""
     from ..models import streaming
     from .formats import layer_codes, pack_head, pack_projections
 
