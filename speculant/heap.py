@@ -6,9 +6,12 @@ each freed mapping under 32 MiB raises it to that block's size.  A first load pa
 its first large free every packed buffer and temporary under 32 MiB came from the heap, and the heap's freed
 temporaries added to the load's peak (a 1B-parameter file's first load peaked ~160 MiB higher; BENCHMARKS.md BG).
 :func:`mapped_allocations` serves blocks of :data:`LOAD_MMAP_THRESHOLD` and more by mappings while a model is read and
-packed (those that no free heap chunk fits: glibc takes a fitting one first), and then sets :data:`DECODE_MMAP_THRESHOLD`, where the dynamic threshold ends, for decoding: every load (the
-first, which measures the machine's timings, and the later ones, which reuse them) leaves decoding under the same
-allocator setting.  Both are process-wide, like torch's thread count; elsewhere than glibc nothing changes.
+packed (those that no free heap chunk fits: glibc takes a fitting one first), and then sets
+:data:`DECODE_MMAP_THRESHOLD`, where the dynamic threshold ends, for decoding: every load (the first, which measures
+the machine's timings, and the later ones, which reuse them) leaves decoding under the same allocator setting.  Both
+are process-wide, like torch's thread count; elsewhere than glibc nothing changes, and where the user set glibc's
+thresholds (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or ``glibc.malloc`` tunables in
+``GLIBC_TUNABLES``) they are left as set.
 
 Below everything: imports nothing of speculant.
 """
@@ -32,6 +35,13 @@ DECODE_MMAP_THRESHOLD = 32 << 20
 it (logits, verification blocks) reuse the heap instead of faulting in fresh pages on every step."""
 
 _LIBC: object = None
+
+
+def user_set_thresholds() -> bool:
+    """Whether the environment sets glibc's mmap or trim threshold (then :func:`set_mmap_threshold` leaves them)."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    return any(name in os.environ for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")) or any(
+        name in tunables for name in ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold"))
 
 
 def _libc():
@@ -65,13 +75,13 @@ def _mkl_free_buffers():
     return _MKL_FREE or None
 
 
-def release_memory() -> None:
-    """Collect garbage, have MKL free the buffers its memory manager keeps (the tuner's float32 products leave ~25 MiB
-    there) and hand the C heap's free pages back to the system (glibc ``malloc_trim``): after a large model copy is
-    dropped, so that the next large allocation does not add to a peak of memory the process keeps but no longer uses.
-    Not while another thread runs MKL (a model's load, not a step)."""
+def release_memory(mkl: bool = False) -> None:
+    """Collect garbage and hand the C heap's free pages back to the system (glibc ``malloc_trim``): after a large
+    model copy is dropped, so that the next large allocation does not add to a peak of memory the process keeps but no
+    longer uses.  ``mkl``: also have MKL free the buffers its memory manager keeps (the tuner's float32 products leave
+    ~25 MiB there): only where no other thread can be running MKL (the loader, after the tuner)."""
     gc.collect()
-    free = _mkl_free_buffers()
+    free = _mkl_free_buffers() if mkl else None
     if free is not None:
         free()
     libc = _libc()
@@ -82,10 +92,12 @@ def release_memory() -> None:
 def set_mmap_threshold(nbytes: int) -> bool:
     """Serve ``malloc`` blocks of ``nbytes`` [bytes] and more by mappings of their own and keep up to twice that free
     at the heap's top (glibc's dynamic rule: a block just under the threshold, freed and allocated again each step,
-    is not returned and faulted in again each time); ``False`` where not glibc."""
+    is not returned and faulted in again each time); ``False`` where not glibc or where the user set them
+    (:func:`user_set_thresholds`)."""
     libc = _libc()
-    return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, int(nbytes))) and bool(
-        libc.mallopt(M_TRIM_THRESHOLD, 2 * int(nbytes)))
+    if libc is None or user_set_thresholds():
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, int(nbytes))) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2 * int(nbytes)))
 
 
 @contextlib.contextmanager

@@ -51,6 +51,7 @@ def test_a_first_load_packs_in_a_child_and_gives_the_in_process_model(tmp_path, 
 def test_a_first_load_that_fails_in_the_child_says_its_error_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(loader, "FIRST_LOAD_IN_CHILD", True)
+    monkeypatch.setattr(loader, "_read_and_pack", lambda *a, **k: pytest.fail("read in this process"))
     path = write_tiny_gguf(tmp_path / "b.gguf", "Q8_0", extra=("blk.0.attn_output.bias",))
     with pytest.raises(SpeculantError, match=r"^GGUF file .* has unexpected ones \['blk.0.attn_output.bias'\].*"
                                              r"allowed: exactly the config's weights$"):
@@ -61,7 +62,13 @@ def test_a_first_load_that_fails_in_the_child_says_its_error_in_one_line(tmp_pat
 def test_fp32_weights_load_in_process(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(loader, "FIRST_LOAD_IN_CHILD", True)
-    monkeypatch.setattr(loader, "_first_load_in_child", lambda *a: pytest.fail("fp32 has no packed copy to read"))
+    from speculant.models import child_process
+    real = child_process.run_in_child
+
+    def run(module, function, *a, **k):
+        assert function != "first_load_main", "fp32 has no packed copy to read"
+        return real(module, function, *a, **k)                # the GGUF's conversion child
+    monkeypatch.setattr(child_process, "run_in_child", run)
     path = write_tiny_gguf(tmp_path / "f.gguf", "Q8_0", seed=2)
     model = loader.load_model(str(path), weights="fp32", compile=False, log=io.StringIO())
     assert model.weights == "fp32"
@@ -80,3 +87,51 @@ def test_an_hf_directory_by_a_relative_path_packs_in_a_child(tmp_path, monkeypat
     model = loader.load_model("tiny", weights="int8", compile=False, log=io.StringIO())
     assert model.weights == "int8" and model.name == "tiny" and model.tokenizer is not None
     assert packed_path(loading.packed_cache_dir(directory), "int8").is_file()
+
+
+def test_later_loads_and_a_tune_that_takes_fp32_start_no_child(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "FIRST_LOAD_IN_CHILD", True)
+    path = write_tiny_gguf(tmp_path / "l.gguf", "Q4_1", layers=2, seed=3)
+    first = loader.load_model(str(path), compile=False, log=io.StringIO())
+    assert first.weights not in (None, "fp32")                  # a packed format: measured fastest here
+    children = []
+    monkeypatch.setattr(loader, "_first_load_in_child", lambda *a: children.append(a) or False)
+    loader.load_model(str(path), compile=False, log=io.StringIO())
+    result = tune.load(first.tune.key)
+    result.weights = "fp32"                                   # auto's choice on a machine where fp32 won
+    tune.save(result)
+    again = loader.load_model(str(path), compile=False, log=io.StringIO())
+    assert again.weights == "fp32" and children == []
+
+
+def test_an_hf_directory_without_a_tokenizer_fails_before_anything_is_packed(tmp_path, monkeypatch):
+    from helpers import tiny_model
+
+    from speculant.models.loading import save_hf_dir
+
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "FIRST_LOAD_IN_CHILD", True)
+    directory = save_hf_dir(tiny_model(seed=4, scale=2.0), tmp_path / "notok")
+    for f in directory.glob("tokenizer*"):
+        f.unlink()
+    log = io.StringIO()
+    with pytest.raises(SpeculantError) as e:
+        loader.load_model(str(directory), weights="int8", compile=False, log=log)
+    assert "\n" not in str(e.value) and "tokenizer" in str(e.value).lower()
+    assert "reading" not in log.getvalue()                      # failed before the weights were read
+    assert not packed_path(loading.packed_cache_dir(directory), "int8").exists()
+
+
+def test_a_child_killed_by_a_signal_is_named(tmp_path, monkeypatch):
+    from speculant.models.child_process import run_in_child
+
+    (tmp_path / "dies.py").write_text("import os, signal, sys\n"
+                                      "def main(argv):\n"
+                                      "    print('speculant: working ...', file=sys.stderr, flush=True)\n"
+                                      "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    log = io.StringIO()
+    with pytest.raises(SpeculantError, match=r"^the work failed: its process was killed by SIGKILL \(out of memory\?\)$"):
+        run_in_child("dies", "main", [], "the work", log)
+    assert log.getvalue() == "speculant: working ...\n"

@@ -10,6 +10,7 @@ import torch
 from speculant import heap
 
 GLIBC = platform.libc_ver()[0] == "glibc"
+MALLINFO2 = GLIBC and hasattr(__import__("ctypes").CDLL("libc.so.6"), "mallinfo2")     # glibc 2.33 and later
 
 
 _CHILD = """
@@ -35,7 +36,7 @@ print(libc.mallinfo2().hblkhd - before < size)       # from the heap under decod
 """
 
 
-@pytest.mark.skipif(not GLIBC, reason="glibc's mallopt and mallinfo2 only")
+@pytest.mark.skipif(not MALLINFO2, reason="glibc's mallopt and mallinfo2 (glibc 2.33 and later) only")
 def test_blocks_over_the_load_threshold_are_mapped_inside_and_not_after():
     """In a fresh interpreter: a block over the threshold is mapped only where no free heap chunk fits it (a
     process's earlier frees may leave one)."""
@@ -56,6 +57,8 @@ def test_the_decoding_setting_is_restored_when_the_load_raises(monkeypatch):
             return 1
 
     monkeypatch.setattr(heap, "_LIBC", FakeLibc())
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
     with pytest.raises(RuntimeError, match="bad file"):
         with heap.mapped_allocations():
             assert calls == [(heap.M_MMAP_THRESHOLD, heap.LOAD_MMAP_THRESHOLD),
@@ -75,15 +78,43 @@ def test_without_glibc_nothing_is_set(monkeypatch):
     heap.release_memory()                                      # collects only
 
 
-def test_mkl_buffers_are_freed_where_torch_links_mkl(monkeypatch):
+def test_mkl_buffers_are_freed_only_when_asked(monkeypatch):
     freed = []
     monkeypatch.setattr(heap, "_MKL_FREE", lambda: freed.append(1))
     heap.release_memory()
+    assert freed == []                                         # another thread may be running MKL
+    heap.release_memory(mkl=True)
     assert freed == [1]
+
+
+@pytest.mark.skipif(not (torch.__version__.split("+")[0] == "2.13.0" and platform.system() == "Linux"
+                         and platform.machine() == "x86_64"), reason="the pinned torch's Linux x86-64 wheel only")
+def test_the_pinned_torch_exports_mkls_free(monkeypatch):
+    """The project pins torch 2.13.0, whose CPU library links MKL statically and exports ``mkl_serv_free_buffers``
+    (other builds may not: then nothing is freed, and nothing fails)."""
     monkeypatch.setattr(heap, "_MKL_FREE", None)
     found = heap._mkl_free_buffers()
-    if torch.backends.mkl.is_available() and platform.system() == "Linux":
-        assert found is not None                               # the symbol this module calls is in torch's library
-        a = torch.randn(256, 256)
-        a @ a                                                  # MKL's buffers in use, then freed
-        found()
+    assert found is not None
+    a = torch.randn(256, 256)
+    _ = a @ a                                                  # MKL's buffers in use, then freed
+    found()
+
+
+def test_thresholds_the_user_set_are_left_as_set(monkeypatch):
+    calls = []
+
+    class FakeLibc:
+        def mallopt(self, param, value):
+            calls.append((param, value))
+            return 1
+    monkeypatch.setattr(heap, "_LIBC", FakeLibc())
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0")
+    assert heap.set_mmap_threshold(1 << 20) and calls
+    calls.clear()
+    for name, value in (("MALLOC_MMAP_THRESHOLD_", "65536"), ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1")):
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            assert heap.set_mmap_threshold(1 << 20) is False
+    assert calls == []

@@ -21,6 +21,12 @@ from pathlib import Path
 from ..errors import SpeculantError
 
 
+def can_run_children() -> bool:
+    """Whether :func:`run_in_child` can run here: an interpreter to start (``sys.executable``) and ``os.pread`` for
+    the progress relay (POSIX)."""
+    return bool(sys.executable) and hasattr(os, "pread")
+
+
 def run_in_child(module: str, function: str, args: list[str], what: str, progress=None, meanwhile=None) -> None:
     """Run ``module.function(args + [this process's pid])`` in a child process (same interpreter and ``speculant``);
     ``function`` calls :func:`interrupted_with_parent` with that pid first and exits with status 2 after printing a
@@ -29,7 +35,8 @@ def run_in_child(module: str, function: str, args: list[str], what: str, progres
 
     Raises:
         SpeculantError: the child's own :class:`SpeculantError` message; or, where it failed otherwise, that ``what``
-            failed, with its exit status and its last message.
+            failed, with its exit status and its last message (not a progress line), or the signal that killed it.
+        OSError: no child process can be started here.
     """
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
@@ -55,13 +62,21 @@ def run_in_child(module: str, function: str, args: list[str], what: str, progres
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
+            if relay.is_alive():
+                relay.join()                        # before the file it reads is closed
             raise
         errors.seek(0)
         lines = [line.strip() for line in errors.read().splitlines() if line.strip()]
-    if proc.returncode == 2 and lines:              # the child's SpeculantError (child_main): its own one line
-        raise SpeculantError(lines[-1])
+    messages = [line for line in lines if not line.startswith("speculant:")]    # not its progress lines
+    if proc.returncode == 2 and messages:           # the child's SpeculantError (child_main): its own one line
+        raise SpeculantError(messages[-1])
+    if proc.returncode < 0:
+        name = signal.Signals(-proc.returncode).name if -proc.returncode in signal.valid_signals() else "a signal"
+        oom = " (out of memory?)" if proc.returncode == -signal.SIGKILL else ""
+        raise SpeculantError(f"{what} failed: its process was killed by {name}{oom}")
     if proc.returncode != 0:
-        last = lines[-1] if lines else "no message"
+        last = messages[-1] if messages else "no message"
         raise SpeculantError(f"{what} failed (exit status {proc.returncode}: {last})")
 
 

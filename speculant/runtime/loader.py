@@ -94,8 +94,9 @@ def _read_and_pack(name_or_path: str, dtype: torch.dtype, weights: str, result, 
     the cached tune, is ``None``), pack it and save the packed copy in ``packed_dir`` (GGUF models and HF
     directories).  A float32 load in a format other than ``fp32`` streams (:func:`_stream_and_pack`).  ``stored``:
     the formats ``auto`` measures for a GGUF file (:func:`_stored_choice`), else ``None``; ``packed_only``: a load
-    that only makes the packed copy (:func:`first_load_main`): a streamed model is read without its tokenizer, and not
-    at all where the format is ``fp32`` (no packed copy; the model is then ``None``).
+    that only makes the packed copy (:func:`first_load_main`): a streamed model's tokenizer is read (its errors come
+    first, and its copy as arrays is made) and dropped, and the model is not read where the format is ``fp32`` (no
+    packed copy; the model is then ``None``).
     Returns ``(model, tune result or None, weight format)``."""
     index = None
     gguf = loading.is_gguf_source(name_or_path)
@@ -113,7 +114,7 @@ def _read_and_pack(name_or_path: str, dtype: torch.dtype, weights: str, result, 
     model = loading.read_checkpoint(name_or_path, dtype)
     if result is None and dtype == torch.float32:
         result = tune.load_or_measure(model.decoder, threads, log=log, model=name_or_path)
-        release_memory()            # the tuner's packed copies, before the model is packed
+        release_memory(mkl=True)    # the tuner's packed copies and MKL's buffers, before the model is packed
     fmt = "fp32" if result is None else (result.weights if weights == "auto" else check_format(weights))
     if stored and result is not None:
         fmt = _stored_choice(name_or_path, model, result, stored, index, log)
@@ -167,15 +168,17 @@ def _stream_and_pack(name_or_path: str, weights: str, result, threads: int, inde
             opened = None                     # the whole read says what is wrong
     if opened is None:
         return None
-    tokenizer = None if packed_only else loading.tokenizer_of(source)   # first: its parse's transient memory
-                                                                        # while the process is small
+    tokenizer = loading.tokenizer_of(source)    # first: its parse's transient memory while the process is small
+    if packed_only:                             # read for its errors and its copy as arrays (the loading process's)
+        tokenizer = None
+        release_memory()
     decoder, checkpoint = opened
     layers = cfg.num_hidden_layers
     if result is None or stored:          # the tuner's sample (and that of the stored-format choice) in float32
         streaming.fill_layers(decoder, checkpoint, tune.sample_layers(layers, tune.projection_shapes(cfg)))
     if result is None:
         result = tune.load_or_measure(decoder, threads, log=log, model=name_or_path)
-        release_memory()            # the tuner's packed copies, before the model is packed
+        release_memory(mkl=True)    # the tuner's packed copies and MKL's buffers, before the model is packed
     fmt = result.weights if weights == "auto" else check_format(weights)
     if stored:
         fmt = _stored_choice(name_or_path, LoadedModel(name_or_path, decoder, None, source), result, stored, index, log)
@@ -293,8 +296,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
                                  f"for {weights} weights keep dtype=float32")
         weights = "fp32"
     kernels = format_available("w4a8") if weights == "auto" else True
-    stored = loading.stored_weights(name_or_path, kernels) if weights == "auto" else None
-    stored = stored if stored is not None and len(stored[0]) > 1 else None   # auto measured among these formats
+    stored = _stored_formats(name_or_path, weights == "auto")
     weights = loading.weights_for(name_or_path, weights, None if stored else log, kernels=kernels)
     fixed_threads = threads or user_threads()
     threads = fixed_threads or torch.get_num_threads()
@@ -303,8 +305,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, weights: str = "auto", compile
     # fast path: a cached tune and a cached packed copy (a known model, a GGUF file, an HF directory); a first load
     # packs in a child process where it can, then takes the fast path (FIRST_LOAD_IN_CHILD)
     model, result, fmt = _cached_model(name_or_path, weights, threads, stored, log)
-    if model is None and FIRST_LOAD_IN_CHILD and dtype == torch.float32 and weights != "fp32":
-        _first_load_in_child(name_or_path, weights, threads, stored is not None, log)
+    if model is None and fmt != "fp32" and _first_load_in_child(name_or_path, dtype, weights, threads,
+                                                                 stored is not None, log):
         model, result, fmt = _cached_model(name_or_path, weights, threads, stored, log)
     if model is None:
         _, packed_dir, _ = _cached_source(name_or_path)
@@ -361,18 +363,36 @@ def _cached_model(name_or_path: str, weights: str, threads: int, stored, log):
     return model, result, fmt
 
 
-def _first_load_in_child(name_or_path: str, weights: str, threads: int, stored: bool, log) -> None:
+def _first_load_in_child(name_or_path: str, dtype: torch.dtype, weights: str, threads: int, stored: bool,
+                         log) -> bool:
     """Read, tune, pack and save ``name_or_path`` in ``weights`` (``auto`` or a packed format) with ``threads``
     threads in a child process (:func:`first_load_main`; its progress lines on ``log``), so that a later
     :func:`_cached_model` finds the tune and the packed copy; ``stored``: ``auto`` chooses among the formats that
     take the GGUF file's types as stored (:func:`~speculant.models.loading.stored_weights`), as this process does.
+    Returns whether it ran: not for ``fp32`` weights or another ``dtype`` than float32 (no packed copy), nor where
+    :data:`FIRST_LOAD_IN_CHILD` is off or no child process can be started here (then this process loads).
 
     Raises:
         SpeculantError: the child's error, in one line.
     """
-    from ..models.child_process import run_in_child
-    run_in_child(__name__, "first_load_main", [name_or_path, weights, str(threads), "stored" if stored else "-"],
-                 f"the first load of {name_or_path}", log)
+    from ..models.child_process import can_run_children, run_in_child
+
+    if not FIRST_LOAD_IN_CHILD or dtype != torch.float32 or weights == "fp32" or not can_run_children():
+        return False
+    try:
+        run_in_child(__name__, "first_load_main", [name_or_path, weights, str(threads), "stored" if stored else "-"],
+                     f"the first load of {name_or_path}", log)
+    except OSError:                    # no child process here (a sandbox, an embedded interpreter): load here
+        return False
+    return True
+
+
+def _stored_formats(name_or_path: str, auto: bool):
+    """``--weights auto``'s candidates for a GGUF file whose types only some formats take as stored
+    (:func:`~speculant.models.loading.stored_weights`: ``(candidates, types)``) where there is more than one;
+    ``None`` otherwise or without ``auto``."""
+    stored = loading.stored_weights(name_or_path, format_available("w4a8")) if auto else None
+    return stored if stored is not None and len(stored[0]) > 1 else None
 
 
 def first_load_main(argv: list[str]) -> None:
@@ -384,8 +404,7 @@ def first_load_main(argv: list[str]) -> None:
     def first_load(args):
         name_or_path, weights, threads = args[0], args[1], int(args[2])
         torch.set_num_threads(threads)
-        stored = loading.stored_weights(name_or_path, format_available("w4a8")) if args[3] == "stored" else None
-        stored = stored if stored is not None and len(stored[0]) > 1 else None
+        stored = _stored_formats(name_or_path, args[3] == "stored")
         cfg, packed_dir, _ = _cached_source(name_or_path)
         result = tune.load(tune.tune_key(cfg, threads)) if cfg is not None else None
         with mapped_allocations():
@@ -418,7 +437,7 @@ def _stored_choice(name_or_path: str, model, result, stored: tuple, index, log) 
              "weights": candidates[0] if busy else tune.keep_default_format(ms, candidates[0])}
     result.stored_weights[types] = entry
     tune.save(result)
-    release_memory()                  # the sample's packed copies
+    release_memory(mkl=True)          # the sample's packed copies and MKL's buffers
     timings = ", ".join(f"{f} {entry['ms'][f]:.2f} ms" for f in candidates)
     print(f"speculant: {name_or_path} holds {types} weights, taken as stored by {' and '.join(candidates)}: weights auto loads "
           f"{entry['weights']} (one-row pass measured here: {timings}; {candidates[0]} unless another is faster by "

@@ -810,7 +810,9 @@ def complete_for_fused(result: TuneResult, executor, log=None, model: str | None
     """The measurements that need the model in its fused-step format, run on ``executor`` where ``result`` lacks
     them (once per machine and model: the first load in that format; ``speculant tune`` runs them again): the KV
     cache dtype, the weight prefetch distance, the prompt route, the decoding thread count and the T-row forward
-    costs, each after the first with the KV cache dtype (and prefetch) measured before it, as decoding runs.
+    costs, each after the first with the KV cache dtype (and prefetch) measured before it, as decoding with
+    ``--kv-cache auto`` runs (the tune is shared by every load of the model; an explicit ``--kv-cache`` does not
+    change it).
     ``result`` is
     updated and saved; the executor is left as it was (the caller builds one from ``result``).  Returns whether
     anything was measured.  ``model``: the name or path the model was loaded by, for the advice of :func:`note_busy`."""
@@ -825,6 +827,7 @@ def complete_for_fused(result: TuneResult, executor, log=None, model: str | None
         result.kv_cache, result.kv_cache_ms = measure_kv_cache(executor, log=log)
         measured = True
         release_memory()
+
     def as_decoding(prefetch: bool = True):
         """``executor`` with the KV cache dtype (and ``prefetch``: the weight prefetch) decoding will use, where
         measured: each later measurement runs as decoding does (a float16 cache also holds half the bytes)."""
@@ -832,6 +835,7 @@ def complete_for_fused(result: TuneResult, executor, log=None, model: str | None
         if prefetch and result.weight_prefetch is not None:
             choices["weight_prefetch"] = result.weight_prefetch
         return executor.replace(**choices) if choices else executor
+
     if result.weight_prefetch is None:
         result.weight_prefetch, result.weight_prefetch_ms = measure_weight_prefetch(as_decoding(prefetch=False),
                                                                                     log=log)
