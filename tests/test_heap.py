@@ -44,21 +44,32 @@ def test_blocks_over_the_load_threshold_are_mapped_inside_and_not_after():
     assert out.stdout.split() == ["True", "True", "True"]
 
 
-def test_the_decoding_setting_is_restored_when_the_load_raises(monkeypatch):
-    calls = []
+class _FakeLibc:
+    """glibc's ``mallopt`` and ``malloc_trim``, recording their calls."""
 
-    class FakeLibc:
-        def mallopt(self, param, value):
-            calls.append((param, value))
-            return 1
+    def __init__(self):
+        self.calls = []
 
-        def malloc_trim(self, pad):
-            calls.append(("trim", pad))
-            return 1
+    def mallopt(self, param, value):
+        self.calls.append((param, value))
+        return 1
 
-    monkeypatch.setattr(heap, "_LIBC", FakeLibc())
+    def malloc_trim(self, pad):
+        self.calls.append(("trim", pad))
+        return 1
+
+
+@pytest.fixture
+def fake_libc(monkeypatch):
+    libc = _FakeLibc()
+    monkeypatch.setattr(heap, "_LIBC", libc)
     for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"):
         monkeypatch.delenv(name, raising=False)
+    return libc
+
+
+def test_the_decoding_setting_is_restored_when_the_load_raises(fake_libc):
+    calls = fake_libc.calls
     with pytest.raises(RuntimeError, match="bad file"):
         with heap.mapped_allocations():
             assert calls == [(heap.M_MMAP_THRESHOLD, heap.LOAD_MMAP_THRESHOLD),
@@ -100,16 +111,8 @@ def test_the_pinned_torch_exports_mkls_free(monkeypatch):
     found()
 
 
-def test_thresholds_the_user_set_are_left_as_set(monkeypatch):
-    calls = []
-
-    class FakeLibc:
-        def mallopt(self, param, value):
-            calls.append((param, value))
-            return 1
-    monkeypatch.setattr(heap, "_LIBC", FakeLibc())
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+def test_thresholds_the_user_set_are_left_as_set(fake_libc, monkeypatch):
+    calls = fake_libc.calls
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0")
     assert heap.set_mmap_threshold(1 << 20) and calls
     calls.clear()
