@@ -132,6 +132,7 @@ def test_a_child_killed_by_a_signal_is_named(tmp_path, monkeypatch):
                                       "    os.kill(os.getpid(), signal.SIGKILL)\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     log = io.StringIO()
-    with pytest.raises(SpeculantError, match=r"^the work failed: its process was killed by SIGKILL \(out of memory\?\)$"):
+    killed = r"^the work failed: its process was killed by SIGKILL \(out of memory\?\)$"
+    with pytest.raises(SpeculantError, match=killed):
         run_in_child("dies", "main", [], "the work", log)
     assert log.getvalue() == "speculant: working ...\n"

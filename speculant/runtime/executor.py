@@ -281,8 +281,8 @@ class Executor:
         One block runs by the route of this executor: the fused step where it applies (a prompt, ``cache_position``
         0 without a mask, only where its first :data:`PREFILL_CHUNK` tokens are within :attr:`fused_prompt_tokens`;
         a block without a mask longer than :data:`PREFILL_CHUNK` runs as chunks of it), else the torch step: the
-        prompt step into an empty cache, the (compiled) layer step otherwise; a ``[B, T, D]`` block over a batched cache, or one
-        without a cache, the model's layer halves with :func:`~speculant.runtime.steps.attend`.  Several blocks
+        prompt step into an empty cache, the (compiled) layer step otherwise; a ``[B, T, D]`` block over a batched
+        cache, or one without a cache, the model's layer halves with :func:`~speculant.runtime.steps.attend`.  Several blocks
         (each with its own cache: a batched round, batched prompts) run in one pass per layer, their rows
         concatenated for the projections and MLP, each row getting the bits it gets alone
         (:func:`speculant.runtime.ragged.ragged_run_layers`).

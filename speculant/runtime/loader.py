@@ -346,13 +346,19 @@ packed model (issue 26 bounds it; BENCHMARKS.md BH).  ``False``: all in this pro
 steps, which patch them here)."""
 
 
+def _cached_tune(name_or_path: str, threads: int):
+    """``(config, packed-copy directory, source directory, tune result)`` of :func:`_cached_source`, with the tune
+    cached for the config at ``threads`` threads (``None`` where there is none)."""
+    cfg, packed_dir, source = _cached_source(name_or_path)
+    return cfg, packed_dir, source, tune.load(tune.tune_key(cfg, threads)) if cfg is not None else None
+
+
 def _cached_model(name_or_path: str, weights: str, threads: int, stored, log):
     """``(model, tune result, weight format)`` from the cached tune and packed copy of ``name_or_path`` (a known
     model, a converted GGUF file or an HF directory); ``model`` ``None`` where either is missing (or the format is
     ``fp32``, which has no packed copy); the result, where there is one, is returned all the same.  Reads under
     :func:`~speculant.heap.mapped_allocations`."""
-    cfg, packed_dir, source = _cached_source(name_or_path)
-    result = tune.load(tune.tune_key(cfg, threads)) if cfg is not None else None
+    cfg, packed_dir, source, result = _cached_tune(name_or_path, threads)
     if result is None:
         return None, None, None
     with mapped_allocations():
@@ -405,8 +411,7 @@ def first_load_main(argv: list[str]) -> None:
         name_or_path, weights, threads = args[0], args[1], int(args[2])
         torch.set_num_threads(threads)
         stored = _stored_formats(name_or_path, args[3] == "stored")
-        cfg, packed_dir, _ = _cached_source(name_or_path)
-        result = tune.load(tune.tune_key(cfg, threads)) if cfg is not None else None
+        _, packed_dir, _, result = _cached_tune(name_or_path, threads)
         with mapped_allocations():
             _read_and_pack(name_or_path, torch.float32, weights, result, threads, packed_dir, stored, sys.stderr,
                            packed_only=True)

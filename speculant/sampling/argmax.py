@@ -3,8 +3,8 @@
 ``torch.argmax`` over a row of logits is not vectorized on the CPU, and a greedy verification pays it per row it
 reads.  numpy's ``argmax`` over the same memory (no copy) is SIMD code run on the calling thread (BENCHMARKS.md BE
 has the times; a two-level argmax in torch, block maxima first, was faster alone but slower inside decoding: its
-reductions wake torch's thread pool between our kernels' parallel regions).  The same index whatever the values: the first of
-tied maxima, the first NaN where there is one (both libraries document the first; ``tests/test_argmax.py`` holds
+reductions wake torch's thread pool between our kernels' parallel regions).  The same index whatever the values:
+the first of tied maxima, the first NaN where there is one (both libraries document the first; ``tests/test_argmax.py`` holds
 them equal on planted ties, NaNs, infinities and lengths).  Dtypes numpy lacks (bfloat16) go to ``torch.argmax``.
 """
 
