@@ -448,8 +448,29 @@ def test_the_prior_counts_as_one_observation_until_the_exponential_weight_takes_
     assert abs(a.alpha(1) - 0.6) < 1e-12                        # (1 + 0 + 0 + 1 + 1) / 5
     before = a.alpha(1)
     a.observe(1, 0)
-    assert abs(a.alpha(1) - 0.8 * before) < 1e-12               # weight 0.2 from here on
+    assert abs(a.fast[0] - 0.8 * before) < 1e-12                # weight 0.2 from here on
+    assert abs(a.slow[0] - 5 / 6 * before) < 1e-12              # the slow mean: 1 / 6 until 1 / 20 > 0.05
+    assert a.alpha(1) == a.slow[0] and a.alphas == [a.slow[0]]  # the larger
     assert DepthAcceptance(smoothing=0.2, prior=0.3).alpha(2) == 0.3
+
+
+def test_the_estimate_rides_out_runs_of_rejections_and_follows_a_recovery():
+    """Accepted 40 % of the time in runs (4 accepted, 6 rejected): the fast mean falls below 0.25 in each run of
+    rejections, the estimate (the larger of the fast and the slow mean) stays above 0.3; after 1000 rejections, five
+    acceptances lift the estimate above 0.6 (the fast mean) while the slow one is still below 0.3."""
+    from speculant.engine.goodput import DepthAcceptance
+    a, fast, estimate = DepthAcceptance(), [], []
+    for i in range(1000):
+        a.observe_at(1, i % 10 < 4)
+        if i >= 200:
+            fast.append(a.fast[0])
+            estimate.append(a.alpha(1))
+    assert min(fast) < 0.25 and min(estimate) > 0.3, (min(fast), min(estimate))
+    for _ in range(1000):
+        a.observe_at(1, False)
+    for _ in range(5):
+        a.observe_at(1, True)
+    assert a.alpha(1) > 0.6 and a.slow[0] < 0.3
 
 
 def test_a_costly_first_draft_call_is_charged_once_per_round():
@@ -602,3 +623,83 @@ def test_draft_figures_reproduce_the_calibration_rounds(model, monkeypatch):
     assert figures() == (pytest.approx(0.4), 0.0)
     turns[:] = [[(2.0, 0, 0), (2.0, 0, 0), (2.0, 0, 0)]]                     # nothing drafted
     assert figures() == (0.0, 0.0)
+
+
+# ------------------------------------------------------------------ (d) shadow chains of free drafts
+def test_a_shadow_chain_observes_its_matched_prefix_as_the_tokens_arrive():
+    """A chain known without drafting (prompt lookup's copy) in a round that drafted nothing is checked against the
+    tokens then emitted, one position at a time as they arrive: its matched prefix's positions are accepted
+    observations of their depths, the first mismatch a rejected one, and nothing past it is observed; depth 1 is
+    pooled too (a new context's prior); a drafting round forgets the pending chain, and one chain is pending at a
+    time."""
+    from speculant.engine.goodput import DepthAcceptance
+    from speculant.engine.speculation import RoundSizer
+    sizer = RoundSizer(SWITCHING, ChainBuilder(4), confidence=False)
+    tokens = list(range(10))
+    sizer.shadow("c", [20, 21, 22, 23], len(tokens))
+    sizer.shadow("c", [99], len(tokens))                      # one at a time: the pending one stays
+    tokens.append(20)
+    sizer.resolve_shadow(tokens)                              # depth 1 reached: accepted
+    acceptance = sizer.contexts["c"].acceptance
+    assert sizer.pending_shadow is not None and acceptance.counts == [2]
+    tokens += [21, 7, 23]
+    sizer.resolve_shadow(tokens)                              # depth 2 accepted, depth 3 rejected, depth 4 unseen
+    want = DepthAcceptance(prior=acceptance.prior)
+    want.observe(4, 2)
+    assert acceptance.alphas == want.alphas and acceptance.counts == want.counts
+    assert sizer.pending_shadow is None and sizer.pooled.counts == [2] and sizer.pooled.alphas == [1.0]
+    sizer.resolve_shadow(tokens + [0])                        # nothing pending: nothing more observed
+    assert acceptance.counts == want.counts
+    sizer.shadow(None, [1, 2], len(tokens))
+    sizer.drop_shadow()
+    sizer.resolve_shadow(tokens + [1, 2])
+    assert sizer.contexts[None].acceptance.counts == []
+
+
+class FreeOracleDrafter(OracleDrafter):
+    """An :class:`OracleDrafter` whose chain is free to know (as prompt lookup's copy is)."""
+
+    name = "free-oracle"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.blind = 0                                # rounds drafted before any chain was checked
+
+    def free_draft(self, state, context, max_depth):
+        n = len(state.tokens)
+        return [(t + 1) % self.vocab if self.wrong else t for t in self.reference[n:n + max_depth]]
+
+    def draft(self, state, builder, generator, max_nodes, max_depth):
+        tree = super().draft(state, builder, generator, max_nodes, max_depth)
+        self.blind += bool(len(tree)) and not self.checked(state)
+        return tree
+
+    def checked(self, state):
+        return any(s.acceptance.alphas for s in self.sizer.contexts.values())
+
+
+def _free_run(model, reference, wrong, costs):
+    drafter = FreeOracleDrafter(PROMPT, reference, wrong=wrong)
+    gen = SpeculativeGenerator(model, drafter, ChainBuilder(4), costs=costs)
+    make = gen.round_sizer
+
+    def sizer(*args, **kwargs):
+        drafter.sizer = make(*args, **kwargs)
+        return drafter.sizer
+    gen.round_sizer = sizer
+    toks, stats = run(gen, n=60)
+    return drafter, toks, stats
+
+
+def test_a_free_drafter_never_drafts_blind_and_one_never_right_never_drafts(model):
+    """A free chain is learnt from its shadow, so no round drafts before one was checked (no first-round draft on
+    the prior): a never-right free drafter drafts no round at all (a model's drafter probes), an always-right one
+    drafts from its second round on; outputs are ``ar``'s either way."""
+    ar60 = run(build_generator(model, method="ar"), n=60)[0]
+    wrong, toks, stats = _free_run(model, ar60, True, SWITCHING)
+    assert toks == ar60 and stats.speculated_rounds == 0 and stats.ar_rounds == stats.rounds
+    assert any(s.acceptance.alphas and s.acceptance.alpha(1) < 0.05 for s in wrong.sizer.contexts.values())
+    right, toks, stats = _free_run(model, ar60, False, CHEAP)
+    assert toks == ar60 and right.blind == 0
+    assert stats.ar_rounds == 1 and stats.speculated_rounds == stats.rounds - 1
+    assert stats.accepted_tokens == stats.drafted_tokens

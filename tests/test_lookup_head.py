@@ -105,3 +105,22 @@ def test_lookup_rounds_are_sized_by_their_own_costs(small, head_dir):
     assert sum(v["drafted_tokens"] for v in lookups) == stats.drafted_tokens
     assert sum(v["accepted_tokens"] for v in lookups) == stats.accepted_tokens
     assert sum(v["speculated_rounds"] for v in by.values()) == stats.speculated_rounds
+
+
+def test_head_rounds_are_costed_by_the_head_alone(small, head_dir, monkeypatch):
+    """The head's rounds cost the plain head drafter's calibration (``eagle``'s, shared), not one of the mixed
+    drafter (which times mostly copies: a head round looked free and drafted nearly every round); copying rounds
+    cost prompt lookup's."""
+    from speculant.engine import methods
+    asked = []
+
+    def cost_table(model, drafter, builder, signature, sampled=False):
+        asked.append((type(drafter), signature, sampled))
+        return CostTable({1: 1.0, 2: 1.1, 3: 1.2}, 0.5)
+    monkeypatch.setattr(methods, "cost_table", cost_table)
+    monkeypatch.setattr(methods, "lookup_costs", lambda model, spec: lambda sampled: (0.0, 0.0))
+    gen = build_generator(small, method="eagle-lookup", num_speculations=2, draft_head=head_dir, speculation="cost")
+    gen.costs_for(SamplingConfig(temperature=1.0))
+    head = type(gen.drafter.head_drafter)
+    assert not issubclass(head, LookupMixin) and isinstance(gen.drafter, head)
+    assert asked == [(head, f"eagle,draft_head={head_dir}", False), (head, f"eagle,draft_head={head_dir}", True)]

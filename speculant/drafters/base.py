@@ -183,6 +183,16 @@ class Drafter(Generic[S]):
         ``ar`` round).  A drafter whose verification resumes from layers it runs itself runs them here."""
         return DraftTree()
 
+    def free_draft(self, state: DecodingState[S], context, max_depth: int) -> list[int] | None:
+        """The chain of point-mass drafts (at most ``max_depth`` tokens) a round of ``context`` would draft now, where
+        knowing it costs nothing (no forward: a copy from the context), else ``None`` (default: a model's draft
+        costs its forward).  A cost-aware policy checks such a chain against the tokens the round without drafts and
+        the next ones emit (:meth:`speculant.engine.speculation.RoundSizer.shadow`): the matched prefix's length is
+        distributed as a verification round's accepted length (a point mass ``x`` is accepted with probability
+        ``p(x)``, the probability that the target emits ``x``, greedy or sampled), so its acceptance stays current
+        without drafting rounds that do not pay."""
+        return None
+
     def round_context(self, state: DecodingState[S]):
         """A hashable summary of what the next round's draft will rest on, read before the round is sized: a
         cost-aware policy keeps the acceptance per depth of each context apart (prompt lookup: the size of the

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..trees.builders import ChainBuilder
-from .prompt_lookup import NgramIndex, continuation_tree
+from .prompt_lookup import NgramIndex, allowed_continuation, continuation_tree
 
 
 class LookupMixin:
@@ -61,6 +61,12 @@ class LookupMixin:
         copies."""
         return 0.0 if context is not None else super().round_extra_seconds(state, context)
 
+    def free_draft(self, state, context, max_depth: int):
+        """A copying round's continuation (no forward); ``None`` for the head's rounds (its draft costs a forward)."""
+        if context is None:
+            return None
+        return allowed_continuation(state, state.drafter_state.lookup.match(state.tokens, max_depth)[1])
+
     def draft(self, state, builder, generator, max_nodes, max_depth):
         k = builder.num_speculations if isinstance(builder, ChainBuilder) else max_depth
         n, cont = state.drafter_state.lookup.match(state.tokens, min(k, max_nodes, max_depth))
@@ -72,10 +78,12 @@ class LookupMixin:
 
 def with_lookup(drafter, max_ngram: int, min_ngram: int):
     """``drafter`` (a draft-head drafter) drafting by prompt lookup where an n-gram of ``min_ngram .. max_ngram``
-    tokens recurs: a copy of it whose class also derives from :class:`LookupMixin`."""
+    tokens recurs: a copy of it whose class also derives from :class:`LookupMixin`, ``head_drafter`` the head drafter
+    alone (what the head's rounds cost is its calibration's)."""
     cls = type(drafter)
     mixed = type(f"Lookup{cls.__name__}", (LookupMixin, cls), {"name": f"{cls.name}-lookup"})
     out = object.__new__(mixed)
     out.__dict__.update(drafter.__dict__)
     out.lookup_max_ngram, out.lookup_min_ngram = max_ngram, min_ngram
+    out.head_drafter = drafter
     return out

@@ -116,14 +116,24 @@ class PromptLookupDrafter(Drafter):
         _, cont = self._index(state).match(state.tokens, min(k, max_nodes, max_depth))
         return continuation_tree(state, cont)
 
+    def free_draft(self, state, context, max_depth: int) -> list[int] | None:
+        """The continuation a round would copy (:meth:`Drafter.free_draft`): a lookup costs no forward."""
+        return allowed_continuation(state, self._index(state).match(state.tokens, max_depth)[1])
+
+
+def allowed_continuation(state, cont: list[int]) -> list[int]:
+    """``cont`` cut before the first token the generation's controls forbid after the tokens before it (grammar,
+    ``min_tokens``)."""
+    if state.controls is not None and state.controls.active:
+        return cont[:state.controls.allowed_prefix(cont)]
+    return cont
+
 
 def continuation_tree(state, cont: list[int]) -> DraftTree:
     """The chain of drafted tokens ``cont`` (cut where the generation's controls forbid a token), each a point mass
     under sampling, kept sparse: ``[1]`` over its token id."""
     tree = DraftTree()
-    if state.controls is not None and state.controls.active:
-        # never draft a token the grammar or min_tokens forbids after the tokens before it
-        cont = cont[:state.controls.allowed_prefix(cont)]
+    cont = allowed_continuation(state, cont)
     vocab = state.target.config.vocab_size
     one = torch.ones(1)
     parent = -1

@@ -237,9 +237,15 @@ class SpeculativeGenerator:
         context = self.drafter.round_context(state) if max_depth else None
         name = self.drafter.context_name(context) if max_depth else None
         if sizer is not None:
-            max_depth = sizer.depth(state, max_depth, context)
+            sizer.resolve_shadow(state.tokens)
+            free = self.drafter.free_draft(state, context, max_depth) if max_depth else None
+            asked, max_depth = max_depth, sizer.depth(state, max_depth, context, free is not None)
+            if asked and not max_depth:          # the chain a free draft gives, checked against what is emitted
+                sizer.shadow(context, free, len(state.tokens))
         t0, forwards = time.perf_counter(), state.draft_forwards
         tree = self.drafter.draft(state, builder, generator, max_nodes, max_depth)
+        if sizer is not None and len(tree):
+            sizer.drop_shadow()
         stats.draft_seconds += time.perf_counter() - t0
         stats.draft_forwards, stats.first_draft_seconds = state.draft_forwards, state.first_draft_seconds
         logits = self.drafter.verify_logits(state, tree)

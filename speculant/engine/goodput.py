@@ -194,6 +194,10 @@ class GoodputPolicy:
         self.overhead_seconds_per_sequence += self.smoothing * (o - self.overhead_seconds_per_sequence)
 
 
+SLOW_SMOOTHING = 0.25
+"""The slow running mean's weight, as a share of the fast one's (:class:`DepthAcceptance`)."""
+
+
 class DepthAcceptance:
     """Running acceptance per depth of one generation: ``alpha_d`` = P(the depth-``d`` token is accepted | the
     path up to depth ``d - 1`` was), a mean over the rounds that drafted depth ``d`` with ``d - 1`` accepted,
@@ -202,7 +206,12 @@ class DepthAcceptance:
     ``smoothing``: one rejection after a prior of certainty no longer leaves 0.8, which kept an early-exit draft
     that pays from ~0.4 drafting by choice for four rounds of every generation; BENCHMARKS.md BA.2).  A depth not
     observed yet takes the estimate of the deepest one observed (acceptance seldom rises with depth: a first depth
-    seen to fail must not leave deeper drafts looking certain).  Updated from accepted lengths only (no timing), so
+    seen to fail must not leave deeper drafts looking certain).  Two such means are kept per depth, of weights
+    ``smoothing`` and ``smoothing * SLOW_SMOOTHING``, and the estimate is the larger: the fast one follows a drafter
+    that starts being accepted (after failing probes, it recovers in a quarter of the rounds the slow one alone
+    needs); the slow one does not drop below the break-even on a run of rejections (a draft head accepted 41 % of
+    the time, where 25 % paid, had its fast estimate below 25 % in two rounds of three and stopped drafting in them:
+    BENCHMARKS.md BJ).  Updated from accepted lengths only (no timing), so
     a choice made from it is the same whenever the tokens are.  (The bias-corrected mean without the floor, weight
     ``1 / (n + 1)`` all along, stopped prompt lookup's drafting after short runs of misses: τ 1.70 -> 1.57 on
     Spec-Bench, BENCHMARKS.md AJ.)
@@ -217,24 +226,42 @@ class DepthAcceptance:
         if not 0.0 <= prior <= 1.0:
             raise SpeculantError(f"prior={prior} is out of range; allowed: [0, 1]")
         self.smoothing, self.prior = smoothing, prior
-        self.alphas: list[float] = []
+        self.slow_smoothing = smoothing * SLOW_SMOOTHING
+        self.fast: list[float] = []          # the running means of weight ``smoothing`` per depth
+        self.slow: list[float] = []          # ... and of weight ``smoothing * SLOW_SMOOTHING``
         self.counts: list[int] = []          # observations per depth, the prior counted as one
+
+    @property
+    def alphas(self) -> list[float]:
+        """The estimate per observed depth: the larger of its fast and its slow running mean."""
+        return [max(f, s) for f, s in zip(self.fast, self.slow)]
 
     def alpha(self, depth: int) -> float:
         """``alpha_depth`` (depth >= 1)."""
-        if depth <= len(self.alphas):
-            return self.alphas[depth - 1]
-        return self.alphas[-1] if self.alphas else self.prior
+        d = min(depth, len(self.fast))
+        return max(self.fast[d - 1], self.slow[d - 1]) if d else self.prior
 
     def observe(self, drafted_depth: int, accepted: int) -> None:
         """A round drafted a tree of ``drafted_depth`` depths and accepted ``accepted`` tokens of it."""
         for d in range(1, min(accepted + 1, drafted_depth) + 1):
-            while len(self.alphas) < d:
-                self.alphas.append(self.alpha(d))
-                self.counts.append(1)
-            self.counts[d - 1] += 1
-            weight = max(1.0 / self.counts[d - 1], self.smoothing)
-            self.alphas[d - 1] += weight * (float(d <= accepted) - self.alphas[d - 1])
+            self.observe_at(d, d <= accepted)
+
+    def observe_at(self, depth: int, accepted: bool) -> None:
+        """One observation of ``alpha_depth``: a depth-``depth`` draft, its path above accepted, was ``accepted``."""
+        while len(self.fast) < depth:
+            d = len(self.fast)
+            self.fast.append(self.fast[d - 1] if d else self.prior)
+            self.slow.append(self.slow[d - 1] if d else self.prior)
+            self.counts.append(1)
+        self.counts[depth - 1] += 1
+        n, x = self.counts[depth - 1], float(accepted)
+        self.fast[depth - 1] += max(1.0 / n, self.smoothing) * (x - self.fast[depth - 1])
+        self.slow[depth - 1] += max(1.0 / n, self.slow_smoothing) * (x - self.slow[depth - 1])
+
+    @property
+    def informed(self) -> bool:
+        """Whether anything was observed or the prior is below certainty (an estimate, not the default prior)."""
+        return bool(self.fast) or self.prior < 1.0
 
 
 @dataclass(frozen=True)
@@ -345,15 +372,21 @@ class SequenceSpeculation:
         """Whether drafting has lost less than ``loss_budget`` of the rounds' time so far."""
         return self.ledger.saved + self.loss_budget * self.ledger.spent >= 0.0
 
-    def depth(self, max_depth: int, nodes_at_depth) -> int:
-        """The next round's depth bound (0: an ``ar`` round)."""
+    def depth(self, max_depth: int, nodes_at_depth, free: bool = False) -> int:
+        """The next round's depth bound (0: an ``ar`` round).  ``free``: the drafter's chain in this round is known
+        without drafting (:meth:`observe_shadow` learns its acceptance from the tokens then emitted), so nothing is
+        drafted to learn it: no first-round draft, and none while the estimate is the uninformed prior."""
         self._probing = False
         if max_depth < 1:
             return 0
         self._sizing = (max_depth, nodes_at_depth)
+        if free and not self.acceptance.informed:
+            self._first = False
+            return 0
         if self._first:                      # (a later round context's first round: only within the budget)
             self._first = False
-            return 1 if self.could_pay(max_depth, nodes_at_depth) and self.within_budget() else 0
+            if not free:
+                return 1 if self.could_pay(max_depth, nodes_at_depth) and self.within_budget() else 0
         d = self._depth(max_depth, nodes_at_depth, self.acceptance)
         if d == 0 and self.could_pay(max_depth, nodes_at_depth):
             self._without += 1
@@ -396,6 +429,14 @@ class SequenceSpeculation:
             return (expected[0] + bound) / (cost(1 + nodes_at_depth(depth)) + drafting(depth)) <= before
         stop.refuses = refuses
         return stop
+
+    def observe_shadow(self, depth: int, accepted: bool) -> None:
+        """A point-mass draft at depth ``depth`` of a chain known without drafting (its path above matched) was
+        ``accepted``: the target emitted it without it, which it does with the probability that a round drafting
+        it would have accepted it, greedy or sampled.  The acceptance at that depth learns it, and no probe is due
+        (one would tell no more, at a cost)."""
+        self.acceptance.observe_at(depth, accepted)
+        self._without = 0
 
     def observe(self, drafted_depth: int, accepted: int, nodes: int = 0, calls: int = 0,
                 extra_seconds: float = 0.0) -> None:

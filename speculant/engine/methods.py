@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..drafters.base import Drafter
 from ..drafters.draft_head import default_head_for
@@ -257,7 +257,13 @@ def build_generator(model: LoadedModel, spec: MethodSpec | None = None, costs: C
     if spec.speculation != "cost":
         costs = sampled_costs = None
     elif costs is None:
-        costs = cost_table(model, drafter, builder, drafter_signature(spec))
+        # eagle-lookup: the head's rounds cost what the head's draft calls cost (the plain head drafter's figures,
+        # shared with eagle: a calibration of the mixed drafter times mostly copies), copying rounds prompt lookup's
+        head, signature = drafter, drafter_signature(spec)
+        if spec.method == "eagle-lookup":
+            head = drafter.head_drafter
+            signature = drafter_signature(replace(spec, method="eagle", max_ngram=None, min_ngram=None))
+        costs = cost_table(model, head, builder, signature)
         if costs is not None:
             lookup = lookup_costs(model, spec) if spec.method == "eagle-lookup" else None
             if lookup is not None:
@@ -266,6 +272,6 @@ def build_generator(model: LoadedModel, spec: MethodSpec | None = None, costs: C
             def sampled_costs():
                 if lookup is not None:
                     drafter.lookup_seconds[False] = lookup(True)
-                return cost_table(model, drafter, builder, drafter_signature(spec), sampled=True)
+                return cost_table(model, head, builder, signature, sampled=True)
     return SpeculativeGenerator(model, drafter, builder, verification=spec.verification, costs=costs,
                                 sampled_costs=sampled_costs)

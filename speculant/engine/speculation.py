@@ -221,13 +221,22 @@ class CyclingDepth:
     def __init__(self, depths: tuple[int, ...]):
         self.depths, self.asked = depths, 0
 
-    def depth(self, state, max_depth: int, context=None) -> int:
+    def depth(self, state, max_depth: int, context=None, free: bool = False) -> int:
         d = min(self.depths[self.asked % len(self.depths)], max_depth)
         self.asked += 1
         state.draft_stop = None
         return d
 
     def observe(self, drafted_depth: int, accepted: int, nodes: int, calls: int) -> None:
+        """Nothing to learn."""
+
+    def shadow(self, context, chain, start: int) -> None:
+        """Nothing to learn."""
+
+    def resolve_shadow(self, tokens: list[int]) -> None:
+        """Nothing to learn."""
+
+    def drop_shadow(self) -> None:
         """Nothing to learn."""
 
 
@@ -292,6 +301,7 @@ class RoundSizer:
         self.confidence = confidence
         self.pooled = DepthAcceptance()             # depth 1 over all contexts: a new context's prior
         self.speculation = self._of(None)
+        self.pending_shadow: tuple | None = None    # (context, chain, index in the tokens of its first token)
 
     def _of(self, context):
         if context not in self.contexts:
@@ -301,14 +311,46 @@ class RoundSizer:
                                                          prior=self.pooled.alpha(1))
         return self.contexts[context]
 
-    def depth(self, state, max_depth: int, context=None) -> int:
+    def depth(self, state, max_depth: int, context=None, free: bool = False) -> int:
         """The round's depth bound in ``0 .. max_depth`` (0: an ``ar`` round) in round context ``context``; sets
-        ``state.draft_stop``."""
+        ``state.draft_stop``.  ``free``: the drafter's chain is known without drafting (its acceptance is learnt
+        from :meth:`shadow` chains)."""
         self.speculation = self._of(context)
         self.extra = self.extra_of(context) if self.extra_of is not None else 0.0
-        d = self.speculation.depth(max_depth, self.nodes) if max_depth > 0 else 0
+        d = self.speculation.depth(max_depth, self.nodes, free) if max_depth > 0 else 0
         state.draft_stop = self.speculation.stop_rule(self.nodes) if d and self.confidence else None
         return d
+
+    def shadow(self, context, chain: list[int] | None, start: int) -> None:
+        """A round of ``context`` drafted nothing where the drafter's chain ``chain`` was free to know
+        (:meth:`~speculant.drafters.base.Drafter.free_draft`): it is checked against the tokens emitted from index
+        ``start`` on (:meth:`resolve_shadow`), one chain at a time (the chains of consecutive rounds overlap)."""
+        if chain and self.pending_shadow is None:
+            self.pending_shadow = (context, list(chain), start, 0)
+
+    def drop_shadow(self) -> None:
+        """Forget the pending chain (a round drafted: its own acceptance is observed)."""
+        self.pending_shadow = None
+
+    def resolve_shadow(self, tokens: list[int]) -> None:
+        """Check the pending :meth:`shadow` chain against ``tokens`` (the generation's, grown since): each drafted
+        position the tokens now reach, its path above matched, is one observation of its depth's acceptance in the
+        chain's context (:meth:`~speculant.engine.goodput.SequenceSpeculation.observe_shadow`); the chain is done at
+        its first token that differs or its last."""
+        if self.pending_shadow is None:
+            return
+        context, chain, start, checked = self.pending_shadow
+        speculation = self._of(context)
+        end = min(len(chain), len(tokens) - start)
+        for i in range(checked, end):
+            accepted = tokens[start + i] == chain[i]
+            speculation.observe_shadow(i + 1, accepted)
+            if i == 0:
+                self.pooled.observe_at(1, accepted)
+            if not accepted:
+                self.pending_shadow = None
+                return
+        self.pending_shadow = None if end == len(chain) else (context, chain, start, end)
 
     def observe(self, drafted_depth: int, accepted: int, nodes: int, calls: int) -> None:
         """The round (sized by the last :meth:`depth`) had ``drafted_depth`` depths and ``nodes`` nodes, drafted in
