@@ -329,28 +329,40 @@ def test_generate_json_reports_rounds_end_to_end(capsys, tmp_path):
     assert forward_seconds(load_model(str(directory), weights="fp32", compile=False)) is not None
 
 
+def _probe_gaps(s, chain, accepted, rounds=1200):
+    """Rounds of ``s`` with every probe's draft accepted as ``accepted(k)`` says for the k-th probe: the rounds
+    without drafts before each probe, and after each probe the back-off's interval and :meth:`probe_interval`."""
+    gaps, due, without = [], [], 0
+    for _ in range(rounds):
+        d = s.depth(4, chain)
+        if d:
+            assert d == 1 and s._probing
+            gaps.append(without)
+            without = 0
+            s.observe(1, accepted(len(gaps) - 1), 1, 1)
+            due.append((s.interval, s.probe_interval(chain)))
+        else:
+            without += 1
+            s.observe(0, 0)                                        # an ar round: its time in the ledger
+    return gaps, due
+
+
 def test_exploring_probes_at_depth_one_and_backs_off():
     """While drafting does not pay, a probe round drafts depth 1 only, as every 16th round, then (each probe
-    rejected) every 32nd, 64th, ... (at most every 256th); once accepted probes' acceptance makes drafting pay,
+    rejected) every 32nd, 64th, ... (at most every 256th), each interval scaled by what a probe is expected to lose
+    at the running acceptance (near 0 here: most of it); once accepted probes' acceptance makes drafting pay,
     rounds draft by choice again and the interval is 16."""
     from speculant.engine.goodput import SequenceSpeculation
-    s = SequenceSpeculation(SWITCHING)
+    s = SequenceSpeculation(SWITCHING, loss_budget=0.5)           # (the loss budget apart: tested below)
     chain = lambda d: d                                            # noqa: E731  (a chain: d nodes at depth d)
     assert s.depth(4, chain) == 1                                  # the first round: depth 1, nothing known yet
     assert SequenceSpeculation(NEVER_PAYS).depth(4, chain) == 0    # ... where some depth could pay
     for _ in range(10):                                            # learn that the first depth fails
         s.observe(s.depth(4, chain) or 4, 0)
-    gaps, without = [], 0
-    for _ in range(1200):
-        d = s.depth(4, chain)
-        if d:
-            assert d == 1
-            gaps.append(without)
-            without = 0
-            s.observe(1, 0)
-        else:
-            without += 1
-    assert gaps[1:6] == [31, 63, 127, 255, 255], gaps              # rounds without drafts between two probes
+    gaps, due = _probe_gaps(s, chain, lambda k: 0)
+    assert [interval for interval, _ in due[:5]] == [32, 64, 128, 256, 256], due
+    assert gaps[1:6] == [scaled - 1 for _, scaled in due[:5]], (gaps, due)   # rounds without drafts between probes
+    assert all(0.85 * interval <= scaled <= interval for interval, scaled in due), due
     drafted = []
     for _ in range(2000):                                          # the drafts start being accepted
         d = s.depth(4, chain)
@@ -363,25 +375,30 @@ def test_exploring_probes_at_depth_one_and_backs_off():
 def test_probes_accepted_too_seldom_to_pay_back_off_too():
     """Every other probe accepted (the running acceptance never reaches the 0.6 that depth 1 needs under SWITCHING):
     the probes back off as if all were rejected (accepted ones used to keep the interval: a drafter right 30 % of
-    the time probed every 16 rounds for good)."""
+    the time probed every 16 rounds for good), each interval scaled down by what a probe near the break-even is
+    expected to lose (a fraction of a rejected one's)."""
     from speculant.engine.goodput import SequenceSpeculation
-    s = SequenceSpeculation(SWITCHING)
+    s = SequenceSpeculation(SWITCHING, loss_budget=0.5)           # (the loss budget apart: tested below)
     chain = lambda d: d                                            # noqa: E731
     for _ in range(10):                                            # learn that the first depth fails
         s.observe(s.depth(4, chain) or 4, 0)
-    gaps, without, probes = [], 0, 0
-    for _ in range(1200):
-        d = s.depth(4, chain)
-        if d:
-            gaps.append(without)
-            without = 0
-            s.observe(1, probes % 2)
-            probes += 1
-        else:
-            without += 1
-    assert s.acceptance.alpha(1) < 0.6 and gaps[1:6] == [31, 63, 127, 255, 255], gaps
+    gaps, due = _probe_gaps(s, chain, lambda k: k % 2, rounds=3000)
+    assert s.acceptance.alpha(1) < 0.6
+    assert [interval for interval, _ in due[:5]] == [32, 64, 128, 256, 256], due
+    assert gaps[1:6] == [scaled - 1 for _, scaled in due[:5]], (gaps, due)
+    assert all(scaled < 0.9 * interval for interval, scaled in due[4:]), due
 
 
+def test_a_probe_near_the_break_even_comes_sooner():
+    """The probe interval scales with the probe's expected loss ``cost(2) + c_1 - (1 + alpha_1) cost(1)`` over a
+    rejected probe's: under SWITCHING (0.6 to lose, 1.0 a token) at alpha_1 = 0.5 one sixth of the back-off's
+    interval, at 0 all of it, never below one round."""
+    from speculant.engine.goodput import DepthAcceptance, SequenceSpeculation
+    chain = lambda d: d                                            # noqa: E731
+    for alpha, want in ((0.0, 16), (0.5, 3), (0.59, 1), (0.9, 1)):
+        s = SequenceSpeculation(SWITCHING)
+        s.acceptance = DepthAcceptance(prior=alpha)
+        assert s.probe_interval(chain) == want, (alpha, s.probe_interval(chain))
 def _losing_run(loss_budget, rounds=1000):
     """A drafter whose drafts are never accepted under SWITCHING costs: returns the policy after ``rounds`` rounds,
     the number of probes, and the loss [s] once the first rounds (which draft on the prior) stopped drafting."""
@@ -622,7 +639,24 @@ def test_draft_figures_reproduce_the_calibration_rounds(model, monkeypatch):
     turns[:] = [[(2.0, 0, 0), (3.0, 1, 1), (2.0, 4, 4)]] * 3                 # a deep round cheaper than its rows
     assert figures() == (pytest.approx(0.4), 0.0)
     turns[:] = [[(2.0, 0, 0), (2.0, 0, 0), (2.0, 0, 0)]]                     # nothing drafted
-    assert figures() == (0.0, 0.0)
+    assert figures() is None
+
+
+def test_a_calibration_that_timed_nothing_is_not_kept_and_never_looks_free(model, monkeypatch):
+    """No turn drafted as asked (a loaded machine's budget ran out): the figure is not kept in the tune (measured
+    again next time), a sampled figure falls back to the greedy one, and a greedy one to a target step per draft
+    call (drafting never pays), never to ``(0, 0)`` (every draft free)."""
+    from types import SimpleNamespace
+
+    from speculant.engine import speculation
+    tune = SimpleNamespace(draft_ms={"x": 0.5, "x first": 0.75})
+    fake = SimpleNamespace(tune=tune)
+    monkeypatch.setattr(speculation, "measure_draft_seconds", lambda *a, **k: None)
+    monkeypatch.setattr(speculation, "forward_seconds", lambda m: {1: 0.002, 2: 0.0021})
+    assert speculation.draft_seconds(fake, None, None, "x", sampled=True) == (0.00075, 0.0005)
+    assert speculation.draft_seconds(fake, None, None, "y", sampled=True) == (0.002, 0.002)
+    assert speculation.draft_seconds(fake, None, None, "y") == (0.002, 0.002)
+    assert set(tune.draft_ms) == {"x", "x first"}
 
 
 # ------------------------------------------------------------------ (d) shadow chains of free drafts
@@ -703,3 +737,24 @@ def test_a_free_drafter_never_drafts_blind_and_one_never_right_never_drafts(mode
     assert toks == ar60 and right.blind == 0
     assert stats.ar_rounds == 1 and stats.speculated_rounds == stats.rounds - 1
     assert stats.accepted_tokens == stats.drafted_tokens
+
+
+def test_losses_of_rounds_drafted_by_choice_do_not_stop_the_probes():
+    """The loss budget counts the probes' losses: rounds that drafted by choice on the prior and lost (the first
+    ones) leave the generation's value far below the budget, yet the first probe comes after the back-off's 16
+    rounds (counting those losses, it came after hundreds: a head stopped probing for the rest of a generation)."""
+    from speculant.engine.goodput import SequenceSpeculation
+    s = SequenceSpeculation(SWITCHING)
+    chain = lambda d: d                                            # noqa: E731
+    d = s.depth(4, chain)
+    while d:                                                       # drafted by choice (and first), all rejected
+        assert not s._probing
+        s.observe(d, 0, d, d)
+        d = s.depth(4, chain)
+    s.observe(0, 0)
+    without = 1
+    while not s.depth(4, chain):
+        without += 1
+        s.observe(0, 0)
+    assert s._probing and without <= 16, without
+    assert s.ledger.saved + s.loss_budget * s.ledger.spent < 0.0      # what all the rounds lost: over the budget

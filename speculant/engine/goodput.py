@@ -33,6 +33,7 @@ beside it; the engine applies the policy to greedy sequences only (sampled ones 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass
 
@@ -209,10 +210,9 @@ class DepthAcceptance:
     seen to fail must not leave deeper drafts looking certain).  Two such means are kept per depth, of weights
     ``smoothing`` and ``smoothing * SLOW_SMOOTHING``, and the estimate is the larger: the fast one follows a drafter
     that starts being accepted (after failing probes, it recovers in a quarter of the rounds the slow one alone
-    needs); the slow one does not drop below the break-even on a run of rejections (a draft head accepted 41 % of
-    the time, where 25 % paid, had its fast estimate below 25 % in two rounds of three and stopped drafting in them:
-    BENCHMARKS.md BJ).  Updated from accepted lengths only (no timing), so
-    a choice made from it is the same whenever the tokens are.  (The bias-corrected mean without the floor, weight
+    needs); the slow one does not drop below the break-even on a run of rejections (a draft head's fast estimate
+    spread so far around an acceptance that pays that it stopped drafting in most rounds: BENCHMARKS.md BJ).
+    Updated from accepted lengths only (no timing), so a choice made from it is the same whenever the tokens are.  (The bias-corrected mean without the floor, weight
     ``1 / (n + 1)`` all along, stopped prompt lookup's drafting after short runs of misses: τ 1.70 -> 1.57 on
     Spec-Bench, BENCHMARKS.md AJ.)
 
@@ -307,10 +307,12 @@ class CostTable:
 class Ledger:
     """What a generation's drafting rounds saved against ``ar`` rounds and what all its rounds took, valued from the
     cost tables [s]: the loss budget of :class:`SequenceSpeculation`, shared by all of a generation's round contexts
-    (so that probing in several contexts loses no more than probing in one)."""
+    (so that probing in several contexts loses no more than probing in one); ``probed``: the part of ``saved``
+    that probe rounds saved."""
 
     saved: float = 0.0
     spent: float = 0.0
+    probed: float = 0.0
 
 
 class SequenceSpeculation:
@@ -321,7 +323,7 @@ class SequenceSpeculation:
     The first round drafts depth 1 only where some depth could pay (no acceptance is known yet: one draft
     measures the first depth's, on which every deeper one rests, at the least cost).  Exploring keeps the
     acceptance current while no depth pays: after ``explore_every`` rounds in a row without
-    drafts one round *probes* at depth 1 (the cheapest round that measures the first depth's acceptance, on which
+    drafts (fewer near the break-even, :meth:`probe_interval`) one round *probes* at depth 1 (the cheapest round that measures the first depth's acceptance, on which
     every deeper depth's value rests), unless no depth could pay even if every draft were accepted
     (:meth:`could_pay`).  Each probe after which drafting still does not pay (its draft rejected, or accepted
     without lifting the running acceptance to where some depth pays) doubles the interval, up to
@@ -331,9 +333,10 @@ class SequenceSpeculation:
 
     A loss budget bounds what exploring can lose: every round is valued from the cost table, a drafting round by
     the time it saved against ``ar`` rounds emitting its tokens (``(1 + accepted) cost(1) - cost(1 + nodes) -
-    drafting``, negative when its drafts did not pay), and no probe is made while the sum of those values is below
-    ``-loss_budget`` times the table's time of all rounds so far: a drafter whose probes keep failing costs the
-    generation about that share, and one that pays earns room to explore.  Rounds that draft by choice are not held
+    drafting``, negative when its drafts did not pay), and no probe is made while the sum of the probes' values
+    (plus that of the rounds drafted by choice where it is positive) is below ``-loss_budget`` times the table's time
+    of all rounds so far: a drafter whose probes keep failing costs the generation about that share beyond what its
+    rounds drafted by choice lost, and one that pays earns room to explore.  Rounds that draft by choice are not held
     back (gating them too stopped prompt lookup between its bursts of matches: τ 1.40 -> 1.22 on Spec-Bench).
     Counts and fixed costs only: deterministic given the tokens.
 
@@ -345,7 +348,7 @@ class SequenceSpeculation:
     """
 
     def __init__(self, costs: CostTable, explore_every: int = 16, smoothing: float = 0.2,
-                 max_explore_every: int = 256, loss_budget: float = 0.01, ledger: "Ledger | None" = None,
+                 max_explore_every: int = 256, loss_budget: float = 0.005, ledger: "Ledger | None" = None,
                  prior: float = 1.0):
         if explore_every < 1 or max_explore_every < explore_every:
             raise SpeculantError(f"explore_every={explore_every}, max_explore_every={max_explore_every} are out of "
@@ -369,8 +372,11 @@ class SequenceSpeculation:
                                        first_draft_seconds=c.first_draft_seconds)
 
     def within_budget(self) -> bool:
-        """Whether drafting has lost less than ``loss_budget`` of the rounds' time so far."""
-        return self.ledger.saved + self.loss_budget * self.ledger.spent >= 0.0
+        """Whether the probes have lost less than ``loss_budget`` of the rounds' time so far plus what the rounds
+        that drafted by choice saved (their losses are not the probes': a head whose first rounds drafted on the
+        prior and lost made no probe for the rest of the generation, in rounds that would have paid)."""
+        by_choice = self.ledger.saved - self.ledger.probed
+        return self.ledger.probed + max(by_choice, 0.0) + self.loss_budget * self.ledger.spent >= 0.0
 
     def depth(self, max_depth: int, nodes_at_depth, free: bool = False) -> int:
         """The next round's depth bound (0: an ``ar`` round).  ``free``: the drafter's chain in this round is known
@@ -390,7 +396,7 @@ class SequenceSpeculation:
         d = self._depth(max_depth, nodes_at_depth, self.acceptance)
         if d == 0 and self.could_pay(max_depth, nodes_at_depth):
             self._without += 1
-            if self._without >= self.interval and self.within_budget():
+            if self._without >= self.probe_interval(nodes_at_depth) and self.within_budget():
                 self._without = 0
                 self._probing = True
                 return 1
@@ -398,6 +404,20 @@ class SequenceSpeculation:
             self._without = 0
             self.interval = self.explore_every
         return d
+
+    def probe_interval(self, nodes_at_depth) -> int:
+        """Rounds without drafts before the next probe: :attr:`interval` times what a depth-1 probe is expected to
+        lose at the current estimate (``cost(1 + n_1) + c_1 - (1 + alpha_1) cost(1)``), over what it loses if
+        rejected (``alpha_1 = 0``), at least 1 [rounds].  Near the break-even a probe costs next to nothing and the
+        estimate, updated by drafting rounds only, is stale (it stopped drafting on a run of rejections, and the
+        rounds it then leaves without drafts would have paid: BENCHMARKS.md BJ).  Far below it, the interval is
+        the back-off's."""
+        cost = self.policy.cost
+        lose = cost(1 + nodes_at_depth(1)) + self.costs.drafting_seconds(1) - cost(1)
+        if lose <= 0.0:
+            return 1
+        expected = max(lose - self.acceptance.alpha(1) * cost(1), 0.0)
+        return max(1, math.ceil(self.interval * expected / lose))
 
     def could_pay(self, max_depth: int, nodes_at_depth) -> bool:
         """Whether some depth would pay if every drafted token were accepted (else exploring is useless: drafts
@@ -452,7 +472,10 @@ class SequenceSpeculation:
         seconds = cost(1 + nodes) + self.costs.drafting_seconds(calls) + extra_seconds
         self.ledger.spent += seconds
         if calls or nodes:
-            self.ledger.saved += (1 + accepted) * cost(1) - seconds
+            value = (1 + accepted) * cost(1) - seconds
+            self.ledger.saved += value
+            if self._probing:
+                self.ledger.probed += value
 
 
 _ALWAYS = DepthAcceptance(prior=1.0)

@@ -121,11 +121,20 @@ def draft_seconds(model, drafter, builder: TreeBuilder, signature: str, sampled:
     """What a round's first draft call adds to it (with all a drafting round pays beyond its forward) and what each
     further one adds, for ``drafter`` on ``model`` [s]: ``model.tune.draft_ms[signature + FIRST]`` and ``[signature]``
     (``sampled``: ``signature + SAMPLED``, measured at temperature) if measured, else :func:`measure_draft_seconds`,
-    then kept there (and saved with the tune)."""
+    then kept there (and saved with the tune).  A measurement that timed nothing is not kept: the sampled figures
+    are then the greedy ones, and greedy ones a target step per call (drafting never pays; a kept ``(0, 0)`` made
+    every draft look free: RSD-C at T = 1 drafted in 42 % of its rounds and ran at 0.84-0.91 of ``ar``,
+    BENCHMARKS.md BJ)."""
     tune = model.tune
     key = signature + (SAMPLED if sampled else "")
     if key not in tune.draft_ms or key + FIRST not in tune.draft_ms:
-        first, further = measure_draft_seconds(model, drafter, builder, sampled=sampled)
+        figures = measure_draft_seconds(model, drafter, builder, sampled=sampled)
+        if figures is None:         # nothing timed as asked (e.g. a loaded machine's budget ran out): not kept
+            if sampled:
+                return draft_seconds(model, drafter, builder, signature)
+            step = (forward_seconds(model) or {1: 0.0})[1]
+            return step, step       # a draft call at a target step's cost: drafting never pays until measured
+        first, further = figures
         tune.draft_ms[key], tune.draft_ms[key + FIRST] = round(further * 1e3, 6), round(first * 1e3, 6)
         from ..runtime import tune as tune_module
         tune_module.save(tune)
@@ -135,7 +144,7 @@ def draft_seconds(model, drafter, builder: TreeBuilder, signature: str, sampled:
 def measure_draft_seconds(model, drafter, builder: TreeBuilder, tokens: int = CALIBRATION_TOKENS,
                           repeats: int = 3, budget: float = CALIBRATION_SECONDS,
                           sampled: bool = False, forward: dict[int, float] | None = None,
-                          context: int = CALIBRATION_CONTEXT) -> tuple[float, float]:
+                          context: int = CALIBRATION_CONTEXT) -> tuple[float, float] | None:
     """What a round's drafting costs in decoding, on the scale of the target's forward table ``forward``
     (default :func:`forward_seconds`): generations of ``tokens`` tokens (EOS ignored) from a prompt of ``context``
     random tokens and a 24-token random pattern said twice (so that prompt lookup finds continuations), greedy, or
@@ -156,12 +165,12 @@ def measure_draft_seconds(model, drafter, builder: TreeBuilder, tokens: int = CA
 
     A depth-``d`` round of the cost model then costs what such rounds took beside this drafter's ``ar`` rounds (a
     draft call timed alone, against a kept table, predicted a depth-1 round at 1.19 ``ar`` rounds where it took
-    1.39-1.50, BENCHMARKS.md BB).  Returns ``(first, further)`` [s], each at least 0; ``(0, 0)`` if no turn drafted
+    1.39-1.50, BENCHMARKS.md BB).  Returns ``(first, further)`` [s], each at least 0; ``None`` if no turn drafted
     as asked or without a forward table.  ~2 s for SmolLM2-135M on 2 cores in ``w4a8``."""
     from ..sampling import SamplingConfig
     forward = forward or forward_seconds(model)
     if not forward:
-        return 0.0, 0.0
+        return None
     cost = GoodputPolicy(forward).cost
     vocab = model.config.vocab_size
     context = max(0, min(context, model.config.context_length - 48 - tokens - builder.budget() - 2))
@@ -175,7 +184,7 @@ def measure_draft_seconds(model, drafter, builder: TreeBuilder, tokens: int = CA
         if turns:
             break
     else:
-        return 0.0, 0.0
+        return None
     u = cost(1)
 
     def figure(k: int) -> tuple[float, float, float]:
