@@ -32,6 +32,7 @@ generator drafts as ``always`` does unless given a :class:`~speculant.engine.goo
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
@@ -128,7 +129,11 @@ def draft_seconds(model, drafter, builder: TreeBuilder, signature: str, sampled:
     tune = model.tune
     key = signature + (SAMPLED if sampled else "")
     if key not in tune.draft_ms or key + FIRST not in tune.draft_ms:
+        print(f"speculant: timing the draft calls of {signature}{' (sampled)' if sampled else ''} on this machine "
+              "(once; kept with the tune) ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
         figures = measure_draft_seconds(model, drafter, builder, sampled=sampled)
+        print(f"speculant: draft calls timed in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
         if figures is None:         # nothing timed as asked (e.g. a loaded machine's budget ran out): not kept
             if sampled:
                 return draft_seconds(model, drafter, builder, signature)
