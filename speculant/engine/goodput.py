@@ -212,9 +212,9 @@ class DepthAcceptance:
     that starts being accepted (after failing probes, it recovers in a quarter of the rounds the slow one alone
     needs); the slow one does not drop below the break-even on a run of rejections (a draft head's fast estimate
     spread so far around an acceptance that pays that it stopped drafting in most rounds: BENCHMARKS.md BJ).
-    Updated from accepted lengths only (no timing), so a choice made from it is the same whenever the tokens are.  (The bias-corrected mean without the floor, weight
-    ``1 / (n + 1)`` all along, stopped prompt lookup's drafting after short runs of misses: τ 1.70 -> 1.57 on
-    Spec-Bench, BENCHMARKS.md AJ.)
+    Updated from accepted lengths only (no timing), so a choice made from it is the same whenever the tokens are.
+    (The bias-corrected mean without the floor, weight ``1 / (n + 1)`` all along, stopped prompt lookup's drafting
+    after short runs of misses: τ 1.70 -> 1.57 on Spec-Bench, BENCHMARKS.md AJ.)
 
     Raises:
         SpeculantError: ``smoothing`` outside (0, 1] or ``prior`` outside [0, 1].
@@ -322,10 +322,10 @@ class SequenceSpeculation:
 
     The first round drafts depth 1 only where some depth could pay (no acceptance is known yet: one draft
     measures the first depth's, on which every deeper one rests, at the least cost).  Exploring keeps the
-    acceptance current while no depth pays: after ``explore_every`` rounds in a row without
-    drafts (fewer near the break-even, :meth:`probe_interval`) one round *probes* at depth 1 (the cheapest round that measures the first depth's acceptance, on which
-    every deeper depth's value rests), unless no depth could pay even if every draft were accepted
-    (:meth:`could_pay`).  Each probe after which drafting still does not pay (its draft rejected, or accepted
+    acceptance current while no depth pays: after ``explore_every`` rounds in a row without drafts (fewer near the
+    break-even, :meth:`probe_interval`) one round *probes* at depth 1 (the cheapest round that measures the first
+    depth's acceptance, on which every deeper depth's value rests), unless no depth could pay even if every draft
+    were accepted (:meth:`could_pay`).  Each probe after which drafting still does not pay (its draft rejected, or accepted
     without lifting the running acceptance to where some depth pays) doubles the interval, up to
     ``max_explore_every`` (exponential back-off: a drafter that keeps failing, or succeeds too seldom to pay, costs a
     vanishing share of the rounds); a round that drafts by choice (the probes' acceptance made drafting pay) resets

@@ -257,15 +257,14 @@ def build_generator(model: LoadedModel, spec: MethodSpec | None = None, costs: C
     if spec.speculation != "cost":
         costs = sampled_costs = None
     elif costs is None:
-        # eagle-lookup: the head's rounds cost what the head's draft calls cost (the plain head drafter's figures,
-        # shared with eagle: a calibration of the mixed drafter times mostly copies), copying rounds prompt lookup's
-        head, signature = drafter, drafter_signature(spec)
+        head, signature, lookup = drafter, drafter_signature(spec), None
         if spec.method == "eagle-lookup":
-            head = drafter.head_drafter
+            # the head's rounds cost what the head's draft calls cost (the plain head drafter's figures, shared with
+            # eagle: a calibration of the mixed drafter times mostly copies), copying rounds prompt lookup's
+            head, lookup = drafter.head_drafter, lookup_costs(model, spec)
             signature = drafter_signature(replace(spec, method="eagle", max_ngram=None, min_ngram=None))
         costs = cost_table(model, head, builder, signature)
         if costs is not None:
-            lookup = lookup_costs(model, spec) if spec.method == "eagle-lookup" else None
             if lookup is not None:
                 drafter.lookup_seconds = {True: lookup(False), False: (0.0, 0.0)}
 
