@@ -212,8 +212,8 @@ def calibration_turns(model, drafter, builder: TreeBuilder, depths: tuple[int, .
                       repeats: int, budget: float, sampling) -> list[list[tuple[float, int, int]]]:
     """The turns of :func:`measure_draft_seconds`: :func:`timed_rounds` of a warm-up generation of ``tokens // 4``
     tokens and then of up to ``repeats`` of ``tokens``, all within ``budget`` seconds (the warm-up within a quarter
-    of it; a generation stops at the round that ends past it: a slow weight format, e.g. eager float32, is timed
-    over fewer rounds), cut into turns of ``len(depths)`` rounds; only the turns whose every round drafted as asked
+    of it, the timed generations after it whatever it took; a generation stops at the round that ends past its
+    deadline: a slow weight format, e.g. eager float32, is timed over fewer rounds), cut into turns of ``len(depths)`` rounds; only the turns whose every round drafted as asked
     (an ``ar`` round, then rounds that drafted)."""
     turns = []
     start = time.perf_counter()
@@ -223,8 +223,8 @@ def calibration_turns(model, drafter, builder: TreeBuilder, depths: tuple[int, .
                               sampling, deadline)
         if rep:
             turns += [rounds[i:i + len(depths)] for i in range(0, len(rounds) - len(depths) + 1, len(depths))]
-        if time.perf_counter() >= deadline:
-            break
+            if time.perf_counter() >= deadline:
+                break
     return [t for t in turns if t[0][1] == 0 and all(r[1] > 0 for r in t[1:])]
 
 
