@@ -400,6 +400,107 @@ def test_a_probe_near_the_break_even_comes_sooner():
         s = SequenceSpeculation(SWITCHING)
         s.acceptance = DepthAcceptance(prior=alpha)
         assert s.probe_interval(chain) == want, (alpha, s.probe_interval(chain))
+BREAK_EVEN_20 = CostTable({1: 1.0, 2: 1.05, 4: 1.15, 8: 1.35, 16: 1.75}, 0.15)
+"""A depth-1 round pays from an acceptance of 0.2 (``cost(2) + c_1 = 1.2`` target steps), as a draft head's does."""
+
+
+def _depth_one_rounds(pattern, rounds, explores=True, history=0.4):
+    """Rounds of at most depth 1 under BREAK_EVEN_20 whose ``k``-th draft is accepted when ``pattern(k)``, from an
+    acceptance of ``history`` in earlier generations: the drafts made and the share of the rounds' time they saved
+    (the cost table's)."""
+    from speculant.engine.goodput import DepthAcceptance, SequenceSpeculation
+    s = SequenceSpeculation(BREAK_EVEN_20, acceptance=DepthAcceptance.from_history(DepthAcceptance(prior=history), 8))
+    if not explores:
+        s.explores = lambda *a, **k: False
+    drafted = 0
+    for _ in range(rounds):
+        if s.depth(1, lambda d: d):
+            s.observe(1, int(pattern(drafted)), 1, 1)
+            drafted += 1
+        else:
+            s.observe(0, 0)
+    return drafted, s.ledger.saved / s.ledger.spent
+
+
+def test_a_drafter_rejected_at_first_keeps_drafting_while_one_acceptance_would_make_it_pay():
+    """Ten drafts rejected, then two of every five accepted (a draft head's first rounds of an answer are accepted
+    less), from a history of 0.4: the estimate after the ten (0.18) is below the break-even (0.2), but one accepted
+    draft would lift the slow mean past it, so the rounds keep drafting (the knowledge gradient) and save nearly what
+    drafting every round saves; without that rule, the rounds stop at the tenth rejection and save less.  A drafter
+    accepted one time in ten stops nonetheless (one acceptance no longer lifts its slow mean past 0.2), at a small
+    loss (under 1 % of the time)."""
+    forty = lambda k: k >= 10 and k % 5 in (0, 3)                   # noqa: E731
+    drafted, saved = _depth_one_rounds(forty, 200)
+    assert drafted == 200 and saved > 0.12
+    drafted_before, saved_before = _depth_one_rounds(forty, 200, explores=False)
+    assert drafted_before < 190 and saved_before < saved - 0.02      # the premise: the rule was needed
+    drafted, saved = _depth_one_rounds(lambda k: k % 10 == 9, 1000)
+    assert drafted < 60 and saved > -0.01
+
+
+def test_exploring_weighs_the_rounds_left():
+    """The same state explores with many tokens left and not with one (the information pays over the rounds left),
+    and not before the estimate has 8 observations (a few from the uninformed prior are no belief to explore on)."""
+    from speculant.engine.goodput import DepthAcceptance, SequenceSpeculation
+    s = SequenceSpeculation(BREAK_EVEN_20, acceptance=DepthAcceptance.from_history(DepthAcceptance(prior=0.2), 8))
+    s.acceptance.observe_at(1, False)
+    assert s._depth(1, lambda d: d, s.acceptance) == 0
+    assert s.explores(lambda d: d, horizon=100) and not s.explores(lambda d: d, horizon=1)
+    fresh = SequenceSpeculation(BREAK_EVEN_20)
+    assert not fresh.explores(lambda d: d)                                  # nothing observed: the first round's rule
+    for _ in range(5):
+        fresh.acceptance.observe_at(1, False)
+    assert fresh.acceptance.alpha(1) < 0.2 < fresh.acceptance.slow_after(1, True)
+    assert not fresh.explores(lambda d: d, horizon=100)                     # 6 observations, the prior's included
+
+
+def test_a_history_of_forty_percent_rides_out_five_rejections():
+    """A generation's estimate from earlier generations' (0.4, counted as 8 observations): five rejections leave 0.25
+    at depth 1, above BREAK_EVEN_20's 0.2 (from the uninformed prior they leave 1/6); rounds are sized from it at
+    once (no first-round draft on certainty)."""
+    from speculant.engine.goodput import DepthAcceptance, SequenceSpeculation
+    history = DepthAcceptance(0.02, prior=0.4)
+    history.observe_at(1, True)
+    history.observe_at(1, False)                               # (0.4 + 1 + 0) / 3 ... then a depth-2 observation
+    history.observe_at(2, False)
+    start = DepthAcceptance.from_history(history, 8)
+    assert start.alphas == history.alphas and start.counts == [8, 8]
+    for _ in range(5):
+        start.observe_at(1, False)
+    assert start.alpha(1) == pytest.approx(history.alpha(1) * 8 / 13)
+    s = SequenceSpeculation(BREAK_EVEN_20, acceptance=DepthAcceptance.from_history(DepthAcceptance(prior=0.05), 8))
+    assert s.depth(1, lambda d: d) == 0                        # a history that does not pay: no first-round draft
+
+
+def test_a_greedy_generation_starts_from_the_acceptance_of_the_earlier_ones(model):
+    """The generator keeps each round context's long-run acceptance over its greedy generations; the next greedy
+    generation starts from it: a drafter that is never right drafts only its probes the second time (not the first
+    rounds that learnt it), and outputs stay ``ar``'s."""
+    ar60 = run(build_generator(model, method="ar"), n=60)[0]
+    gen = SpeculativeGenerator(model, OracleDrafter(PROMPT, ar60, wrong=True), ChainBuilder(4), costs=SWITCHING)
+    toks, first = run(gen, n=60)
+    assert toks == ar60 and set(gen.acceptance_history) == {None}
+    assert gen.acceptance_history[None].alpha(1) < 0.5
+    toks, second = run(gen, n=60)
+    assert toks == ar60 and second.speculated_rounds < first.speculated_rounds, (first, second)
+
+
+def test_sampled_generations_neither_use_nor_change_the_history(model):
+    """A seeded sampled output must not depend on what the generator ran before (a round without drafts draws its
+    random numbers in another order): sampled generations start from the uninformed prior and leave the greedy
+    generations' history as it was."""
+    gen = build_generator(model, costs=SWITCHING, **SPECS["early-exit"])
+    sampling = SamplingConfig(temperature=1.0, seed=11)
+    before = run(gen, sampling=sampling)[0]
+    assert gen.acceptance_history == {}
+    run(gen)
+    run(gen)
+    kept = {c: (a.fast, a.slow, a.counts) for c, a in gen.acceptance_history.items()}
+    assert kept
+    assert run(gen, sampling=sampling)[0] == before
+    assert {c: (a.fast, a.slow, a.counts) for c, a in gen.acceptance_history.items()} == kept
+
+
 def _losing_run(loss_budget, rounds=1000):
     """A drafter whose drafts are never accepted under SWITCHING costs: returns the policy after ``rounds`` rounds,
     the number of probes, and the loss [s] once the first rounds (which draft on the prior) stopped drafting."""

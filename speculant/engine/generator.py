@@ -141,6 +141,7 @@ class SpeculativeGenerator:
         self.verification = verification
         self.costs = costs if builder is not None else None
         self._sampled_costs = (costs if sampled_costs is None else sampled_costs) if builder is not None else None
+        self.acceptance_history: dict = {}     # greedy generations' long-run acceptance per round context
         self.last_result: GenerationResult | None = None
 
     # ---------------------------------------------------------------- prompts
@@ -216,7 +217,8 @@ class SpeculativeGenerator:
             return None
         return RoundSizer(costs, builder, self.drafter.capabilities.draft_confidence,
                           lambda context: self.drafter.round_costs(state, context, costs),
-                          lambda context: self.drafter.round_extra_seconds(state, context))
+                          lambda context: self.drafter.round_extra_seconds(state, context),
+                          self.acceptance_history if state.sampling.greedy else None)
 
     @torch.inference_mode()
     def _prefill(self, prompt_ids, sampling, cache_length, generator, stats, t0, controls=None) -> DecodingState:
@@ -239,7 +241,8 @@ class SpeculativeGenerator:
         if sizer is not None:
             sizer.resolve_shadow(state.tokens)
             free = self.drafter.free_draft(state, context, max_depth) if max_depth else None
-            asked, max_depth = max_depth, sizer.depth(state, max_depth, context, free is not None)
+            asked, max_depth = max_depth, sizer.depth(state, max_depth, context, free is not None,
+                                                          remaining)
             if asked and not max_depth:          # the chain a free draft gives, checked against what is emitted
                 sizer.shadow(context, free, len(state.tokens))
         t0, forwards = time.perf_counter(), state.draft_forwards

@@ -195,6 +195,11 @@ class GoodputPolicy:
         self.overhead_seconds_per_sequence += self.smoothing * (o - self.overhead_seconds_per_sequence)
 
 
+EXPLORE_AFTER = 8
+"""Observations of the first depth's acceptance (a history's included) before :meth:`SequenceSpeculation.explores`
+trusts its slow mean as a belief: from the uninformed prior (certainty, counted as one), two rejections leave a plain
+mean of 1/3 that one acceptance would lift to 1/2, and exploring on it cost early exit and RSD-C 0.4-0.5 % of their
+time at T = 1 (BENCHMARKS.md BK)."""
 SLOW_SMOOTHING = 0.25
 """The slow running mean's weight, as a share of the fast one's (:class:`DepthAcceptance`)."""
 
@@ -257,6 +262,23 @@ class DepthAcceptance:
         n, x = self.counts[depth - 1], float(accepted)
         self.fast[depth - 1] += max(1.0 / n, self.smoothing) * (x - self.fast[depth - 1])
         self.slow[depth - 1] += max(1.0 / n, self.slow_smoothing) * (x - self.slow[depth - 1])
+
+    @classmethod
+    def from_history(cls, history: "DepthAcceptance", weight: int, smoothing: float = 0.2) -> "DepthAcceptance":
+        """A generation's acceptance starting from ``history`` (the long-run estimate per depth of earlier
+        generations, :class:`~speculant.engine.speculation.RoundSizer`), each depth's counted as ``weight``
+        observations: a few rejections at the start of an answer no longer take it below the break-even (five took a
+        head accepted 40 % of the time from certainty to 1/6; from a history of 0.4 at weight 8 they leave 0.25)."""
+        alphas = history.alphas or [history.prior]
+        out = cls(smoothing, alphas[0])
+        out.fast, out.slow, out.counts = list(alphas), list(alphas), [weight] * len(alphas)
+        return out
+
+    def slow_after(self, depth: int, accepted: bool) -> float:
+        """The slow running mean of ``alpha_depth`` after one more observation ``accepted`` (nothing changed)."""
+        d = min(depth, len(self.slow))
+        slow, n = (self.slow[d - 1], self.counts[d - 1] + 1) if d else (self.prior, 2)
+        return slow + max(1.0 / n, self.slow_smoothing) * (float(accepted) - slow)
 
     @property
     def informed(self) -> bool:
@@ -340,7 +362,9 @@ class SequenceSpeculation:
     back (gating them too stopped prompt lookup between its bursts of matches: τ 1.40 -> 1.22 on Spec-Bench).
     Counts and fixed costs only: deterministic given the tokens.
 
-    ``prior``: the acceptance per depth assumed before any is observed (:class:`DepthAcceptance`'s).
+    ``prior``: the acceptance per depth assumed before any is observed (:class:`DepthAcceptance`'s);
+    ``acceptance``: the estimate to start from instead (e.g. :meth:`DepthAcceptance.from_history`): the rounds are
+    then sized from it from the first (no first-round draft).
 
     Raises:
         SpeculantError: ``explore_every < 1``, ``max_explore_every < explore_every`` or ``loss_budget`` outside
@@ -349,7 +373,7 @@ class SequenceSpeculation:
 
     def __init__(self, costs: CostTable, explore_every: int = 16, smoothing: float = 0.2,
                  max_explore_every: int = 256, loss_budget: float = 0.005, ledger: "Ledger | None" = None,
-                 prior: float = 1.0):
+                 prior: float = 1.0, acceptance: DepthAcceptance | None = None):
         if explore_every < 1 or max_explore_every < explore_every:
             raise SpeculantError(f"explore_every={explore_every}, max_explore_every={max_explore_every} are out of "
                                  "range; allowed: 1 <= explore_every <= max_explore_every")
@@ -357,13 +381,13 @@ class SequenceSpeculation:
             raise SpeculantError(f"loss_budget={loss_budget} is out of range; allowed: [0, 1)")
         self.costs, self.explore_every, self.max_explore_every = costs, explore_every, max_explore_every
         self.policy = GoodputPolicy(costs.forward_seconds, warmup=0, explore_every=explore_every)
-        self.acceptance = DepthAcceptance(smoothing, prior)
+        self.acceptance = acceptance if acceptance is not None else DepthAcceptance(smoothing, prior)
         self.interval = explore_every        # rounds without drafts before the next probe [count]
         self.loss_budget = loss_budget
         self.ledger = ledger if ledger is not None else Ledger()    # shared by a generation's round contexts
         self._without = 0
         self._probing = False                # the last depth returned was a probe's
-        self._first = True                   # no round sized yet
+        self._first = acceptance is None     # no round sized yet (an estimate given: sized from it)
         self._sizing = None                  # the last depth()'s (max_depth, nodes_at_depth)
 
     def _depth(self, max_depth: int, nodes_at_depth, acceptance) -> int:
@@ -378,10 +402,11 @@ class SequenceSpeculation:
         by_choice = self.ledger.saved - self.ledger.probed
         return self.ledger.probed + max(by_choice, 0.0) + self.loss_budget * self.ledger.spent >= 0.0
 
-    def depth(self, max_depth: int, nodes_at_depth, free: bool = False) -> int:
+    def depth(self, max_depth: int, nodes_at_depth, free: bool = False, horizon: float = math.inf) -> int:
         """The next round's depth bound (0: an ``ar`` round).  ``free``: the drafter's chain in this round is known
         without drafting (:meth:`observe_shadow` learns its acceptance from the tokens then emitted), so nothing is
-        drafted to learn it: no first-round draft, and none while the estimate is the uninformed prior."""
+        drafted to learn it: no first-round draft, and none while the estimate is the uninformed prior.
+        ``horizon``: the tokens the sequence may still emit (:meth:`explores`)."""
         self._probing = False
         if max_depth < 1:
             return 0
@@ -394,6 +419,8 @@ class SequenceSpeculation:
             if not free:
                 return 1 if self.could_pay(max_depth, nodes_at_depth) and self.within_budget() else 0
         d = self._depth(max_depth, nodes_at_depth, self.acceptance)
+        if d == 0 and not free and self.explores(nodes_at_depth, horizon):
+            d = 1
         if d == 0 and self.could_pay(max_depth, nodes_at_depth):
             self._without += 1
             if self._without >= self.probe_interval(nodes_at_depth) and self.within_budget():
@@ -404,6 +431,29 @@ class SequenceSpeculation:
             self._without = 0
             self.interval = self.explore_every
         return d
+
+    def explores(self, nodes_at_depth, horizon: float = math.inf) -> bool:
+        """Whether a depth-1 round that is not expected to pay is worth its information (the knowledge gradient of
+        one observation, Frazier et al. 2008, for a Bernoulli arm against the known ``ar`` arm): if its draft is
+        accepted (probability ``alpha_1``), the slow running mean rises to ``up`` (:meth:`DepthAcceptance.slow_after`)
+        and, where drafting then pays, each of the ``horizon / (1 + up)`` rounds left saves ``s(up)``; the round is
+        drafted when ``alpha_1 * s(up) * horizon / (1 + up)`` exceeds what it is expected to lose now, ``-s(alpha_1)``,
+        with ``s(a) = (1 + a) cost(1) - cost(1 + n_1) - c_1`` the seconds a depth-1 round saves against ``ar`` rounds
+        [s].  The slow mean, not the fast one: a single acceptance lifts the fast mean by a fifth of the way to 1, which
+        would keep a drafter accepted 10 % of the time drafting at a break-even of 20 %.  A draft head's first rounds
+        of an answer are accepted less (33 % in the first 10 rounds against 43 % later, on SmolLM2) and five rejected
+        in a row left its estimate below the break-even for the rest of the answer, its probes then held back by the
+        loss budget (BENCHMARKS.md BK); once one acceptance no longer lifts the slow mean past the break-even, the
+        probes of :meth:`depth` take over.  Deterministic given the tokens."""
+        if not self.acceptance.slow or self.acceptance.counts[0] < EXPLORE_AFTER:
+            return False
+        cost, n1 = self.policy.cost, nodes_at_depth(1)
+
+        def saving(a: float) -> float:
+            return (1.0 + a) * cost(1) - cost(1 + n1) - self.costs.drafting_seconds(1)
+        alpha, up = self.acceptance.alpha(1), self.acceptance.slow_after(1, True)
+        gain = saving(up)
+        return gain > 0.0 and alpha * gain * horizon / (1.0 + up) > -saving(alpha)
 
     def probe_interval(self, nodes_at_depth) -> int:
         """Rounds without drafts before the next probe: :attr:`interval` times what a depth-1 probe is expected to

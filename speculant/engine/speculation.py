@@ -31,6 +31,7 @@ generator drafts as ``always`` does unless given a :class:`~speculant.engine.goo
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -112,6 +113,10 @@ def monotone(table: dict[int, float]) -> dict[int, float]:
     return dict(sorted(out.items()))
 
 
+HISTORY_WEIGHT = 8
+"""Observations a generation's starting estimate from earlier generations counts as (:class:`RoundSizer`)."""
+HISTORY_SMOOTHING = 0.02
+"""Weight of a new observation in the long-run acceptance kept across generations (:class:`RoundSizer`)."""
 SAMPLED = " sampled"
 """Suffix of a drafter signature in ``draft_ms`` for the figure measured at temperature 1 (:func:`draft_seconds`)."""
 FIRST = " first"
@@ -235,7 +240,7 @@ class CyclingDepth:
     def __init__(self, depths: tuple[int, ...]):
         self.depths, self.asked = depths, 0
 
-    def depth(self, state, max_depth: int, context=None, free: bool = False) -> int:
+    def depth(self, state, max_depth: int, context=None, free: bool = False, horizon: float = math.inf) -> int:
         d = min(self.depths[self.asked % len(self.depths)], max_depth)
         self.asked += 1
         state.draft_stop = None
@@ -306,7 +311,10 @@ class RoundSizer:
     drafting (and, for a drafter with draft confidence, ``state.draft_stop`` set), :meth:`observe` after its
     acceptance."""
 
-    def __init__(self, costs: CostTable, builder: TreeBuilder, confidence: bool, costs_of=None, extra_of=None):
+    def __init__(self, costs: CostTable, builder: TreeBuilder, confidence: bool, costs_of=None, extra_of=None,
+                 history: dict | None = None):
+        self.history = history                                  # {context: DepthAcceptance} of earlier generations
+        self.context = None                                     # the last depth()'s round context
         self.costs_of = costs_of or (lambda context: costs)     # a context's own table (Drafter.round_costs)
         self.extra_of = extra_of                                # the round's extra seconds (round_extra_seconds)
         self.extra = 0.0
@@ -321,17 +329,24 @@ class RoundSizer:
         if context not in self.contexts:
             if not self.contexts:
                 self.ledger = Ledger()
+            past = self.history.get(context) if self.history is not None else None
+            start = DepthAcceptance.from_history(past, HISTORY_WEIGHT) if past is not None and past.fast else None
             self.contexts[context] = SequenceSpeculation(self.costs_of(context), ledger=self.ledger,
-                                                         prior=self.pooled.alpha(1))
+                                                         prior=self.pooled.alpha(1), acceptance=start)
         return self.contexts[context]
 
-    def depth(self, state, max_depth: int, context=None, free: bool = False) -> int:
+    def _remember(self, context, depth: int, accepted: bool) -> None:
+        """One observation of ``alpha_depth`` in ``context``, kept for later generations (with a history)."""
+        if self.history is not None:
+            self.history.setdefault(context, DepthAcceptance(HISTORY_SMOOTHING)).observe_at(depth, accepted)
+
+    def depth(self, state, max_depth: int, context=None, free: bool = False, horizon: float = math.inf) -> int:
         """The round's depth bound in ``0 .. max_depth`` (0: an ``ar`` round) in round context ``context``; sets
         ``state.draft_stop``.  ``free``: the drafter's chain is known without drafting (its acceptance is learnt
-        from :meth:`shadow` chains)."""
-        self.speculation = self._of(context)
+        from :meth:`shadow` chains).  ``horizon``: tokens the sequence may still emit."""
+        self.speculation, self.context = self._of(context), context
         self.extra = self.extra_of(context) if self.extra_of is not None else 0.0
-        d = self.speculation.depth(max_depth, self.nodes, free) if max_depth > 0 else 0
+        d = self.speculation.depth(max_depth, self.nodes, free, horizon) if max_depth > 0 else 0
         state.draft_stop = self.speculation.stop_rule(self.nodes) if d and self.confidence else None
         return d
 
@@ -359,6 +374,7 @@ class RoundSizer:
         for i in range(checked, end):
             accepted = tokens[start + i] == chain[i]
             speculation.observe_shadow(i + 1, accepted)
+            self._remember(context, i + 1, accepted)
             if i == 0:
                 self.pooled.observe_at(1, accepted)
             if not accepted:
@@ -372,6 +388,8 @@ class RoundSizer:
         self.speculation.observe(drafted_depth, accepted, nodes, calls, self.extra if calls else 0.0)
         if drafted_depth:
             self.pooled.observe(1, accepted)
+            for d in range(1, min(accepted + 1, drafted_depth) + 1):
+                self._remember(self.context, d, d <= accepted)
 
 
 def timed(fn, *args):
