@@ -16,7 +16,10 @@ policy calls the same function with its batch size), through
   beyond its forward: the tree's bookkeeping, the acceptance of more rows and, for sampled generations, measured
   again at temperature 1, recursive rejection sampling's residual distributions);
 * ``alpha_d``: the sequence's running acceptance per depth (:class:`~speculant.engine.goodput.DepthAcceptance`,
-  counts only);
+  counts only), for greedy generations started from the generator's earlier greedy generations
+  (:data:`HISTORY_WEIGHT`; sampled ones start from certainty, so that a seeded output does not depend on what ran
+  before); a depth-1 round that is not expected to pay is still drafted where one accepted draft would make drafting
+  pay over the tokens left (:meth:`~speculant.engine.goodput.SequenceSpeculation.explores`);
 * where the drafter declares ``draft_confidence``: the draft probability of the top token at each depth, times that
   of the path above it, which stops drafting once another depth is expected to lower the round's tokens per second
   (:meth:`~speculant.engine.goodput.SequenceSpeculation.stop_rule`; EAGLE-2's dynamic depth, llama.cpp's
@@ -307,7 +310,11 @@ class RoundSizer:
     starts from the generation's acceptance at depth 1 so far, pooled over its contexts (the running mean of a
     :class:`~speculant.engine.goodput.DepthAcceptance`), not from certainty (prompt lookup meets new n-gram sizes
     all along, and at temperature 1 drafted by choice in each at an acceptance that does not pay: BENCHMARKS.md
-    BA.2).  Counts of the generation's own tokens only: deterministic given them.  :meth:`depth` before a round's
+    BA.2).  ``history`` (``{context: DepthAcceptance}``, the generator's, for greedy generations): each context's
+    long-run acceptance over earlier generations (exponential, weight :data:`HISTORY_SMOOTHING`), which a context
+    starts from, counted as :data:`HISTORY_WEIGHT` observations, and which this generation's observations update.
+    Counts of tokens only: deterministic given them (and, with a history, the earlier generations').  :meth:`depth`
+    before a round's
     drafting (and, for a drafter with draft confidence, ``state.draft_stop`` set), :meth:`observe` after its
     acceptance."""
 
