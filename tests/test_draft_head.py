@@ -297,8 +297,8 @@ def test_a_round_after_ar_rounds_is_charged_the_heads_catch_up(model):
     charged, observed = [], []
     depth, observe = RoundSizer.depth, SequenceSpeculation.observe
 
-    def spy(self, state, max_depth, context=None, free=False):
-        out = depth(self, state, max_depth, context, free)
+    def spy(self, state, max_depth, context=None, free=False, horizon=float("inf")):
+        out = depth(self, state, max_depth, context, free, horizon)
         charged.append((state.drafter_state.pending_count, state.drafter_state.prompt_pending, self.extra))
         return out
 
