@@ -221,8 +221,9 @@ def calibration_turns(model, drafter, builder: TreeBuilder, depths: tuple[int, .
     """The turns of :func:`measure_draft_seconds`: :func:`timed_rounds` of a warm-up generation of ``tokens // 4``
     tokens and then of up to ``repeats`` of ``tokens``, all within ``budget`` seconds (the warm-up within a quarter
     of it, the timed generations after it whatever it took; a generation stops at the round that ends past its
-    deadline: a slow weight format, e.g. eager float32, is timed over fewer rounds), cut into turns of ``len(depths)`` rounds; only the turns whose every round drafted as asked
-    (an ``ar`` round, then rounds that drafted)."""
+    deadline: a slow weight format, e.g. eager float32, is timed over fewer rounds), cut into turns of
+    ``len(depths)`` rounds; only the turns whose every round drafted as asked (an ``ar`` round, then rounds that
+    drafted)."""
     turns = []
     start = time.perf_counter()
     for rep in range(repeats + 1):                                    # the first is a warm-up
@@ -313,10 +314,9 @@ class RoundSizer:
     BA.2).  ``history`` (``{context: DepthAcceptance}``, the generator's, for greedy generations): each context's
     long-run acceptance over earlier generations (exponential, weight :data:`HISTORY_SMOOTHING`), which a context
     starts from, counted as :data:`HISTORY_WEIGHT` observations, and which this generation's observations update.
-    Counts of tokens only: deterministic given them (and, with a history, the earlier generations').  :meth:`depth`
-    before a round's
-    drafting (and, for a drafter with draft confidence, ``state.draft_stop`` set), :meth:`observe` after its
-    acceptance."""
+    Counts of tokens only: deterministic given them (and, with a history, the earlier generations').
+    :meth:`depth` before a round's drafting (and, for a drafter with draft confidence, ``state.draft_stop`` set),
+    :meth:`observe` after its acceptance."""
 
     def __init__(self, costs: CostTable, builder: TreeBuilder, confidence: bool, costs_of=None, extra_of=None,
                  history: dict | None = None):
