@@ -3,7 +3,8 @@
 * State across calls: the same call gives the same output whatever the generator did before, for every
   method, drafter and tree builder.
 * Torch state: the caller's torch mode between streamed pieces is its own; generations on one model
-  interleaved in any order each give what they give alone (tokens, text and stats).
+  interleaved in any order each give what they give alone (tokens, text and stats; these models have no cost
+  table: with one, a greedy generation's rounds follow its generator's acceptance history, never its tokens).
 """
 
 import random

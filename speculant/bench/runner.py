@@ -228,7 +228,8 @@ def _new_results(model: LoadedModel, prompts: list[Prompt], ids: list[list[int]]
 def _run_prompt(runners: dict, p: Prompt, pid: list[int], order: list[BenchMethod], cfg: BenchConfig,
                 bar) -> dict[str, dict]:
     """``cfg.repeats`` rounds of every method of ``order`` on one prompt: a record per method label, with every
-    repeat's wall time [s]."""
+    repeat's wall time [s].  Each method's generator keeps its greedy acceptance history across prompts and repeats
+    (as a server's generator does), so a record's rounds follow the generations that ran before it."""
     recs: dict[str, dict] = {}
     for _ in range(cfg.repeats):
         for m in order:

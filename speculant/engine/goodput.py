@@ -267,11 +267,14 @@ class DepthAcceptance:
     def from_history(cls, history: "DepthAcceptance", weight: int, smoothing: float = 0.2) -> "DepthAcceptance":
         """A generation's acceptance starting from ``history`` (the long-run estimate per depth of earlier
         generations, :class:`~speculant.engine.speculation.RoundSizer`), each depth's counted as ``weight``
-        observations: a few rejections at the start of an answer no longer take it below the break-even (five took a
-        head accepted 40 % of the time from certainty to 1/6; from a history of 0.4 at weight 8 they leave 0.25)."""
+        observations, or as many as the history made at that depth if fewer (its prior not counted): a few
+        rejections at the start of an answer no longer take it below the break-even (five took a head accepted 40 %
+        of the time from certainty to 1/6; from a history of 0.4 at weight 8 they leave 0.25), and a history of one
+        observation weighs as one."""
         alphas = history.alphas or [history.prior]
         out = cls(smoothing, alphas[0])
-        out.fast, out.slow, out.counts = list(alphas), list(alphas), [weight] * len(alphas)
+        out.fast, out.slow = list(alphas), list(alphas)
+        out.counts = [min(weight, c - 1) for c in history.counts] or [1]
         return out
 
     def slow_after(self, depth: int, accepted: bool) -> float:
@@ -420,7 +423,7 @@ class SequenceSpeculation:
                 return 1 if self.could_pay(max_depth, nodes_at_depth) and self.within_budget() else 0
         d = self._depth(max_depth, nodes_at_depth, self.acceptance)
         if d == 0 and not free and self.explores(nodes_at_depth, horizon):
-            d = 1
+            return 1                         # for its information: the probes' back-off stays as it is
         if d == 0 and self.could_pay(max_depth, nodes_at_depth):
             self._without += 1
             if self._without >= self.probe_interval(nodes_at_depth) and self.within_budget():

@@ -219,15 +219,17 @@ def measure_draft_seconds(model, drafter, builder: TreeBuilder, tokens: int = CA
 def calibration_turns(model, drafter, builder: TreeBuilder, depths: tuple[int, ...], prompt: list[int], tokens: int,
                       repeats: int, budget: float, sampling) -> list[list[tuple[float, int, int]]]:
     """The turns of :func:`measure_draft_seconds`: :func:`timed_rounds` of a warm-up generation of ``tokens // 4``
-    tokens and then of up to ``repeats`` of ``tokens``, all within ``budget`` seconds (the warm-up within a quarter
-    of it, the timed generations after it whatever it took; a generation stops at the round that ends past its
+    tokens and then of up to ``repeats`` of ``tokens``, within ``budget`` seconds (the warm-up within a quarter of
+    it, the timed generations within the rest from the warm-up's end, whatever it took; a generation stops at the round that ends past its
     deadline: a slow weight format, e.g. eager float32, is timed over fewer rounds), cut into turns of
     ``len(depths)`` rounds; only the turns whose every round drafted as asked (an ``ar`` round, then rounds that
     drafted)."""
     turns = []
     start = time.perf_counter()
     for rep in range(repeats + 1):                                    # the first is a warm-up
-        deadline = start + (budget if rep else budget / 4)
+        if rep == 1:
+            start = time.perf_counter()                               # the timed ones: the rest, from here
+        deadline = start + (budget * 3 / 4 if rep else budget / 4)
         rounds = timed_rounds(model, drafter, builder, depths, prompt, tokens if rep else max(1, tokens // 4),
                               sampling, deadline)
         if rep:
