@@ -450,13 +450,16 @@ class SequenceSpeculation:
         probes of :meth:`depth` take over.  Deterministic given the tokens."""
         if not self.acceptance.slow or self.acceptance.counts[0] < EXPLORE_AFTER:
             return False
-        cost, n1 = self.policy.cost, nodes_at_depth(1)
-
-        def saving(a: float) -> float:
-            return (1.0 + a) * cost(1) - cost(1 + n1) - self.costs.drafting_seconds(1)
         alpha, up = self.acceptance.alpha(1), self.acceptance.slow_after(1, True)
-        gain = saving(up)
-        return gain > 0.0 and alpha * gain * horizon / (1.0 + up) > -saving(alpha)
+        gain = self.depth_one_saving(up, nodes_at_depth)
+        return gain > 0.0 and alpha * gain * horizon / (1.0 + up) > -self.depth_one_saving(alpha, nodes_at_depth)
+
+    def depth_one_saving(self, alpha: float, nodes_at_depth) -> float:
+        """``s(alpha) = (1 + alpha) cost(1) - cost(1 + n_1) - c_1``: what a depth-1 round whose drafts are accepted
+        with probability ``alpha`` saves against the ``ar`` rounds emitting its tokens, from the cost table [s]
+        (negative where it loses)."""
+        cost = self.policy.cost
+        return (1.0 + alpha) * cost(1) - cost(1 + nodes_at_depth(1)) - self.costs.drafting_seconds(1)
 
     def probe_interval(self, nodes_at_depth) -> int:
         """Rounds without drafts before the next probe: :attr:`interval` times what a depth-1 probe is expected to
@@ -465,11 +468,10 @@ class SequenceSpeculation:
         estimate, updated by drafting rounds only, is stale (it stopped drafting on a run of rejections, and the
         rounds it then leaves without drafts would have paid: BENCHMARKS.md BJ).  Far below it, the interval is
         the back-off's."""
-        cost = self.policy.cost
-        lose = cost(1 + nodes_at_depth(1)) + self.costs.drafting_seconds(1) - cost(1)
+        lose = -self.depth_one_saving(0.0, nodes_at_depth)
         if lose <= 0.0:
             return 1
-        expected = max(lose - self.acceptance.alpha(1) * cost(1), 0.0)
+        expected = max(-self.depth_one_saving(self.acceptance.alpha(1), nodes_at_depth), 0.0)
         return max(1, math.ceil(self.interval * expected / lose))
 
     def could_pay(self, max_depth: int, nodes_at_depth) -> bool:

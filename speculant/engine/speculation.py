@@ -344,10 +344,12 @@ class RoundSizer:
                                                          prior=self.pooled.alpha(1), acceptance=start)
         return self.contexts[context]
 
-    def _remember(self, context, depth: int, accepted: bool) -> None:
-        """One observation of ``alpha_depth`` in ``context``, kept for later generations (with a history)."""
-        if self.history is not None:
-            self.history.setdefault(context, DepthAcceptance(HISTORY_SMOOTHING)).observe_at(depth, accepted)
+    def _past(self, context) -> DepthAcceptance | None:
+        """``context``'s long-run acceptance kept for later generations (made at its first observation), or
+        ``None`` without a history."""
+        if self.history is None:
+            return None
+        return self.history.setdefault(context, DepthAcceptance(HISTORY_SMOOTHING))
 
     def depth(self, state, max_depth: int, context=None, free: bool = False, horizon: float = math.inf) -> int:
         """The round's depth bound in ``0 .. max_depth`` (0: an ``ar`` round) in round context ``context``; sets
@@ -383,7 +385,8 @@ class RoundSizer:
         for i in range(checked, end):
             accepted = tokens[start + i] == chain[i]
             speculation.observe_shadow(i + 1, accepted)
-            self._remember(context, i + 1, accepted)
+            if (past := self._past(context)) is not None:
+                past.observe_at(i + 1, accepted)
             if i == 0:
                 self.pooled.observe_at(1, accepted)
             if not accepted:
@@ -397,8 +400,8 @@ class RoundSizer:
         self.speculation.observe(drafted_depth, accepted, nodes, calls, self.extra if calls else 0.0)
         if drafted_depth:
             self.pooled.observe(1, accepted)
-            for d in range(1, min(accepted + 1, drafted_depth) + 1):
-                self._remember(self.context, d, d <= accepted)
+            if (past := self._past(self.context)) is not None:
+                past.observe(drafted_depth, accepted)
 
 
 def timed(fn, *args):
