@@ -684,7 +684,7 @@ def test_round_contexts_share_one_loss_budget():
 
     from speculant.engine.speculation import RoundSizer
     sizer = RoundSizer(SWITCHING, ChainBuilder(4), confidence=False)
-    state = SimpleNamespace(draft_stop=None)
+    state = SimpleNamespace(draft_stop=None, tokens=[0] * 100)
     for r in range(400):                               # contexts 0..3 in turn, every draft rejected
         d = sizer.depth(state, 4, r % 4)
         sizer.observe(d, 0, d, d)
@@ -702,7 +702,7 @@ def test_a_new_round_context_starts_from_the_generations_pooled_acceptance():
     from speculant.engine.goodput import DepthAcceptance
     from speculant.engine.speculation import RoundSizer
     sizer = RoundSizer(SWITCHING, ChainBuilder(4), confidence=False)
-    state = SimpleNamespace(draft_stop=None)
+    state = SimpleNamespace(draft_stop=None, tokens=[0] * 100)
     assert sizer.contexts[None].acceptance.alpha(1) == 1.0              # nothing seen yet: certainty
     want = DepthAcceptance()
     for r in range(12):                                # contexts 0, 1 in turn: first drafts accepted, then rejected
@@ -899,3 +899,75 @@ def test_losses_of_rounds_drafted_by_choice_do_not_stop_the_probes():
         s.observe(0, 0)
     assert s._probing and without <= 16, without
     assert s.ledger.saved + s.loss_budget * s.ledger.spent < 0.0      # what all the rounds lost: over the budget
+
+
+def test_costs_grow_with_the_context_beyond_the_tables():
+    """``CostTable.at``: each forward figure plus its growth per cached token beyond the table's context, each draft
+    call plus the drafter's; at or below the table's context (and without growth) the table itself; bad growth
+    figures are refused naming the value."""
+    table = CostTable({1: 1.0, 2: 1.1}, 0.2, 0.3, context=256, forward_growth={1: 0.001, 2: 0.002},
+                      draft_growth=0.0005)
+    assert table.at(256) is table and table.at(100) is table
+    at = table.at(1256)
+    assert at.forward_seconds == {1: pytest.approx(2.0), 2: pytest.approx(3.1)}
+    assert (at.draft_seconds, at.first_draft_seconds) == (pytest.approx(0.7), pytest.approx(0.8))
+    assert at.context == 1256 and at.forward_growth is None and at.at(5000) is at
+    flat = CostTable({1: 1.0}, 0.2)
+    assert flat.at(10_000) is flat
+    for bad in ({1: -0.1}, {3: 0.1}):
+        with pytest.raises(SpeculantError) as e:
+            CostTable({1: 1.0, 2: 1.1}, 0.2, forward_growth=bad)
+        assert f"forward_growth={bad!r}" in str(e.value)
+    with pytest.raises(SpeculantError) as e:
+        CostTable({1: 1.0}, 0.2, draft_growth=-1.0)
+    assert "draft_growth=-1.0" in str(e.value)
+
+
+def test_growth_per_cached_token_from_the_tunes_second_table():
+    """``forward_growth``: the slope between the tune's tables (256 and 1024 cached tokens), at least 0 and never
+    less at more rows; ``None`` without the second table."""
+    from speculant.engine.speculation import forward_growth
+
+    class Tune:
+        forward_ms = {"1": 4.0, "2": 4.2, "4": 5.0}
+        forward_context_ms = {"1024": {"1": 5.536, "2": 4.0, "4": 7.304}}
+
+    class Model:
+        tune, config = Tune(), type("C", (), {"context_length": 8192})()
+    context, growth = forward_growth(Model(), forward_seconds(Model()))
+    assert context == 256
+    # T = 2 came out below its 256-token figure (noise): its slope is not below T = 1's
+    assert growth == {1: pytest.approx(0.002e-3), 2: pytest.approx(0.002e-3), 4: pytest.approx(0.003e-3)}
+    Model.tune.forward_context_ms = {"1024": {"1": 3.0, "2": 4.2, "4": 5.0}}       # faster after more tokens: noise
+    assert forward_growth(Model(), forward_seconds(Model())) == (256, {1: 0.0, 2: 0.0, 4: 0.0})
+    Model.tune.forward_context_ms = {}
+    assert forward_growth(Model(), forward_seconds(Model())) is None
+
+
+def test_drafting_that_pays_after_a_short_context_stops_after_a_long_one():
+    """A drafter accepted 40 % of the time pays at the table's context, where two rows cost 1.05 steps, and not after
+    3000 cached tokens, where the rows' attention makes them cost 1.4: the rounds are sized at the sequence's context
+    (``RoundSizer`` reads ``len(state.tokens)``), and the time a round is valued at follows it."""
+    from types import SimpleNamespace
+
+    from speculant.engine.speculation import RoundSizer
+    costs = CostTable({1: 1.0e-3, 2: 1.05e-3}, 0.1e-3, context=256,
+                      forward_growth={1: 0.5e-6, 2: 1.0e-6}, draft_growth=0.0)
+    sizer = RoundSizer(costs, ChainBuilder(1), False, history={None: _history_of_forty_percent()})
+    short = SimpleNamespace(draft_stop=None, tokens=[0] * 300)
+    long = SimpleNamespace(draft_stop=None, tokens=[0] * 3000)
+    assert sizer.depth(short, 1) == 1
+    assert sizer.speculation.costs.forward_seconds[1] == pytest.approx(1.0e-3 + 0.5e-6 * 32)   # 288 = 256 + 32
+    assert sizer.depth(long, 1) == 0
+    assert sizer.speculation.costs.forward_seconds[2] == pytest.approx(1.05e-3 + 1.0e-6 * (2976 - 256))
+
+
+def test_draft_calls_grow_by_the_drafters_share_of_the_cache(model):
+    """A draft call reads the KV cache of the layers it runs: early exit at ``E`` of ``L`` layers ``E / L`` of the
+    target's, a draft head its one layer's, prompt lookup none (and a lookup round of ``eagle-lookup`` none); the
+    cost table's draft growth is that share of the one-row forward's."""
+    from speculant.drafters.early_exit import EarlyExitDrafter
+    from speculant.drafters.prompt_lookup import PromptLookupDrafter
+    L = model.config.num_hidden_layers
+    assert EarlyExitDrafter(L, 1).cache_share(model.config) == pytest.approx(1 / L)
+    assert PromptLookupDrafter().cache_share(model.config) == 0.0

@@ -365,10 +365,11 @@ def test_forward_costs_are_timed_with_the_tuned_choices_and_measured_again_when_
 
     def timed(executor, **kw):
         seen.append((executor.kv_dtype, executor.weight_prefetch))
-        return {"1": 1.0, "2": 1.1}
+        return {"256": {"1": 1.0, "2": 1.1}, "1024": {"1": 1.5, "2": 1.9}}
     monkeypatch.setattr(tune, "measure_forward_rows", timed)
     assert tune.complete_for_fused(result, probe)
     assert seen == [(torch.float16, 512)] and result.forward_ms == {"1": 1.0, "2": 1.1}
+    assert result.forward_context_ms == {"1024": {"1": 1.5, "2": 1.9}}     # the longer context's table apart
     assert result.forward_version == tune.FORWARD_VERSION
     assert result.draft_ms == {}                         # the drafters' figures are relative to it: measured again
     assert tune.load(result.key).forward_ms == {"1": 1.0, "2": 1.1}          # saved
@@ -404,6 +405,36 @@ def test_forward_rows_are_ratios_to_one_row_paired_within_each_sweep(monkeypatch
             clock[0] += base[rows] * speed * spike / 1e3
     monkeypatch.setattr(tune, "fill_cache", lambda *a: None)
     monkeypatch.setattr(tune.time, "perf_counter", lambda: clock[0])
-    ms = tune.measure_forward_rows(Decoder(), rows=tuple(base), repeats=6, seconds=1e9)
-    assert ms == {str(r): pytest.approx(v) for r, v in base.items()}
+    ms = tune.measure_forward_rows(Decoder(), rows=tuple(base), repeats=6, seconds=1e9, contexts=(256,))
+    assert ms == {"256": {str(r): pytest.approx(v) for r, v in base.items()}}
     assert calls[:3] == [5, 2, 1] and calls[3:6] == [1, 2, 5] and len(calls) == 7 * 3
+
+
+def test_forward_rows_at_two_contexts_are_paired_with_the_first_contexts_one_row():
+    """With two contexts each sweep times every (context, T), and each figure is its ratio to the first context's
+    ``T = 1`` within the sweep: a forward after ``c`` cached tokens takes ``base[T] + c / 100`` ms times its sweep's
+    speed (1x, 3x in turn), so the tables are exactly those costs; a context past the model's positions is lowered to
+    where ``max(rows)`` still fit, one that then repeats a shorter one left out."""
+    base = {1: 2.0, 2: 2.2, 4: 3.0}
+    clock, calls = [0.0], []
+
+    class Decoder:
+        config = type("C", (), {"context_length": 900, "vocab_size": 64})()
+
+        def new_cache(self, length):
+            calls.append(("cache", length))
+
+        def __call__(self, ids, mask, positions, cache, start):
+            sweep = sum(1 for c in calls if c[0] == "fwd") // (2 * len(base))
+            calls.append(("fwd", start))
+            clock[0] += (base[ids.shape[1]] + start / 100) * (1.0 if sweep % 2 else 3.0) / 1e3
+    import unittest.mock as mock
+    with mock.patch.object(tune, "fill_cache", lambda *a: None), \
+            mock.patch.object(tune.time, "perf_counter", lambda: clock[0]):
+        ms = tune.measure_forward_rows(Decoder(), rows=tuple(base), repeats=4, seconds=1e9, contexts=(256, 1024))
+    assert calls[0] == ("cache", 900)                        # one cache, for the longest context (896 + 4 rows)
+    assert set(ms) == {"256", "896"}
+    for c in (256, 896):
+        assert ms[str(c)] == {str(r): pytest.approx(v + c / 100) for r, v in base.items()}
+    assert tune.forward_contexts(900, (1, 4), (256, 1024)) == [256, 896]
+    assert tune.forward_contexts(200, (1, 4), (256, 1024)) == [196]         # both lowered to 196: one left

@@ -205,6 +205,13 @@ class Drafter(Generic[S]):
         not counted by context (a drafter with one context)."""
         return None
 
+    def cache_share(self, target_config) -> float:
+        """What one draft call reads of the KV cache per cached token, as a share of what the target's one-row
+        forward reads (key/value elements over the target's, layers times KV heads times head size): the cost
+        table's draft figures grow with the context by this share of the target step's growth
+        (:meth:`~speculant.engine.goodput.CostTable.at`).  Default 0: no attention over the context (a copy)."""
+        return 0.0
+
     def round_costs(self, state: DecodingState[S], context, costs):
         """The :class:`~speculant.engine.goodput.CostTable` that sizes rounds of ``context``: by default the
         drafter's own ``costs`` (a drafter drafting two ways, e.g. prompt lookup before a head, gives each its own

@@ -70,6 +70,12 @@ class DraftModelDrafter(ModelDrafterBase[DraftModelState]):
     def __init__(self, draft: LlamaDecoder):
         self.model = draft
 
+    def cache_share(self, target_config) -> float:
+        """The draft model's keys/values per token over the target's."""
+        d, t = self.model.config, target_config
+        return (d.num_hidden_layers * d.num_key_value_heads * d.head_dim
+                / (t.num_hidden_layers * t.num_key_value_heads * t.head_dim))
+
     def begin(self, state: DecodingState[DraftModelState]) -> DraftModelState:
         return DraftModelState(cache=self.model.new_cache(state.cache.max_length))
 

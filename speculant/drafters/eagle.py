@@ -96,6 +96,12 @@ class DraftHeadDrafter(ModelDrafterBase[HeadState]):
         st.pending = [features[st.offset:]]
         st.pending_count = st.prompt_pending = len(st.pending[0])
 
+    def cache_share(self, target_config) -> float:
+        """The head's one layer's keys/values over the target's layers' (an upper bound: the head's cache holds
+        the last :attr:`prompt_window` of the prompt only)."""
+        c, t = self.head.config, target_config
+        return c["num_key_value_heads"] * c["head_dim"] / (t.num_hidden_layers * t.num_key_value_heads * t.head_dim)
+
     def round_extra_seconds(self, state: DecodingState[HeadState], context=None) -> float:
         """The head's catch-up of the entries committed since it last ran, beyond one [s]: what a drafting round
         after a stretch of ``ar`` rounds pays on top of the cost table's first-call figure (measured with every

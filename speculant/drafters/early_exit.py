@@ -62,6 +62,10 @@ class EarlyExitDrafter(ModelDrafterBase[EarlyExitState]):
         self.exit_layer = exit_layer
         self.exit_head = exit_head
 
+    def cache_share(self, target_config) -> float:
+        """Layers ``< E`` of the target's: ``E / L`` of its KV cache per draft call."""
+        return self.exit_layer / self.num_layers
+
     def begin(self, state: DecodingState[EarlyExitState]) -> EarlyExitState:
         return EarlyExitState()
 

@@ -50,11 +50,12 @@ class LookupMixin:
         return "head" if context is None else f"lookup n-gram {context[1]}"
 
     def round_costs(self, state, context, costs):
-        """The head's ``costs`` for its own rounds; a lookup round's draft calls cost :attr:`lookup_seconds`."""
+        """The head's ``costs`` for its own rounds; a lookup round's draft calls cost :attr:`lookup_seconds` at any
+        context (a copy reads no KV cache)."""
         if context is None:
             return costs
         first, further = self.lookup_seconds[state.sampling.greedy]
-        return replace(costs, draft_seconds=further, first_draft_seconds=first)
+        return replace(costs, draft_seconds=further, first_draft_seconds=first, draft_growth=0.0)
 
     def round_extra_seconds(self, state, context=None) -> float:
         """The head's catch-up (:meth:`DraftHeadDrafter.round_extra_seconds`) in its own rounds; none in a round that

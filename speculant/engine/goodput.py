@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -295,18 +295,28 @@ class CostTable:
     fixed, so that its choices, and with them a seeded sampled output, never depend on timing noise.
 
     Attributes:
-        forward_seconds: ``{rows: seconds}`` of one target forward over ``rows`` new tokens (rows >= 1).
+        forward_seconds: ``{rows: seconds}`` of one target forward over ``rows`` new tokens (rows >= 1) after
+            ``context`` cached ones.
         draft_seconds: seconds of one draft call (one depth of drafting) after a round's first [s, >= 0].
         first_draft_seconds: seconds of a round's first draft call [s, >= 0]; ``None``: ``draft_seconds``.  A
             model drafter's first call also runs the entries committed since its last round (an EAGLE head's
             catch-up over the accepted tokens' features), so it may cost more than the deeper ones.
+        context: the cached tokens ``forward_seconds`` (and the draft figures, about) were measured after [tokens].
+        forward_growth: ``{rows: seconds per cached token}`` a forward over ``rows`` new tokens adds per cached
+            token beyond ``context`` (attention reads the whole KV cache for every row), each >= 0; ``None``: the
+            costs do not depend on the context (:meth:`at`).
+        draft_growth: seconds per cached token beyond ``context`` a draft call adds (a drafter running target
+            layers reads their KV cache) [s, >= 0].
     Raises:
-        SpeculantError: an empty or non-positive ``forward_seconds``, or a negative draft figure.
+        SpeculantError: an empty or non-positive ``forward_seconds``, a negative draft figure, context or growth.
     """
 
     forward_seconds: dict
     draft_seconds: float
     first_draft_seconds: float | None = None
+    context: int = 0
+    forward_growth: dict | None = None
+    draft_growth: float = 0.0
 
     def drafting_seconds(self, calls: int) -> float:
         """Seconds of a round's ``calls`` draft calls [s] (0 for none)."""
@@ -315,12 +325,30 @@ class CostTable:
         first = self.draft_seconds if self.first_draft_seconds is None else self.first_draft_seconds
         return first + (calls - 1) * self.draft_seconds
 
+    def at(self, tokens: int) -> "CostTable":
+        """The table after ``tokens`` cached tokens: each figure plus its growth times the tokens beyond
+        ``context`` (linear: attention's work grows with the KV cache, the weights' reads do not); the table itself
+        at ``context`` or fewer (the figures measured there bound the cost from above) and without growth."""
+        extra = tokens - self.context
+        if self.forward_growth is None or extra <= 0:
+            return self
+        forward = {r: s + self.forward_growth.get(r, 0.0) * extra for r, s in self.forward_seconds.items()}
+        more = self.draft_growth * extra
+        first = None if self.first_draft_seconds is None else self.first_draft_seconds + more
+        return replace(self, forward_seconds=forward, draft_seconds=self.draft_seconds + more,
+                       first_draft_seconds=first, context=tokens, forward_growth=None)
+
     def __post_init__(self):
         fs = self.forward_seconds
         if (not isinstance(fs, dict) or not fs
                 or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 or not s > 0 for r, s in fs.items())):
             raise SpeculantError(f"forward_seconds={fs!r} is invalid; allowed: a non-empty {{rows >= 1: seconds > 0}}")
-        for name in ("draft_seconds", "first_draft_seconds"):
+        growth = self.forward_growth
+        if growth is not None and (not isinstance(growth, dict)
+                                   or any(r not in fs or not g >= 0 for r, g in growth.items())):
+            raise SpeculantError(f"forward_growth={growth!r} is invalid; allowed: None or {{rows of forward_seconds: "
+                                 "seconds per token >= 0}")
+        for name in ("draft_seconds", "first_draft_seconds", "context", "draft_growth"):
             value = getattr(self, name)
             if value is None and name == "first_draft_seconds":
                 continue
@@ -383,6 +411,8 @@ class SequenceSpeculation:
         if not 0.0 <= loss_budget < 1.0:
             raise SpeculantError(f"loss_budget={loss_budget} is out of range; allowed: [0, 1)")
         self.costs, self.explore_every, self.max_explore_every = costs, explore_every, max_explore_every
+        self.table_costs = costs             # the table as given; :attr:`costs` is it at the sequence's context
+        self._context = None                 # the cached tokens :attr:`costs` is at, in steps of CONTEXT_STEP
         self.policy = GoodputPolicy(costs.forward_seconds, warmup=0, explore_every=explore_every)
         self.acceptance = acceptance if acceptance is not None else DepthAcceptance(smoothing, prior)
         self.interval = explore_every        # rounds without drafts before the next probe [count]
@@ -392,6 +422,17 @@ class SequenceSpeculation:
         self._probing = False                # the last depth returned was a probe's
         self._first = acceptance is None     # no round sized yet (an estimate given: sized from it)
         self._sizing = None                  # the last depth()'s (max_depth, nodes_at_depth)
+
+    def at_context(self, tokens: int) -> None:
+        """Size and value the next rounds after ``tokens`` cached tokens (the table's :meth:`CostTable.at`, taken
+        in steps of :data:`CONTEXT_STEP` tokens): a round of a long prompt's answer costs more than one of a short
+        one's, its extra rows more than their share (attention over the KV cache), so drafting that pays at 256
+        cached tokens may lose at 1000.  A function of the token count: deterministic."""
+        step = tokens - tokens % CONTEXT_STEP
+        if step != self._context:
+            self._context = step
+            self.costs = self.table_costs.at(step)
+            self.policy.table = sorted(self.costs.forward_seconds.items())
 
     def _depth(self, max_depth: int, nodes_at_depth, acceptance) -> int:
         c = self.costs
@@ -532,6 +573,9 @@ class SequenceSpeculation:
             if self._probing:
                 self.ledger.probed += value
 
+
+CONTEXT_STEP = 32
+"""Cached tokens between the contexts :meth:`SequenceSpeculation.at_context` takes its costs at [tokens]."""
 
 _ALWAYS = DepthAcceptance(prior=1.0)
 """Every drafted token accepted (never updated): the most any drafting could give."""

@@ -105,6 +105,31 @@ def forward_seconds(model) -> dict[int, float] | None:
     return monotone({int(t): ms / 1e3 for t, ms in row["ms"].items()})
 
 
+def forward_growth(model, forward: dict[int, float]) -> tuple[int, dict[int, float]] | None:
+    """``(c, {T: seconds per cached token})``: what each cached token beyond ``c`` (the context ``forward`` was
+    measured after) adds to the forward over ``T`` new tokens, from the tune's table at a longer context
+    (``forward_context_ms``, timed in the same sweeps): the slope between the two tables, at least 0 and never
+    less at more rows than at fewer (attention over the cache does no less work for more rows, so a slope below a
+    smaller ``T``'s is noise; lifting it sizes rounds as if extra rows cost more, the side on which drafting does not
+    lose); ``None`` without that table."""
+    from ..runtime.tune import forward_contexts
+    tune = getattr(model, "tune", None)
+    if tune is None or not tune.forward_ms or not tune.forward_context_ms:
+        return None
+    short = forward_contexts(model.config.context_length)[0]
+    context = max(tune.forward_context_ms, key=int)
+    extra = int(context) - short
+    if extra <= 0:
+        return None
+    longer = {int(t): ms / 1e3 for t, ms in tune.forward_context_ms[context].items()}
+    growth, most = {}, 0.0
+    for t in sorted(forward):
+        if t in longer:
+            most = max(most, (longer[t] - forward[t]) / extra)
+            growth[t] = most
+    return short, growth
+
+
 def monotone(table: dict[int, float]) -> dict[int, float]:
     """``table`` with each cost replaced by the least cost measured at as many rows or more: a forward over fewer
     rows never needs more time than one over more (it could run padded), so a larger figure is another process's
@@ -302,7 +327,12 @@ def cost_table(model, drafter, builder: TreeBuilder | None, signature: str, samp
     if forward is None:
         return None
     first, further = draft_seconds(model, drafter, builder, signature, sampled)
-    return CostTable(forward, further, first)
+    growth = forward_growth(model, forward)
+    if growth is None:
+        return CostTable(forward, further, first)
+    context, per_token = growth
+    share = drafter.cache_share(model.config)
+    return CostTable(forward, further, first, context, per_token, share * per_token.get(1, 0.0))
 
 
 class RoundSizer:
@@ -356,6 +386,7 @@ class RoundSizer:
         ``state.draft_stop``.  ``free``: the drafter's chain is known without drafting (its acceptance is learnt
         from :meth:`shadow` chains).  ``horizon``: tokens the sequence may still emit."""
         self.speculation, self.context = self._of(context), context
+        self.speculation.at_context(len(state.tokens) - 1)
         self.extra = self.extra_of(context) if self.extra_of is not None else 0.0
         d = self.speculation.depth(max_depth, self.nodes, free, horizon) if max_depth > 0 else 0
         state.draft_stop = self.speculation.stop_rule(self.nodes) if d and self.confidence else None

@@ -120,18 +120,23 @@ FORWARD_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 """New tokens T of the forwards :func:`measure_forward_rows` times (a decoding step, verification blocks, trees;
 cost-aware speculation interpolates linearly in between)."""
 FORWARD_CONTEXT = 256
-"""Cached tokens of the forwards :func:`measure_forward_rows` times."""
+"""Cached tokens of the forwards :func:`measure_forward_rows` times (``forward_ms``)."""
+FORWARD_LONG_CONTEXT = 1024
+"""Cached tokens of the second table :func:`measure_forward_rows` times (``forward_context_ms``): a step after 1024
+cached tokens took 1.4-1.9x one after 256 on SmolLM2 (2-vCPU Zen 4, BENCHMARKS.md BL), its extra rows more than their
+share, so the cost-aware policy takes its costs at the generation's context (linear in between and beyond)."""
 FORWARD_REPEATS = 20
 """Timed sweeps over :data:`FORWARD_ROWS` in :func:`measure_forward_rows` (fewer once :data:`FORWARD_SECONDS` are
 spent): on a shared 2-core VM a best of 3 may leave the multi-row forwards high (a kept table put T = 5 at 1.63 steps
 where the best of 20 gave 1.16-1.25 in one process; three sweeps gave 1.13-1.42 there), and the cost-aware policy then
 drafts too little (BENCHMARKS.md AX)."""
-FORWARD_SECONDS = 3.0
+FORWARD_SECONDS = 5.0
 """Time after which :func:`measure_forward_rows` stops sweeping (after at least 5 timed sweeps) [s]."""
-FORWARD_VERSION = 3
+FORWARD_VERSION = 4
 """How ``forward_ms`` is measured (:attr:`TuneResult.forward_version`): 1, the best of 3 sweeps on the tuner's probe
 executor; 2, the best of up to :data:`FORWARD_REPEATS` on an executor with the tuned choices; 3, ratios to ``T = 1``
-paired within each sweep (:func:`measure_forward_rows`).  A tune measured otherwise has its ``forward_ms`` measured
+paired within each sweep (:func:`measure_forward_rows`); 4, and a second table at :data:`FORWARD_LONG_CONTEXT` in the
+same sweeps (``forward_context_ms``).  A tune measured otherwise has its ``forward_ms`` measured
 again at the next load, and its drafters' ``draft_ms`` (figures relative to ``forward_ms``) with it."""
 SCHEMA = 2
 
@@ -170,6 +175,9 @@ class TuneResult:
         forward_ms: the model's whole forward (all layers, final norm, LM head over every row) over T new tokens
             after :data:`FORWARD_CONTEXT` cached ones, ``{T: ms}`` for T in :data:`FORWARD_ROWS` [milliseconds]
             (:func:`measure_forward_rows`; empty: not measured, the model has no fused step).
+        forward_context_ms: the same forwards after more cached tokens, ``{context: {T: ms}}`` (one table, at
+            :data:`FORWARD_LONG_CONTEXT` or the model's last positions; empty: not measured, or the model's context
+            ends before) [tokens: milliseconds], timed in the same sweeps as ``forward_ms``.
         forward_version: how ``forward_ms`` was measured (:data:`FORWARD_VERSION`; 0: before it was recorded).
         forward_kernels: the kernel library ``forward_ms`` was measured with (:func:`speculant.kernels.build.
             kernel_signature`: variant, build digest, pair threshold; ``""``: not recorded); another one (new
@@ -211,6 +219,7 @@ class TuneResult:
     kv_cache_ms: dict = field(default_factory=dict)
     decode_thread_ms: dict = field(default_factory=dict)
     forward_ms: dict = field(default_factory=dict)
+    forward_context_ms: dict = field(default_factory=dict)
     forward_version: int = 0
     forward_kernels: str = ""
     draft_ms: dict = field(default_factory=dict)
@@ -854,7 +863,9 @@ def complete_for_fused(result: TuneResult, executor, log=None, model: str | None
         before = torch.get_num_threads()
         torch.set_num_threads(result.threads or before)       # the T-row costs at the count decoding will use
         try:                                                  # ... and with the KV cache and prefetch it will use
-            result.forward_ms = measure_forward_rows(as_decoding(), log=log)
+            tables = measure_forward_rows(as_decoding(), log=log)
+            result.forward_ms = tables.pop(str(min(map(int, tables))))
+            result.forward_context_ms = tables
             result.forward_version = FORWARD_VERSION
             result.forward_kernels = build.kernel_signature()
             result.draft_ms = {}                              # relative to forward_ms: measured again when used
@@ -867,43 +878,61 @@ def complete_for_fused(result: TuneResult, executor, log=None, model: str | None
     return measured
 
 
+def forward_contexts(context_length: int, rows=FORWARD_ROWS,
+                     contexts: tuple[int, ...] = (FORWARD_CONTEXT, FORWARD_LONG_CONTEXT)) -> list[int]:
+    """The cached tokens :func:`measure_forward_rows` times after: each of ``contexts`` lowered to where a model of
+    ``context_length`` positions still has room for ``max(rows)`` new tokens (at least 1), one that then repeats
+    or undercuts an earlier one left out [tokens]."""
+    out: list[int] = []
+    for c in contexts:
+        c = max(1, min(c, context_length - max(rows)))
+        if not out or c > out[-1]:
+            out.append(c)
+    return out
+
+
 def measure_forward_rows(decoder, rows=FORWARD_ROWS, repeats: int = FORWARD_REPEATS, log=None,
-                         seconds: float = FORWARD_SECONDS) -> dict:
-    """Time the model's forward (all layers, final norm, LM head over every row) over ``T`` new tokens after
-    :data:`FORWARD_CONTEXT` cached ones (fewer if the model's positions end sooner), for each ``T`` in ``rows``:
-    the T-row costs that cost-aware speculation decides from.  Sweeps over the row counts (in turn forwards and
-    backwards) after a warm-up one, ``repeats`` of them, fewer once ``seconds`` are spent (at least 5 or
-    ``repeats``).  A decision compares costs, so each ``T`` is kept as a ratio to ``T = 1`` taken within each sweep,
-    the median over the sweeps (a shared VM's memory bandwidth drifts during the measurement: the least time of
-    each ``T`` taken apart put ``T = 2`` below ``T = 1`` in a kept table, where paired ratios gave 1.03-1.09,
-    BENCHMARKS.md BB), times the least ``T = 1`` time (the figure least disturbed by other work); ~2 s for
-    SmolLM2-135M on 2 cores.  Random tokens: the cost does not depend on them.
+                         seconds: float = FORWARD_SECONDS,
+                         contexts: tuple[int, ...] = (FORWARD_CONTEXT, FORWARD_LONG_CONTEXT)) -> dict:
+    """Time the model's forward (all layers, final norm, LM head over every row) over ``T`` new tokens after ``c``
+    cached ones, for each ``T`` in ``rows`` and ``c`` in ``contexts`` (each lowered to where the model's positions
+    end; one that then repeats a shorter one is left out): the T-row costs that cost-aware speculation decides from.
+    Sweeps over the contexts and row counts (in turn forwards and backwards) after a warm-up one, ``repeats`` of
+    them, fewer once ``seconds`` are spent (at least 5 or ``repeats``).  A decision compares costs, so each figure is
+    kept as a ratio to ``T = 1`` after the first context taken within each sweep, the median over the sweeps (a shared
+    VM's memory bandwidth drifts during the measurement: the least time of each ``T`` taken apart put ``T = 2``
+    below ``T = 1`` in a kept table, where paired ratios gave 1.03-1.09, BENCHMARKS.md BB), times the least such
+    ``T = 1`` time (the figure least disturbed by other work); ~4 s for SmolLM2-135M on 2 cores.  Random tokens: the
+    cost does not depend on them.
 
     Returns:
-        ``{T: ms}`` with string keys (as JSON stores them) [milliseconds].
+        ``{c: {T: ms}}`` with string keys (as JSON stores them) [tokens: milliseconds].
     """
     start = time.perf_counter()
-    ctx = max(1, min(FORWARD_CONTEXT, decoder.config.context_length - max(rows)))
+    ctxs = forward_contexts(decoder.config.context_length, rows, contexts)
     g = torch.Generator().manual_seed(5)
-    times: dict[int, list[float]] = {r: [] for r in rows}
+    order = [(c, r) for c in ctxs for r in rows]
+    times: dict[tuple[int, int], list[float]] = {k: [] for k in order}
     with torch.inference_mode():
-        cache = decoder.new_cache(ctx + max(rows))
-        fill_cache(decoder, cache, ctx, g)
+        cache = decoder.new_cache(ctxs[-1] + max(rows))
+        fill_cache(decoder, cache, ctxs[-1], g)
         ids = {r: timing_tokens(decoder, (1, r), g) for r in rows}
         for rep in range(repeats + 1):
-            for r in (rows if rep % 2 else rows[::-1]):
+            for c, r in (order if rep % 2 else order[::-1]):
                 t = time.perf_counter()
-                decoder(ids[r], None, None, cache, ctx)
+                decoder(ids[r], None, None, cache, c)
                 if rep:                                                  # the first sweep is a warm-up
-                    times[r].append(time.perf_counter() - t)
+                    times[c, r].append(time.perf_counter() - t)
             if rep >= min(5, repeats) and time.perf_counter() - start > seconds:
                 break
-    one = min(times[rows[0]])
-    ms = {r: one * statistics.median(t / t1 for t, t1 in zip(times[r], times[rows[0]])) for r in rows}
+    one = times[order[0]]
+    tables = {c: {r: min(one) * statistics.median(t / t1 for t, t1 in zip(times[c, r], one)) for r in rows}
+              for c in ctxs}
     if log is not None:
-        print(f"speculant: T-row forwards timed in {time.perf_counter() - start:.1f} s (T = 1: "
-              f"{ms[rows[0]] * 1e3:.2f} ms, T = {rows[-1]}: {ms[rows[-1]] * 1e3:.2f} ms)", file=log, flush=True)
-    return {str(r): round(v * 1e3, 4) for r, v in ms.items()}
+        print(f"speculant: T-row forwards timed in {time.perf_counter() - start:.1f} s ("
+              + "; ".join(f"{c} cached tokens: T = {rows[0]} {ms[rows[0]] * 1e3:.2f} ms, T = {rows[-1]} "
+                          f"{ms[rows[-1]] * 1e3:.2f} ms" for c, ms in tables.items()) + ")", file=log, flush=True)
+    return {str(c): {str(r): round(v * 1e3, 4) for r, v in ms.items()} for c, ms in tables.items()}
 
 
 def _drafter_packed(fmt: str, projections):
@@ -1057,6 +1086,9 @@ def format_table(result: TuneResult) -> str:
         one = result.forward_ms["1"]
         lines += [f"T-row forward ({FORWARD_CONTEXT} cached tokens; ms, and in one-token steps): "
                   + ", ".join(f"{t}: {v:.2f} ({v / one:.2f})" for t, v in result.forward_ms.items())]
+        lines += [f"T-row forward ({c} cached tokens; ms, and in one-token steps after {FORWARD_CONTEXT}): "
+                  + ", ".join(f"{t}: {v:.2f} ({v / one:.2f})" for t, v in ms.items())
+                  for c, ms in result.forward_context_ms.items()]
     if result.kv_cache_ms:
         lines += [f"KV cache in the fused-step format (--kv-cache auto): **{result.kv_cache}** (a one-token forward, "
                   f"{KV_CACHE_CONTEXT} cached tokens: "
