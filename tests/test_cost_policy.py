@@ -971,3 +971,84 @@ def test_draft_calls_grow_by_the_drafters_share_of_the_cache(model):
     L = model.config.num_hidden_layers
     assert EarlyExitDrafter(L, 1).cache_share(model.config) == pytest.approx(1 / L)
     assert PromptLookupDrafter().cache_share(model.config) == 0.0
+
+
+def _builtin_reference(model, monkeypatch, text="the cat sat on the mat"):
+    """The prior's prompts replaced by one, its ids and ``ar``'s 64 tokens after them (what an oracle drafts)."""
+    from speculant.engine import speculation
+    from speculant.engine.prompts import encode_prompt
+    monkeypatch.setattr(speculation, "PRIOR_PROMPTS", (text,))
+    ids = encode_prompt(model.tokenizer, text)
+    return ids, run(build_generator(model, method="ar"), prompt=ids, n=64)[0]
+
+
+def test_the_acceptance_prior_counts_what_every_round_drafting_accepts(model, monkeypatch):
+    """``measure_acceptance`` drafts every round as deep as the builder allows on its fixed prompts and keeps the
+    acceptance per depth: a drafter always right is at 1 at every depth, one never right at ``1 / (rounds + 1)``
+    (the plain mean from the prior of certainty, as a history's first observations weigh)."""
+    from speculant.engine.speculation import measure_acceptance
+    ids, out = _builtin_reference(model, monkeypatch)
+    right = measure_acceptance(model, OracleDrafter(ids, out), ChainBuilder(3))
+    assert set(right) == {None} and right[None].alphas == [1.0, 1.0, 1.0]
+    wrong = measure_acceptance(model, OracleDrafter(ids, out, wrong=True), ChainBuilder(3))[None]
+    rounds = wrong.counts[0] - 1
+    assert rounds >= 60 and wrong.alphas == [pytest.approx(1 / (rounds + 1))]
+
+
+def test_the_acceptance_prior_is_measured_once_and_kept_with_the_tune(model, monkeypatch):
+    """``acceptance_prior``: measured at the first call and kept in the tune (saved), greedy and sampled apart; later
+    calls read it (round contexts that are tuples come back as tuples from JSON); no prior without a tune."""
+    import copy as copy_module
+    from types import SimpleNamespace
+
+    from speculant.engine import speculation
+    from speculant.runtime import tune as tune_module
+    ids, out = _builtin_reference(model, monkeypatch)
+    saved = []
+    monkeypatch.setattr(tune_module, "save", lambda t: saved.append(json.dumps(t.acceptance)))
+    m = copy_module.copy(model)
+    m.tune = SimpleNamespace(acceptance={})
+    assert speculation.acceptance_prior(model, OracleDrafter(ids, out), ChainBuilder(2), "oracle") is None
+    prior = speculation.acceptance_prior(m, OracleDrafter(ids, out), ChainBuilder(2), "oracle")
+    assert prior[None].alphas == [1.0, 1.0] and set(m.tune.acceptance) == {"oracle"} and len(saved) == 1
+    monkeypatch.setattr(speculation, "measure_acceptance", lambda *a, **k: pytest.fail("measured again"))
+    again = speculation.acceptance_prior(m, OracleDrafter(ids, out), ChainBuilder(2), "oracle")
+    assert again[None].alphas == [1.0, 1.0] and again[None].counts == prior[None].counts
+    assert speculation.tree_shape(ConstantBranchingBuilder("2,1")) == ",b=2x1"       # a tree's shape is in its key
+    assert speculation.tree_shape(StochasticBeamBuilder(2, 3)) == ",W=2"
+    m.tune.acceptance["oracle sampled"] = json.loads(json.dumps([[("lookup", 2), [0.5], [3]]]))
+    sampled = speculation.acceptance_prior(m, OracleDrafter(ids, out), ChainBuilder(2), "oracle", sampled=True)
+    assert list(sampled) == [("lookup", 2)] and sampled[("lookup", 2)].alpha(1) == 0.5
+
+
+def test_rounds_start_from_the_acceptance_prior_and_sampled_ones_leave_it(model):
+    """A generator given an acceptance prior: its first greedy generation starts from the greedy prior (a drafter
+    never right, with a prior that does not pay, drafts fewer rounds than from certainty; outputs are ``ar``'s),
+    and its history is seeded from it; a sampled generation starts from a copy of the sampled prior, so a seeded
+    output is the same before and after other generations and the prior is left as it was.  The prior is asked for
+    once per kind."""
+    import copy
+
+    from speculant.engine.goodput import DepthAcceptance
+    ar60 = run(build_generator(model, method="ar"), n=60)[0]
+    low = DepthAcceptance(0.02, prior=0.05)
+    low.observe_at(1, False)
+    asked = []
+
+    def prior(sampled):
+        asked.append(sampled)
+        return {None: copy.deepcopy(low)}
+    plain = SpeculativeGenerator(model, OracleDrafter(PROMPT, ar60, wrong=True), ChainBuilder(4), costs=SWITCHING)
+    gen = SpeculativeGenerator(model, OracleDrafter(PROMPT, ar60, wrong=True), ChainBuilder(4), costs=SWITCHING,
+                               acceptance_prior=prior)
+    toks, with_prior = run(gen, n=60)
+    assert toks == ar60 and with_prior.speculated_rounds < run(plain, n=60)[1].speculated_rounds
+    assert gen.acceptance_history[None].counts[0] > 2                       # seeded from the prior, then updated
+    early = build_generator(model, **SPECS["early-exit"])
+    gen = SpeculativeGenerator(model, early.drafter, early.builder, costs=SWITCHING, acceptance_prior=prior)
+    sampling = SamplingConfig(temperature=1.0, seed=11)
+    first = run(gen, sampling=sampling)[0]
+    run(gen, sampling=SamplingConfig(temperature=1.0, seed=3))
+    run(gen)
+    assert run(gen, sampling=sampling)[0] == first
+    assert gen._priors[True][None].counts == low.counts and asked == [False, True, False]   # once per kind

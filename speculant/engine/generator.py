@@ -13,6 +13,7 @@ model may be interleaved in any order, each giving what it gives alone.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
@@ -133,10 +134,16 @@ class SpeculativeGenerator:
             deep as the builder allows (``--speculation always``).
         sampled_costs: the table for generations at a temperature (whose acceptance costs more per draft), or a
             function returning it (called once, at the first such generation); ``None``: ``costs``.
+        acceptance_prior: ``prior(sampled) -> {round context: DepthAcceptance} | None``, the drafter's acceptance
+            measured once on fixed prompts (:func:`~speculant.engine.speculation.acceptance_prior`), called once per
+            kind at the first such cost-aware generation: a sampled generation's rounds start from (a copy of) the
+            sampled one, the greedy history from the greedy one; ``None``: no prior (certainty, then the rounds'
+            own counts).
     """
 
     def __init__(self, model: LoadedModel, drafter: Drafter | None = None, builder: TreeBuilder | None = None,
-                 verification: str = "token", costs: CostTable | None = None, sampled_costs=None):
+                 verification: str = "token", costs: CostTable | None = None, sampled_costs=None,
+                 acceptance_prior=None):
         self.model = model
         self.drafter = drafter or Drafter()
         self.builder = builder
@@ -145,6 +152,8 @@ class SpeculativeGenerator:
         self.costs = costs if builder is not None else None
         self._sampled_costs = (costs if sampled_costs is None else sampled_costs) if builder is not None else None
         self.acceptance_history: dict = {}     # greedy generations' long-run acceptance per round context
+        self._prior = acceptance_prior
+        self._priors: dict[bool, dict | None] = {}
         self.last_result: GenerationResult | None = None
 
     # ---------------------------------------------------------------- prompts
@@ -221,7 +230,22 @@ class SpeculativeGenerator:
         return RoundSizer(costs, builder, self.drafter.capabilities.draft_confidence,
                           lambda context: self.drafter.round_costs(state, context, costs),
                           lambda context: self.drafter.round_extra_seconds(state, context),
-                          self.acceptance_history if state.sampling.greedy else None)
+                          self.history_for(state.sampling.greedy))
+
+    def history_for(self, greedy: bool) -> dict | None:
+        """What a cost-aware generation's rounds start from and update (:class:`RoundSizer`'s ``history``): greedy,
+        :attr:`acceptance_history`, seeded from the greedy acceptance prior at its first use; sampled, a fresh copy
+        of the sampled prior (``None`` without one), so that a seeded sampled output depends on no earlier
+        generation."""
+        sampled = not greedy
+        if sampled not in self._priors:
+            self._priors[sampled] = self._prior(sampled) if self._prior is not None else None
+            if greedy and self._priors[sampled] and not self.acceptance_history:
+                self.acceptance_history.update(copy.deepcopy(self._priors[sampled]))
+        if greedy:
+            return self.acceptance_history
+        prior = self._priors[sampled]
+        return copy.deepcopy(prior) if prior is not None else None
 
     @torch.inference_mode()
     def _prefill(self, prompt_ids, sampling, cache_length, generator, stats, t0, controls=None) -> DecodingState:

@@ -22,7 +22,7 @@ from ..verification.sequence import check_verification
 from .generator import SpeculativeGenerator
 from .goodput import CostTable
 from .names import METHODS, TREE_METHODS
-from .speculation import check_speculation, cost_table
+from .speculation import acceptance_prior, check_speculation, cost_table
 
 
 
@@ -253,7 +253,7 @@ def build_generator(model: LoadedModel, spec: MethodSpec | None = None, costs: C
     if e is not None and (isinstance(e, bool) or not isinstance(e, int) or not 1 <= e < layers):
         raise SpeculantError(f"exit_layer={spec.exit_layer} is out of range; allowed: 1..{layers - 1}")
     drafter, builder = _drafter(spec, model), _builder(spec)
-    sampled_costs = costs
+    sampled_costs, prior = costs, None
     if spec.speculation != "cost":
         costs = sampled_costs = None
     elif costs is None:
@@ -272,5 +272,8 @@ def build_generator(model: LoadedModel, spec: MethodSpec | None = None, costs: C
                 if lookup is not None:
                     drafter.lookup_seconds[False] = lookup(True)
                 return cost_table(model, head, builder, signature, sampled=True)
+
+            def prior(sampled: bool):
+                return acceptance_prior(model, drafter, builder, drafter_signature(spec), sampled)
     return SpeculativeGenerator(model, drafter, builder, verification=spec.verification, costs=costs,
-                                sampled_costs=sampled_costs)
+                                sampled_costs=sampled_costs, acceptance_prior=prior)

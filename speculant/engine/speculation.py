@@ -6,9 +6,10 @@ policy calls the same function with its batch size), through
 :class:`~speculant.engine.goodput.SequenceSpeculation`, from:
 
 * ``cost(T)``: seconds of the target's forward over ``T`` new tokens, measured once per machine and model by the
-  tuner (:func:`speculant.runtime.tune.measure_forward_rows`, ``T`` from 1 to 16 on the fused step, ratios to
-  ``T = 1`` paired within each sweep; other formats: the tuner's pass over all projections at 1, 2, 4, 5, 8 and 16
-  rows), linear in between;
+  tuner (:func:`speculant.runtime.tune.measure_forward_rows`, ``T`` from 1 to 16 on the fused step after 256 and
+  1024 cached tokens, ratios to ``T = 1`` paired within each sweep; other formats: the tuner's pass over all
+  projections at 1, 2, 4, 5, 8 and 16 rows), linear in between, and at the sequence's context
+  (:func:`forward_growth`, :meth:`~speculant.engine.goodput.CostTable.at`: linear in the cached tokens beyond 256);
 * ``c``: what one draft call (one depth of drafting) adds to a round, measured once per machine, model and drafter
   by :func:`measure_draft_seconds` and kept with the tune: rounds drafting no depth, one depth and every depth
   timed in one run, each against the forward table, so that a depth-``d`` round costs what such rounds took beside
@@ -16,9 +17,10 @@ policy calls the same function with its batch size), through
   beyond its forward: the tree's bookkeeping, the acceptance of more rows and, for sampled generations, measured
   again at temperature 1, recursive rejection sampling's residual distributions);
 * ``alpha_d``: the sequence's running acceptance per depth (:class:`~speculant.engine.goodput.DepthAcceptance`,
-  counts only), for greedy generations started from the generator's earlier greedy generations
-  (:data:`HISTORY_WEIGHT`; sampled ones start from certainty, so that a seeded output does not depend on what ran
-  before); a depth-1 round that is not expected to pay is still drafted where one accepted draft would make drafting
+  counts only), started from the drafter's acceptance measured once on fixed prompts (:func:`acceptance_prior`,
+  greedy or at temperature 1) and, for greedy generations, from the generator's earlier greedy generations
+  (:data:`HISTORY_WEIGHT`; a sampled one starts from a copy of the sampled prior, so that a seeded output does not
+  depend on what ran before); a depth-1 round that is not expected to pay is still drafted where one accepted draft would make drafting
   pay over the tokens left (:meth:`~speculant.engine.goodput.SequenceSpeculation.explores`);
 * where the drafter declares ``draft_confidence``: the draft probability of the top token at each depth, times that
   of the path above it, which stops drafting once another depth is expected to lower the round's tokens per second
@@ -42,7 +44,8 @@ import time
 import torch
 
 from ..errors import SpeculantError
-from ..trees.builders import ChainBuilder, ConstantBranchingBuilder, StochasticBeamBuilder, TreeBuilder
+from ..trees.builders import (ChainBuilder, ConstantBranchingBuilder, IIDTreeBuilder, StochasticBeamBuilder,
+                              TreeBuilder)
 from .goodput import CostTable, DepthAcceptance, GoodputPolicy, Ledger, SequenceSpeculation
 
 SPECULATION = ("cost", "always")
@@ -262,6 +265,112 @@ def calibration_turns(model, drafter, builder: TreeBuilder, depths: tuple[int, .
             if time.perf_counter() >= deadline:
                 break
     return [t for t in turns if t[0][1] == 0 and all(r[1] > 0 for r in t[1:])]
+
+
+PRIOR_TOKENS = 64
+"""New tokens of each prompt's generation in :func:`measure_acceptance` [tokens]."""
+PRIOR_PROMPTS = (
+    "Write a short poem about the sea at night.",
+    "Explain in three sentences why the sky is blue.",
+    "Summarize: The library will close for two weeks in March while the roof is repaired. Books can be returned at "
+    "the town hall, and the reading room will move to the school next door until the work is done.",
+    "Translate to German: I would like a cup of coffee and a glass of water, please.",
+    "Tom has 12 apples and gives a third of them to Anna. How many apples does he have left? Explain.",
+    "Write a Python function that checks whether a string is a palindrome.",
+)
+"""The prompts :func:`measure_acceptance` generates from (chat template; writing, QA, summarization, translation,
+math and code, none of them a benchmark's)."""
+
+
+def acceptance_prior(model, drafter, builder: TreeBuilder, signature: str, sampled: bool = False) -> dict | None:
+    """``{round context: DepthAcceptance}``: ``drafter``'s acceptance per depth on ``model``, greedy or (``sampled``)
+    at temperature 1, from ``model.tune.acceptance[signature + tree_shape(builder) (+ SAMPLED)]`` if measured, else
+    :func:`measure_acceptance`, then kept there (and saved with the tune); ``None`` for a model without a tune or a
+    tokenizer.  What a generator's rounds start from before any of its own generations
+    (:class:`RoundSizer`'s history): a draft head is accepted at ~0.4 on SmolLM2, and from the uninformed prior
+    (certainty, then plain means) a run of early rejections took a sampled generation's estimate below the
+    break-even for most of its answer (BENCHMARKS.md BK).  Counts of tokens on fixed prompts: the same on every
+    machine running the same kernels, never a timing, so a seeded output does not depend on noise."""
+    tune = getattr(model, "tune", None)
+    if tune is None or getattr(model, "tokenizer", None) is None:
+        return None
+    key = signature + tree_shape(builder) + (SAMPLED if sampled else "")
+    if key not in tune.acceptance:
+        print(f"speculant: measuring the acceptance of {signature}{' (sampled)' if sampled else ''} on "
+              f"{len(PRIOR_PROMPTS)} fixed prompts (once; kept with the tune) ...", file=sys.stderr, flush=True)
+        prior = measure_acceptance(model, drafter, builder, sampled)
+        tune.acceptance[key] = [[_json_context(c), a.alphas, a.counts] for c, a in prior.items()]
+        from ..runtime import tune as tune_module
+        tune_module.save(tune)
+    out = {}
+    for context, alphas, counts in tune.acceptance[key]:
+        acceptance = DepthAcceptance(HISTORY_SMOOTHING)
+        acceptance.fast, acceptance.slow, acceptance.counts = list(alphas), list(alphas), list(counts)
+        out[tuple(context) if isinstance(context, list) else context] = acceptance
+    return out
+
+
+def tree_shape(builder: TreeBuilder) -> str:
+    """What of ``builder``'s shape the acceptance per depth depends on, as a key suffix: ``""`` for a chain (a depth's
+    acceptance given its path does not depend on the chain's length), the branching of an RSD-C/SpecInfer tree
+    (``",b=2x1"``, and ``",iid"`` for SpecInfer's), the beam width of RSD-S (``",W=2"``)."""
+    if isinstance(builder, ConstantBranchingBuilder):
+        return ",b=" + "x".join(map(str, builder.branching)) + (",iid" if isinstance(builder, IIDTreeBuilder) else "")
+    if isinstance(builder, StochasticBeamBuilder):
+        return f",W={builder.beam_width}"
+    return ""
+
+
+def _json_context(context):
+    """A round context as JSON keeps it (tuples as lists; :func:`acceptance_prior` turns them back)."""
+    return list(context) if isinstance(context, tuple) else context
+
+
+def measure_acceptance(model, drafter, builder: TreeBuilder, sampled: bool = False,
+                       tokens: int = PRIOR_TOKENS) -> dict:
+    """``{round context: DepthAcceptance}`` (exponential means of weight :data:`HISTORY_SMOOTHING`, a history as
+    :class:`RoundSizer` keeps one) of ``drafter`` with ``builder`` on ``model`` over generations of ``tokens`` tokens
+    from each of :data:`PRIOR_PROMPTS` (chat template), greedy or (``sampled``) at
+    temperature 1 (seed 7), every round drafting as deep as the builder allows (:class:`AlwaysDrafting`)."""
+    from ..sampling import SamplingConfig
+    from .generator import GenerationConfig, SpeculativeGenerator
+    from .prompts import encode_prompt
+    from .stats import GenerationStats
+    history: dict = {}
+    gen = SpeculativeGenerator(model, drafter, builder)
+    gen.round_sizer = lambda state, builder, costs: AlwaysDrafting(history)
+    config = GenerationConfig(max_new_tokens=tokens, sampling=SamplingConfig(1.0 if sampled else 0.0, seed=7))
+    for prompt in PRIOR_PROMPTS:
+        for _ in gen.generate_blocks(encode_prompt(model.tokenizer, prompt), config, GenerationStats()):
+            pass
+    return history
+
+
+class AlwaysDrafting:
+    """:func:`measure_acceptance`'s round sizer: every round drafts as deep as it may, and its acceptance is kept
+    per round context in ``history`` (:class:`RoundSizer`'s interface, no policy)."""
+
+    def __init__(self, history: dict):
+        self.history, self.context = history, None
+
+    def depth(self, state, max_depth: int, context=None, free: bool = False, horizon: float = math.inf) -> int:
+        state.draft_stop = None
+        self.context = context
+        return max_depth
+
+    def observe(self, drafted_depth: int, accepted: int, nodes: int, calls: int) -> None:
+        if drafted_depth:
+            self.history.setdefault(self.context, DepthAcceptance(HISTORY_SMOOTHING)).observe(drafted_depth,
+                                                                                             accepted)
+
+    def shadow(self, context, chain, start: int) -> None:
+        """Nothing to learn (every round drafts)."""
+
+    def resolve_shadow(self, tokens: list[int]) -> None:
+        """Nothing to learn."""
+
+    def drop_shadow(self) -> None:
+        """Nothing to learn."""
 
 
 class CyclingDepth:

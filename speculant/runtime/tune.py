@@ -187,6 +187,10 @@ class TuneResult:
             :func:`speculant.engine.speculation.draft_seconds`: the tune step of a drafter, run by the method factory
             :func:`speculant.engine.methods.build_generator` the first time it builds that drafter on this machine
             under ``speculation="cost"``).
+        acceptance: a drafter's acceptance per depth and round context on the built-in prompts, per drafter
+            signature (``+ " sampled"`` at temperature 1), ``{signature: [[context, [alpha_d], [count_d]], ...]}``
+            (:func:`speculant.engine.speculation.acceptance_prior`: counts of tokens, no timing; what a generator's
+            cost-aware rounds start from).
         drafter_weights: the weight format of a drafter's own projections per drafter shape,
             ``{"<kind>:<I>x<O>,...": {"weights": fmt, "ms": {fmt: one-row pass [ms]}}}``
             (:func:`measure_drafter_weights`: the tune step :func:`speculant.drafters.weights.tune_drafter`, run by
@@ -223,6 +227,7 @@ class TuneResult:
     forward_version: int = 0
     forward_kernels: str = ""
     draft_ms: dict = field(default_factory=dict)
+    acceptance: dict = field(default_factory=dict)
     stored_weights: dict = field(default_factory=dict)
     busy_cores: float = 0.0
     measured_at: str = ""
