@@ -43,6 +43,9 @@ class Valuation:
     def __init__(self, tune: dict, config):
         self.short = min(256, config.context_length - 16)        # tune.forward_contexts (absent in older commits)
         self.base = {int(t): v / 1e3 for t, v in tune["forward_ms"].items()}
+        if len(tune.get("forward_context_ms") or {}) != 1:
+            raise SystemExit("the tune has no forward table at a second context (a model of <= 272 positions, or a "
+                             "tune older than FORWARD_VERSION 4): give --tables a tune JSON that has one")
         (c, longer), = tune["forward_context_ms"].items()
         self.growth = {int(t): max(0.0, (v / 1e3 - self.base[int(t)]) / (int(c) - self.short))
                        for t, v in longer.items()}
@@ -56,7 +59,11 @@ class Valuation:
         (r0, s0), (r1, s1) = table[-2:]
         return s1 + (s1 - s0) * (rows - r1) / (r1 - r0)
 
-    def share(self, drafter) -> float:
+    def share(self, drafter, config) -> float:
+        """The drafter's ``cache_share`` where it has one (this commit's policy), else the same rule: early exit
+        E / L, a head one layer of L, a draft model none (older commits), a copy none."""
+        if hasattr(drafter, "cache_share"):
+            return drafter.cache_share(config)
         e = getattr(drafter, "exit_layer", None)
         if e is not None:
             return e / self.layers
@@ -64,9 +71,10 @@ class Valuation:
 
 
 def modeled(gen, ids: list[int], config: GenerationConfig, loop: float, value: Valuation):
-    """``(method seconds, ar seconds, rounds, speculated rounds)`` of one generation, valued by ``value``."""
+    """``(method seconds, ar seconds, rounds, speculated rounds, measured decode seconds)`` of one generation, the
+    first two valued by ``value``, the last timed (prefill left out) [s, s, count, count, s]."""
     rounds = []
-    make, share = gen.round_sizer, value.share(gen.drafter)
+    make, share = gen.round_sizer, value.share(gen.drafter, gen.model.config)
 
     def capture(state, builder, costs):
         sizer = make(state, builder, costs)
@@ -136,6 +144,9 @@ def main() -> int:
     ar_gen = build_generator(model, parse_methods("ar")[0].spec) if a.measure else None
     for method in parse_methods(a.methods):
         gen = build_generator(model, method.spec)
+        if ar_gen is not None:          # untimed: the one-off calibrations and acceptance prior (kept with the tune)
+            modeled(gen, ids[0], config, a.loop_ms / 1e3, value)
+            gen = build_generator(model, method.spec)            # ... and a generator without that history
         by_cat: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
         rounds = speculated = 0
         timed = [0.0, 0.0]

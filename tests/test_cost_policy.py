@@ -10,6 +10,7 @@ variant that fails it); the round counters.
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
@@ -914,13 +915,28 @@ def test_costs_grow_with_the_context_beyond_the_tables():
     assert at.context == 1256 and at.forward_growth is None and at.at(5000) is at
     flat = CostTable({1: 1.0}, 0.2)
     assert flat.at(10_000) is flat
-    for bad in ({1: -0.1}, {3: 0.1}):
+    for bad in ({1: -0.1, 2: 0.1}, {1: 0.1, 3: 0.1}, {1: 0.1}, {1: "x", 2: 0.1}, {1: None, 2: 0.1},
+                {1: math.inf, 2: 0.1}, {1: True, 2: 0.1}):
         with pytest.raises(SpeculantError) as e:
             CostTable({1: 1.0, 2: 1.1}, 0.2, forward_growth=bad)
         assert f"forward_growth={bad!r}" in str(e.value)
+    for bad in (-1.0, math.inf, "1"):
+        with pytest.raises(SpeculantError) as e:
+            CostTable({1: 1.0}, 0.2, draft_growth=bad)
+        assert f"draft_growth={bad!r}" in str(e.value)
+
+
+def test_an_acceptance_prior_that_is_not_one_is_refused(model):
+    """``acceptance_prior`` must be a callable returning ``None`` or ``{context: DepthAcceptance}``: a dict given
+    in its place is refused at construction, a callable returning something else at the first generation asking."""
     with pytest.raises(SpeculantError) as e:
-        CostTable({1: 1.0}, 0.2, draft_growth=-1.0)
-    assert "draft_growth=-1.0" in str(e.value)
+        SpeculativeGenerator(model, OracleDrafter(PROMPT, []), ChainBuilder(2), costs=SWITCHING, acceptance_prior={})
+    assert "acceptance_prior={}" in str(e.value)
+    gen = SpeculativeGenerator(model, OracleDrafter(PROMPT, []), ChainBuilder(2), costs=SWITCHING,
+                               acceptance_prior=lambda sampled: {None: 0.4})
+    with pytest.raises(SpeculantError) as e:
+        run(gen)
+    assert "acceptance_prior(False) returned {None: 0.4}" in str(e.value)
 
 
 def test_growth_per_cached_token_from_the_tunes_second_table():
@@ -962,15 +978,26 @@ def test_drafting_that_pays_after_a_short_context_stops_after_a_long_one():
     assert sizer.speculation.costs.forward_seconds[2] == pytest.approx(1.05e-3 + 1.0e-6 * (2976 - 256))
 
 
-def test_draft_calls_grow_by_the_drafters_share_of_the_cache(model):
+def test_draft_calls_grow_by_the_drafters_share_of_the_cache(model, head_dir):
     """A draft call reads the KV cache of the layers it runs: early exit at ``E`` of ``L`` layers ``E / L`` of the
-    target's, a draft head its one layer's, prompt lookup none (and a lookup round of ``eagle-lookup`` none); the
-    cost table's draft growth is that share of the one-row forward's."""
+    target's, a draft head its one layer's, a truncated draft model its layers', prompt lookup none, and a copying
+    round of ``eagle-lookup`` none (its table's draft growth set to 0); the head's rounds keep the head's."""
+    from types import SimpleNamespace
+
     from speculant.drafters.early_exit import EarlyExitDrafter
     from speculant.drafters.prompt_lookup import PromptLookupDrafter
     L = model.config.num_hidden_layers
     assert EarlyExitDrafter(L, 1).cache_share(model.config) == pytest.approx(1 / L)
     assert PromptLookupDrafter().cache_share(model.config) == 0.0
+    assert build_generator(model, **_spec("eagle", head_dir)).drafter.cache_share(model.config) == pytest.approx(1 / L)
+    assert build_generator(model, **SPECS["draft-model"]).drafter.cache_share(model.config) == pytest.approx(1 / L)
+    mixed = build_generator(model, **_spec("eagle-lookup", head_dir)).drafter
+    assert mixed.cache_share(model.config) == pytest.approx(1 / L)
+    mixed.lookup_seconds = {True: (0.001, 0.0005)}
+    table = CostTable({1: 1.0, 2: 1.1}, 0.2, 0.3, 256, {1: 0.001, 2: 0.002}, draft_growth=0.0004)
+    state = SimpleNamespace(sampling=SamplingConfig())
+    assert mixed.round_costs(state, ("lookup", 2), table).draft_growth == 0.0
+    assert mixed.round_costs(state, None, table) is table
 
 
 def _builtin_reference(model, monkeypatch, text="the cat sat on the mat"):

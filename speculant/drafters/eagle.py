@@ -99,8 +99,8 @@ class DraftHeadDrafter(ModelDrafterBase[HeadState]):
     def cache_share(self, target_config) -> float:
         """The head's one layer's keys/values over the target's layers' (an upper bound: the head's cache holds
         the last :attr:`prompt_window` of the prompt only)."""
-        c, t = self.head.config, target_config
-        return c["num_key_value_heads"] * c["head_dim"] / (t.num_hidden_layers * t.num_key_value_heads * t.head_dim)
+        attn, t = self.head.layer.self_attn, target_config
+        return attn.kv_size / (t.num_hidden_layers * t.num_key_value_heads * t.head_dim)
 
     def round_extra_seconds(self, state: DecodingState[HeadState], context=None) -> float:
         """The head's catch-up of the entries committed since it last ran, beyond one [s]: what a drafting round

@@ -29,7 +29,7 @@ from ..sampling.processors import SamplingConfig
 from ..trees.builders import IIDTreeBuilder, TreeBuilder
 from .prompts import check_prompt_ids, encode_prompt
 from .requests import check_controls, make_controls, stop_token_set
-from .goodput import CostTable
+from .goodput import CostTable, DepthAcceptance
 from .rounds import accept_and_commit, draft_limits, prefill
 from .speculation import RoundSizer
 from .stats import GenerationStats
@@ -136,9 +136,13 @@ class SpeculativeGenerator:
             function returning it (called once, at the first such generation); ``None``: ``costs``.
         acceptance_prior: ``prior(sampled) -> {round context: DepthAcceptance} | None``, the drafter's acceptance
             measured once on fixed prompts (:func:`~speculant.engine.speculation.acceptance_prior`), called once per
-            kind at the first such cost-aware generation: a sampled generation's rounds start from (a copy of) the
-            sampled one, the greedy history from the greedy one; ``None``: no prior (certainty, then the rounds'
-            own counts).
+            kind at the first such cost-aware generation (which pays its one measurement, if not yet kept with the
+            tune): a sampled generation's rounds start from (a copy of) the sampled one, the greedy history from the
+            greedy one; ``None``: no prior (certainty, then the rounds' own counts).
+
+    Raises:
+        SpeculantError: an ``acceptance_prior`` that is not callable (and, at the first generation that asks it,
+            one returning anything but ``None`` or ``{round context: DepthAcceptance}``).
     """
 
     def __init__(self, model: LoadedModel, drafter: Drafter | None = None, builder: TreeBuilder | None = None,
@@ -152,6 +156,9 @@ class SpeculativeGenerator:
         self.costs = costs if builder is not None else None
         self._sampled_costs = (costs if sampled_costs is None else sampled_costs) if builder is not None else None
         self.acceptance_history: dict = {}     # greedy generations' long-run acceptance per round context
+        if acceptance_prior is not None and not callable(acceptance_prior):
+            raise SpeculantError(f"acceptance_prior={acceptance_prior!r} is invalid; allowed: None or a callable "
+                                 "prior(sampled) returning {round context: DepthAcceptance} or None")
         self._prior = acceptance_prior
         self._priors: dict[bool, dict | None] = {}
         self.last_result: GenerationResult | None = None
@@ -239,7 +246,12 @@ class SpeculativeGenerator:
         generation."""
         sampled = not greedy
         if sampled not in self._priors:
-            self._priors[sampled] = self._prior(sampled) if self._prior is not None else None
+            prior = self._prior(sampled) if self._prior is not None else None
+            if prior is not None and not (isinstance(prior, dict)
+                                          and all(isinstance(a, DepthAcceptance) for a in prior.values())):
+                raise SpeculantError(f"acceptance_prior({sampled}) returned {prior!r}; allowed: None or "
+                                     "{round context: DepthAcceptance}")
+            self._priors[sampled] = prior
             if greedy and self._priors[sampled] and not self.acceptance_history:
                 self.acceptance_history.update(copy.deepcopy(self._priors[sampled]))
         if greedy:

@@ -344,16 +344,21 @@ class CostTable:
                 or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 or not s > 0 for r, s in fs.items())):
             raise SpeculantError(f"forward_seconds={fs!r} is invalid; allowed: a non-empty {{rows >= 1: seconds > 0}}")
         growth = self.forward_growth
-        if growth is not None and (not isinstance(growth, dict)
-                                   or any(r not in fs or not g >= 0 for r, g in growth.items())):
-            raise SpeculantError(f"forward_growth={growth!r} is invalid; allowed: None or {{rows of forward_seconds: "
-                                 "seconds per token >= 0}")
+        if growth is not None and (not isinstance(growth, dict) or set(growth) != set(fs)
+                                   or not all(_finite(g) for g in growth.values())):
+            raise SpeculantError(f"forward_growth={growth!r} is invalid; allowed: None or {{each row count of "
+                                 "forward_seconds: seconds per token >= 0}")
         for name in ("draft_seconds", "first_draft_seconds", "context", "draft_growth"):
             value = getattr(self, name)
             if value is None and name == "first_draft_seconds":
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise SpeculantError(f"{name}={value!r} is invalid; allowed: a number >= 0")
+            if not _finite(value):
+                raise SpeculantError(f"{name}={value!r} is invalid; allowed: a finite number >= 0")
+
+
+def _finite(value) -> bool:
+    """Whether ``value`` is a finite int or float >= 0 (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 <= value < math.inf
 
 
 @dataclass

@@ -274,6 +274,7 @@ def build_generator(model: LoadedModel, spec: MethodSpec | None = None, costs: C
                 return cost_table(model, head, builder, signature, sampled=True)
 
             def prior(sampled: bool):
-                return acceptance_prior(model, drafter, builder, drafter_signature(spec), sampled)
+                return acceptance_prior(model, drafter, builder, drafter_signature(spec), sampled,
+                                        spec.verification)
     return SpeculativeGenerator(model, drafter, builder, verification=spec.verification, costs=costs,
                                 sampled_costs=sampled_costs, acceptance_prior=prior)

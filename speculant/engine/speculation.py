@@ -282,9 +282,12 @@ PRIOR_PROMPTS = (
 math and code, none of them a benchmark's)."""
 
 
-def acceptance_prior(model, drafter, builder: TreeBuilder, signature: str, sampled: bool = False) -> dict | None:
+def acceptance_prior(model, drafter, builder: TreeBuilder, signature: str, sampled: bool = False,
+                     verification: str = "token") -> dict | None:
     """``{round context: DepthAcceptance}``: ``drafter``'s acceptance per depth on ``model``, greedy or (``sampled``)
-    at temperature 1, from ``model.tune.acceptance[signature + tree_shape(builder) (+ SAMPLED)]`` if measured, else
+    at temperature 1 (sampled, with acceptance rule ``verification``), from
+    ``model.tune.acceptance[signature + tree_shape(builder) (+ ",verification=..." unless "token") (+ SAMPLED)]`` if
+    measured, else
     :func:`measure_acceptance`, then kept there (and saved with the tune); ``None`` for a model without a tune or a
     tokenizer.  What a generator's rounds start from before any of its own generations
     (:class:`RoundSizer`'s history): a draft head is accepted at ~0.4 on SmolLM2, and from the uninformed prior
@@ -294,11 +297,12 @@ def acceptance_prior(model, drafter, builder: TreeBuilder, signature: str, sampl
     tune = getattr(model, "tune", None)
     if tune is None or getattr(model, "tokenizer", None) is None:
         return None
-    key = signature + tree_shape(builder) + (SAMPLED if sampled else "")
+    key = (signature + tree_shape(builder) + ("" if verification == "token" else f",verification={verification}")
+           + (SAMPLED if sampled else ""))
     if key not in tune.acceptance:
         print(f"speculant: measuring the acceptance of {signature}{' (sampled)' if sampled else ''} on "
               f"{len(PRIOR_PROMPTS)} fixed prompts (once; kept with the tune) ...", file=sys.stderr, flush=True)
-        prior = measure_acceptance(model, drafter, builder, sampled)
+        prior = measure_acceptance(model, drafter, builder, sampled, verification=verification)
         tune.acceptance[key] = [[_json_context(c), a.alphas, a.counts] for c, a in prior.items()]
         from ..runtime import tune as tune_module
         tune_module.save(tune)
@@ -327,17 +331,18 @@ def _json_context(context):
 
 
 def measure_acceptance(model, drafter, builder: TreeBuilder, sampled: bool = False,
-                       tokens: int = PRIOR_TOKENS) -> dict:
+                       tokens: int = PRIOR_TOKENS, verification: str = "token") -> dict:
     """``{round context: DepthAcceptance}`` (exponential means of weight :data:`HISTORY_SMOOTHING`, a history as
     :class:`RoundSizer` keeps one) of ``drafter`` with ``builder`` on ``model`` over generations of ``tokens`` tokens
     from each of :data:`PRIOR_PROMPTS` (chat template), greedy or (``sampled``) at
-    temperature 1 (seed 7), every round drafting as deep as the builder allows (:class:`AlwaysDrafting`)."""
+    temperature 1 (seed 7; sampled rounds verified by ``verification``), every round drafting as deep as the builder
+    allows (:class:`AlwaysDrafting`)."""
     from ..sampling import SamplingConfig
     from .generator import GenerationConfig, SpeculativeGenerator
     from .prompts import encode_prompt
     from .stats import GenerationStats
     history: dict = {}
-    gen = SpeculativeGenerator(model, drafter, builder)
+    gen = SpeculativeGenerator(model, drafter, builder, verification=verification)
     gen.round_sizer = lambda state, builder, costs: AlwaysDrafting(history)
     config = GenerationConfig(max_new_tokens=tokens, sampling=SamplingConfig(1.0 if sampled else 0.0, seed=7))
     for prompt in PRIOR_PROMPTS:
@@ -452,10 +457,12 @@ class RoundSizer:
     starts from the generation's acceptance at depth 1 so far, pooled over its contexts (the running mean of a
     :class:`~speculant.engine.goodput.DepthAcceptance`), not from certainty (prompt lookup meets new n-gram sizes
     all along, and at temperature 1 drafted by choice in each at an acceptance that does not pay: BENCHMARKS.md
-    BA.2).  ``history`` (``{context: DepthAcceptance}``, the generator's, for greedy generations): each context's
-    long-run acceptance over earlier generations (exponential, weight :data:`HISTORY_SMOOTHING`), which a context
-    starts from, counted as :data:`HISTORY_WEIGHT` observations, and which this generation's observations update.
-    Counts of tokens only: deterministic given them (and, with a history, the earlier generations').
+    BA.2).  ``history`` (``{context: DepthAcceptance}``; :meth:`~speculant.engine.generator.SpeculativeGenerator.
+    history_for`: for greedy generations the generator's, seeded from the greedy acceptance prior; for a sampled one
+    a fresh copy of the sampled prior): each context's long-run acceptance (exponential, weight
+    :data:`HISTORY_SMOOTHING`), which a context starts from, counted as :data:`HISTORY_WEIGHT` observations, and
+    which this generation's observations update.  Counts of tokens only: deterministic given them (and, with a
+    greedy history, the earlier greedy generations').
     :meth:`depth` before a round's drafting (and, for a drafter with draft confidence, ``state.draft_stop`` set),
     :meth:`observe` after its acceptance."""
 

@@ -187,8 +187,9 @@ class TuneResult:
             :func:`speculant.engine.speculation.draft_seconds`: the tune step of a drafter, run by the method factory
             :func:`speculant.engine.methods.build_generator` the first time it builds that drafter on this machine
             under ``speculation="cost"``).
-        acceptance: a drafter's acceptance per depth and round context on the built-in prompts, per drafter
-            signature (``+ " sampled"`` at temperature 1), ``{signature: [[context, [alpha_d], [count_d]], ...]}``
+        acceptance: a drafter's acceptance per depth and round context on fixed prompts, per drafter signature
+            and tree shape (and acceptance rule, ``+ " sampled"`` at temperature 1; the key of
+            :func:`speculant.engine.speculation.acceptance_prior`), ``{key: [[context, [alpha_d], [count_d]], ...]}``
             (:func:`speculant.engine.speculation.acceptance_prior`: counts of tokens, no timing; what a generator's
             cost-aware rounds start from).
         drafter_weights: the weight format of a drafter's own projections per drafter shape,
