@@ -1079,3 +1079,21 @@ def test_rounds_start_from_the_acceptance_prior_and_sampled_ones_leave_it(model)
     run(gen)
     assert run(gen, sampling=sampling)[0] == first
     assert gen._priors[True][None].counts == low.counts and asked == [False, True, False]   # once per kind
+
+
+def test_one_off_measurements_are_not_in_a_generations_time(model, monkeypatch):
+    """The sampled cost table and the acceptance prior, measured at the first generation that needs them, are
+    measured before its clock starts: its ``seconds`` do not include them."""
+    def slow_prior(sampled):
+        time.sleep(0.3)
+        return None
+
+    def slow_costs():
+        time.sleep(0.3)
+        return SWITCHING
+    early = build_generator(model, **SPECS["early-exit"])
+    gen = SpeculativeGenerator(model, early.drafter, early.builder, costs=SWITCHING, sampled_costs=slow_costs,
+                               acceptance_prior=slow_prior)
+    start = time.perf_counter()
+    stats = run(gen, n=4, sampling=SamplingConfig(temperature=1.0, seed=1))[1]
+    assert time.perf_counter() - start >= 0.6 > stats.seconds      # 0.6 s measured, none of it counted

@@ -208,6 +208,8 @@ class SpeculativeGenerator:
         if controls is None:
             controls = make_controls(config, self.model, prompt_ids)
         generator = config.sampling.generator()
+        if self.costs_for(config.sampling) is not None:  # one-off measurements (sampled draft costs, the acceptance
+            self.history_for(config.sampling.greedy)     # prior) before the clock starts, not in this one's time
         executor_of(self.model).adapt_threads()           # the load since the last generation, before its prefill
         t0 = time.perf_counter()
         if shared is not None:
