@@ -209,7 +209,7 @@ class SpeculativeGenerator:
             controls = make_controls(config, self.model, prompt_ids)
         generator = config.sampling.generator()
         if self.costs_for(config.sampling) is not None:  # one-off measurements (sampled draft costs, the acceptance
-            self.history_for(config.sampling.greedy)     # prior) before the clock starts, not in this one's time
+            self._prior_for(not config.sampling.greedy)  # prior) before the clock starts, not in this one's time
         executor_of(self.model).adapt_threads()           # the load since the last generation, before its prefill
         t0 = time.perf_counter()
         if shared is not None:
@@ -246,7 +246,15 @@ class SpeculativeGenerator:
         :attr:`acceptance_history`, seeded from the greedy acceptance prior at its first use; sampled, a fresh copy
         of the sampled prior (``None`` without one), so that a seeded sampled output depends on no earlier
         generation."""
-        sampled = not greedy
+        prior = self._prior_for(not greedy)
+        if not greedy:
+            return copy.deepcopy(prior) if prior is not None else None
+        if prior and not self.acceptance_history:
+            self.acceptance_history.update(copy.deepcopy(prior))
+        return self.acceptance_history
+
+    def _prior_for(self, sampled: bool) -> dict | None:
+        """The acceptance prior of one kind, asked of ``acceptance_prior`` once and kept (checked)."""
         if sampled not in self._priors:
             prior = self._prior(sampled) if self._prior is not None else None
             if prior is not None and not (isinstance(prior, dict)
@@ -254,12 +262,7 @@ class SpeculativeGenerator:
                 raise SpeculantError(f"acceptance_prior({sampled}) returned {prior!r}; allowed: None or "
                                      "{round context: DepthAcceptance}")
             self._priors[sampled] = prior
-            if greedy and self._priors[sampled] and not self.acceptance_history:
-                self.acceptance_history.update(copy.deepcopy(self._priors[sampled]))
-        if greedy:
-            return self.acceptance_history
-        prior = self._priors[sampled]
-        return copy.deepcopy(prior) if prior is not None else None
+        return self._priors[sampled]
 
     @torch.inference_mode()
     def _prefill(self, prompt_ids, sampling, cache_length, generator, stats, t0, controls=None) -> DecodingState:

@@ -332,7 +332,7 @@ class CostTable:
         extra = tokens - self.context
         if self.forward_growth is None or extra <= 0:
             return self
-        forward = {r: s + self.forward_growth.get(r, 0.0) * extra for r, s in self.forward_seconds.items()}
+        forward = {r: s + self.forward_growth[r] * extra for r, s in self.forward_seconds.items()}
         more = self.draft_growth * extra
         first = None if self.first_draft_seconds is None else self.first_draft_seconds + more
         return replace(self, forward_seconds=forward, draft_seconds=self.draft_seconds + more,
@@ -430,9 +430,10 @@ class SequenceSpeculation:
 
     def at_context(self, tokens: int) -> None:
         """Size and value the next rounds after ``tokens`` cached tokens (the table's :meth:`CostTable.at`, taken
-        in steps of :data:`CONTEXT_STEP` tokens): a round of a long prompt's answer costs more than one of a short
-        one's, its extra rows more than their share (attention over the KV cache), so drafting that pays at 256
-        cached tokens may lose at 1000.  A function of the token count: deterministic."""
+        in steps of :data:`CONTEXT_STEP` tokens): a step after 1024 cached tokens costs 1.4-1.6 steps after 256 on
+        SmolLM2 (attention over the KV cache; BENCHMARKS.md BL) while a draft call grows only by its drafter's
+        share, so what a round saves or loses against ``ar`` rounds moves with the context.  A function of the token
+        count: deterministic."""
         step = tokens - tokens % CONTEXT_STEP
         if step != self._context:
             self._context = step

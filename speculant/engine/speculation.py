@@ -351,33 +351,6 @@ def measure_acceptance(model, drafter, builder: TreeBuilder, sampled: bool = Fal
     return history
 
 
-class AlwaysDrafting:
-    """:func:`measure_acceptance`'s round sizer: every round drafts as deep as it may, and its acceptance is kept
-    per round context in ``history`` (:class:`RoundSizer`'s interface, no policy)."""
-
-    def __init__(self, history: dict):
-        self.history, self.context = history, None
-
-    def depth(self, state, max_depth: int, context=None, free: bool = False, horizon: float = math.inf) -> int:
-        state.draft_stop = None
-        self.context = context
-        return max_depth
-
-    def observe(self, drafted_depth: int, accepted: int, nodes: int, calls: int) -> None:
-        if drafted_depth:
-            self.history.setdefault(self.context, DepthAcceptance(HISTORY_SMOOTHING)).observe(drafted_depth,
-                                                                                             accepted)
-
-    def shadow(self, context, chain, start: int) -> None:
-        """Nothing to learn (every round drafts)."""
-
-    def resolve_shadow(self, tokens: list[int]) -> None:
-        """Nothing to learn."""
-
-    def drop_shadow(self) -> None:
-        """Nothing to learn."""
-
-
 class CyclingDepth:
     """The calibration's round sizer (:func:`measure_draft_seconds`): the rounds draft ``depths`` in turn (0: an
     ``ar`` round of the drafter's generator), as deep as each allows; :class:`RoundSizer`'s interface, no policy."""
@@ -402,6 +375,24 @@ class CyclingDepth:
 
     def drop_shadow(self) -> None:
         """Nothing to learn."""
+
+
+class AlwaysDrafting(CyclingDepth):
+    """:func:`measure_acceptance`'s round sizer: every round drafts as deep as it may, and its acceptance is kept
+    per round context in ``history``."""
+
+    def __init__(self, history: dict):
+        super().__init__((sys.maxsize,))
+        self.history, self.context = history, None
+
+    def depth(self, state, max_depth: int, context=None, free: bool = False, horizon: float = math.inf) -> int:
+        self.context = context
+        return super().depth(state, max_depth, context, free, horizon)
+
+    def observe(self, drafted_depth: int, accepted: int, nodes: int, calls: int) -> None:
+        if drafted_depth:
+            self.history.setdefault(self.context, DepthAcceptance(HISTORY_SMOOTHING)).observe(drafted_depth,
+                                                                                             accepted)
 
 
 def timed_rounds(model, drafter, builder: TreeBuilder, depths: tuple[int, ...], prompt_ids: list[int], tokens: int,

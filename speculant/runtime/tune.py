@@ -123,8 +123,8 @@ FORWARD_CONTEXT = 256
 """Cached tokens of the forwards :func:`measure_forward_rows` times (``forward_ms``)."""
 FORWARD_LONG_CONTEXT = 1024
 """Cached tokens of the second table :func:`measure_forward_rows` times (``forward_context_ms``): a step after 1024
-cached tokens took 1.4-1.9x one after 256 on SmolLM2 (2-vCPU Zen 4, BENCHMARKS.md BL), its extra rows more than their
-share, so the cost-aware policy takes its costs at the generation's context (linear in between and beyond)."""
+cached tokens took 1.4-1.6x one after 256 on SmolLM2 (2-vCPU Zen 4, BENCHMARKS.md BL), so the cost-aware policy takes
+its costs at the generation's context (linear in between and beyond)."""
 FORWARD_REPEATS = 20
 """Timed sweeps over :data:`FORWARD_ROWS` in :func:`measure_forward_rows` (fewer once :data:`FORWARD_SECONDS` are
 spent): on a shared 2-core VM a best of 3 may leave the multi-row forwards high (a kept table put T = 5 at 1.63 steps
