@@ -31,7 +31,7 @@ from .prompts import check_prompt_ids, encode_prompt
 from .requests import check_controls, make_controls, stop_token_set
 from .goodput import CostTable, DepthAcceptance
 from .rounds import accept_and_commit, draft_limits, prefill
-from .speculation import RoundSizer
+from .speculation import RoundSizer, RoundTiming
 from .stats import GenerationStats
 from .text import StopStringText
 
@@ -139,6 +139,10 @@ class SpeculativeGenerator:
             kind at the first such cost-aware generation (which pays its one measurement, if not yet kept with the
             tune): a sampled generation's rounds start from (a copy of) the sampled one, the greedy history from the
             greedy one; ``None``: no prior (certainty, then the rounds' own counts).
+        round_timing: time the rounds of greedy cost-aware generations and correct what a drafting round costs by
+            what such rounds took beside the ``ar`` rounds (:class:`~speculant.engine.speculation.RoundTiming`, kept
+            as :attr:`round_timing` across generations; greedy outputs do not depend on it, sampled generations are
+            sized without it).
 
     Raises:
         SpeculantError: an ``acceptance_prior`` that is not callable (and, at the first generation that asks it,
@@ -147,7 +151,7 @@ class SpeculativeGenerator:
 
     def __init__(self, model: LoadedModel, drafter: Drafter | None = None, builder: TreeBuilder | None = None,
                  verification: str = "token", costs: CostTable | None = None, sampled_costs=None,
-                 acceptance_prior=None):
+                 acceptance_prior=None, round_timing: bool = False):
         self.model = model
         self.drafter = drafter or Drafter()
         self.builder = builder
@@ -161,6 +165,7 @@ class SpeculativeGenerator:
                                  "prior(sampled) returning {round context: DepthAcceptance} or None")
         self._prior = acceptance_prior
         self._priors: dict[bool, dict | None] = {}
+        self.round_timing = RoundTiming() if round_timing and self.costs is not None else None
         self.last_result: GenerationResult | None = None
 
     # ---------------------------------------------------------------- prompts
@@ -239,7 +244,8 @@ class SpeculativeGenerator:
         return RoundSizer(costs, builder, self.drafter.capabilities.draft_confidence,
                           lambda context: self.drafter.round_costs(state, context, costs),
                           lambda context: self.drafter.round_extra_seconds(state, context),
-                          self.history_for(state.sampling.greedy))
+                          self.history_for(state.sampling.greedy),
+                          self.round_timing if state.sampling.greedy else None)
 
     def history_for(self, greedy: bool) -> dict | None:
         """What a cost-aware generation's rounds start from and update (:class:`RoundSizer`'s ``history``): greedy,
@@ -289,7 +295,8 @@ class SpeculativeGenerator:
                                                           remaining)
             if asked and not max_depth:          # the chain a free draft gives, checked against what is emitted
                 sizer.shadow(context, free, len(state.tokens))
-        t0, forwards = time.perf_counter(), state.draft_forwards
+        t0 = start = time.perf_counter()
+        forwards = state.draft_forwards
         tree = self.drafter.draft(state, builder, generator, max_nodes, max_depth)
         if sizer is not None and len(tree):
             sizer.drop_shadow()
@@ -306,6 +313,7 @@ class SpeculativeGenerator:
         if sizer is not None:
             calls = max(state.draft_forwards - forwards, tree.max_depth)    # prompt lookup: no forwards
             sizer.observe(tree.max_depth, stats.accepted_tokens - accepted, len(tree), calls)
+            sizer.timed(time.perf_counter() - start)
         return block
 
     # ---------------------------------------------------------------- text layer

@@ -217,7 +217,9 @@ class DepthAcceptance:
     that starts being accepted (after failing probes, it recovers in a quarter of the rounds the slow one alone
     needs); the slow one does not drop below the break-even on a run of rejections (a draft head's fast estimate
     spread so far around an acceptance that pays that it stopped drafting in most rounds: BENCHMARKS.md BJ).
-    Updated from accepted lengths only (no timing), so a choice made from it is the same whenever the tokens are.
+    Updated from accepted lengths only (no timing), so a choice made from it is the same whenever the tokens are;
+    :meth:`observe_at` is its one update after construction (:attr:`version` counts them: a sizing computed from
+    the estimate is kept until it changes).
     (The bias-corrected mean without the floor, weight ``1 / (n + 1)`` all along, stopped prompt lookup's drafting
     after short runs of misses: τ 1.70 -> 1.57 on Spec-Bench, BENCHMARKS.md AJ.)
 
@@ -235,6 +237,7 @@ class DepthAcceptance:
         self.fast: list[float] = []          # the running means of weight ``smoothing`` per depth
         self.slow: list[float] = []          # ... and of weight ``smoothing * SLOW_SMOOTHING``
         self.counts: list[int] = []          # observations per depth, the prior counted as one
+        self.version = 0                     # observations so far: what a sizing computed from it is keyed by
 
     @property
     def alphas(self) -> list[float]:
@@ -259,6 +262,7 @@ class DepthAcceptance:
             self.slow.append(self.slow[d - 1] if d else self.prior)
             self.counts.append(1)
         self.counts[depth - 1] += 1
+        self.version += 1
         n, x = self.counts[depth - 1], float(accepted)
         self.fast[depth - 1] += max(1.0 / n, self.smoothing) * (x - self.fast[depth - 1])
         self.slow[depth - 1] += max(1.0 / n, self.slow_smoothing) * (x - self.slow[depth - 1])
@@ -418,6 +422,7 @@ class SequenceSpeculation:
         self.costs, self.explore_every, self.max_explore_every = costs, explore_every, max_explore_every
         self.table_costs = costs             # the table as given; :attr:`costs` is it at the sequence's context
         self._context = None                 # the cached tokens :attr:`costs` is at, in steps of CONTEXT_STEP
+        self.correction = 0.0                # seconds :attr:`costs` adds to a drafting round's first call [s]
         self.policy = GoodputPolicy(costs.forward_seconds, warmup=0, explore_every=explore_every)
         self.acceptance = acceptance if acceptance is not None else DepthAcceptance(smoothing, prior)
         self.interval = explore_every        # rounds without drafts before the next probe [count]
@@ -427,18 +432,35 @@ class SequenceSpeculation:
         self._probing = False                # the last depth returned was a probe's
         self._first = acceptance is None     # no round sized yet (an estimate given: sized from it)
         self._sizing = None                  # the last depth()'s (max_depth, nodes_at_depth)
+        self._memo_key, self._memo_values = None, {}
 
-    def at_context(self, tokens: int) -> None:
+    def at_context(self, tokens: int, correction: float = 0.0) -> None:
         """Size and value the next rounds after ``tokens`` cached tokens (the table's :meth:`CostTable.at`, taken
         in steps of :data:`CONTEXT_STEP` tokens): a step after 1024 cached tokens costs 1.4-1.6 steps after 256 on
         SmolLM2 (attention over the KV cache; BENCHMARKS.md BL) while a draft call grows only by its drafter's
-        share, so what a round saves or loses against ``ar`` rounds moves with the context.  A function of the token
+        share, so what a round saves or loses against ``ar`` rounds moves with the context.  ``correction``: seconds
+        added to a drafting round's first call beyond the table (:class:`~speculant.engine.speculation.RoundTiming`,
+        greedy generations only; the call's figure stays >= 0) [s].  Without a correction, a function of the token
         count: deterministic."""
         step = tokens - tokens % CONTEXT_STEP
-        if step != self._context:
-            self._context = step
-            self.costs = self.table_costs.at(step)
+        if step != self._context or correction != self.correction:
+            self._context, self.correction = step, correction
+            costs = self.table_costs.at(step)
+            if correction:
+                first = costs.draft_seconds if costs.first_draft_seconds is None else costs.first_draft_seconds
+                costs = replace(costs, first_draft_seconds=max(0.0, first + correction))
+            self.costs = costs
             self.policy.table = sorted(self.costs.forward_seconds.items())
+
+    def _memo(self, max_depth: int, nodes_at_depth) -> dict:
+        """The sizing's figures that depend only on the costs at this context, the depth bound, the tree shape and
+        the acceptance (its :attr:`~DepthAcceptance.version`), kept until one of them changes: an ``ar`` round in a
+        run of them reads them instead of valuing every depth again (its sizing is Python time on every round,
+        the ones that do not draft included)."""
+        key = (self._context, self.correction, max_depth, nodes_at_depth, self.acceptance, self.acceptance.version)
+        if key != self._memo_key:
+            self._memo_key, self._memo_values = key, {}
+        return self._memo_values
 
     def _depth(self, max_depth: int, nodes_at_depth, acceptance) -> int:
         c = self.costs
@@ -468,7 +490,10 @@ class SequenceSpeculation:
             self._first = False
             if not free:
                 return 1 if self.could_pay(max_depth, nodes_at_depth) and self.within_budget() else 0
-        d = self._depth(max_depth, nodes_at_depth, self.acceptance)
+        memo = self._memo(max_depth, nodes_at_depth)
+        if "depth" not in memo:
+            memo["depth"] = self._depth(max_depth, nodes_at_depth, self.acceptance)
+        d = memo["depth"]
         if d == 0 and not free and self.explores(nodes_at_depth, horizon):
             return 1                         # for its information: the probes' back-off stays as it is
         if d == 0 and self.could_pay(max_depth, nodes_at_depth):
@@ -497,9 +522,13 @@ class SequenceSpeculation:
         probes of :meth:`depth` take over.  Deterministic given the tokens."""
         if not self.acceptance.slow or self.acceptance.counts[0] < EXPLORE_AFTER:
             return False
-        alpha, up = self.acceptance.alpha(1), self.acceptance.slow_after(1, True)
-        gain = self.depth_one_saving(up, nodes_at_depth)
-        return gain > 0.0 and alpha * gain * horizon / (1.0 + up) > -self.depth_one_saving(alpha, nodes_at_depth)
+        memo = self._memo(self._sizing[0], nodes_at_depth) if self._sizing else {}
+        if "explore" not in memo:
+            alpha, up = self.acceptance.alpha(1), self.acceptance.slow_after(1, True)
+            memo["explore"] = (alpha, up, self.depth_one_saving(up, nodes_at_depth),
+                               -self.depth_one_saving(alpha, nodes_at_depth))
+        alpha, up, gain, loss = memo["explore"]
+        return gain > 0.0 and alpha * gain * horizon / (1.0 + up) > loss
 
     def depth_one_saving(self, alpha: float, nodes_at_depth) -> float:
         """``s(alpha) = (1 + alpha) cost(1) - cost(1 + n_1) - c_1``: what a depth-1 round whose drafts are accepted
@@ -515,16 +544,22 @@ class SequenceSpeculation:
         estimate, updated by drafting rounds only, is stale (it stopped drafting on a run of rejections, and the
         rounds it then leaves without drafts would have paid: BENCHMARKS.md BJ).  Far below it, the interval is
         the back-off's."""
-        lose = -self.depth_one_saving(0.0, nodes_at_depth)
+        memo = self._memo(self._sizing[0], nodes_at_depth) if self._sizing else {}
+        if "probe" not in memo:
+            memo["probe"] = (-self.depth_one_saving(0.0, nodes_at_depth),
+                             max(-self.depth_one_saving(self.acceptance.alpha(1), nodes_at_depth), 0.0))
+        lose, expected = memo["probe"]
         if lose <= 0.0:
             return 1
-        expected = max(-self.depth_one_saving(self.acceptance.alpha(1), nodes_at_depth), 0.0)
         return max(1, math.ceil(self.interval * expected / lose))
 
     def could_pay(self, max_depth: int, nodes_at_depth) -> bool:
         """Whether some depth would pay if every drafted token were accepted (else exploring is useless: drafts
         that cost more than the target's rows they replace never pay, whatever their acceptance)."""
-        return self._depth(max_depth, nodes_at_depth, _ALWAYS) > 0
+        memo = self._memo(max_depth, nodes_at_depth)
+        if "could_pay" not in memo:
+            memo["could_pay"] = self._depth(max_depth, nodes_at_depth, _ALWAYS) > 0
+        return memo["could_pay"]
 
     def stop_rule(self, nodes_at_depth):
         """``draft_stop(depth, confidence)`` for a drafter with draft confidence: refuse a depth when adding its

@@ -277,4 +277,4 @@ def build_generator(model: LoadedModel, spec: MethodSpec | None = None, costs: C
                 return acceptance_prior(model, drafter, builder, drafter_signature(spec), sampled,
                                         spec.verification)
     return SpeculativeGenerator(model, drafter, builder, verification=spec.verification, costs=costs,
-                                sampled_costs=sampled_costs, acceptance_prior=prior)
+                                sampled_costs=sampled_costs, acceptance_prior=prior, round_timing=prior is not None)

@@ -376,6 +376,9 @@ class CyclingDepth:
     def drop_shadow(self) -> None:
         """Nothing to learn."""
 
+    def timed(self, seconds: float) -> None:
+        """Nothing to learn."""
+
 
 class AlwaysDrafting(CyclingDepth):
     """:func:`measure_acceptance`'s round sizer: every round drafts as deep as it may, and its acceptance is kept
@@ -440,6 +443,83 @@ def cost_table(model, drafter, builder: TreeBuilder | None, signature: str, samp
     return CostTable(forward, further, first, context, per_token, share * per_token.get(1, 0.0))
 
 
+TIMING_SMOOTHING = 0.05
+"""Weight of a new round in :class:`RoundTiming`'s running means (after its first rounds: a plain mean until then)."""
+TIMING_ROUNDS = 8
+"""Drafting rounds :class:`RoundTiming` times before its correction applies [count]."""
+TIMING_REFERENCE = 32
+"""Drafting rounds in a row after which :class:`RoundTiming` asks for an ``ar`` round to time [count]: a drafter that
+drafts every round would otherwise never show what its rounds cost beside one without drafts."""
+TIMING_QUANTUM = 0.01
+""":meth:`RoundTiming.correction` in steps of this share of a one-row forward (a sizing is recomputed only when it
+moves by one)."""
+
+
+class RoundTiming:
+    """What a generator's greedy rounds took against what the cost table says they take, and the correction of a
+    drafting round's cost that follows (kept across the generator's greedy generations, as its acceptance history).
+
+    The cost table is measured once, in a couple of seconds, on a random prompt whose rounds draft in a fixed cycle;
+    inside real generations the rounds that draft took more than it says: on SmolLM2 (2 cores, greedy, Spec-Bench,
+    rounds of each method interleaved one by one with `ar`'s) an early-exit depth-1 round 1.64 steps where the table
+    said 1.54, an RSD-C one 1.65 against 1.50, a draft head's 1.36 against 1.18, and calibrations of one drafter a few
+    minutes apart moved by a tenth of a step (BENCHMARKS.md BM).  Each round is timed whole (drafting, the forward,
+    acceptance): ``speed``, the running mean of ``measured / modeled`` over ``ar`` rounds, is the machine's pace
+    against the table now, and ``excess``, the running mean over drafting rounds of ``measured / speed - modeled``
+    (each clipped to ``[-1, 2]`` one-row forwards: a preempted round is not a cost), what a drafting round costs
+    beyond its model in the table's seconds; the correction adds it to the round's first draft call
+    (:meth:`~speculant.engine.goodput.SequenceSpeculation.at_context`).  Timing moves the rounds of greedy
+    generations only, whose output does not depend on them (verification decides every token); a sampled
+    generation's rounds stay a function of its tokens, so that a seeded output does not depend on timing noise.
+    """
+
+    def __init__(self, smoothing: float = TIMING_SMOOTHING, rounds: int = TIMING_ROUNDS):
+        self.smoothing, self.rounds = smoothing, rounds
+        self.speed: float | None = None      # measured / modeled seconds of ar rounds (running mean)
+        self.ar_rounds = 0
+        self.since_ar = 0                    # drafting rounds since the last timed ar round
+        self.excess: dict = {}               # kind -> [unmodeled seconds of its drafting rounds (table s), rounds]
+
+    def observe(self, seconds: float, modeled: float, drafted: bool, step: float, kind=None) -> None:
+        """A round took ``seconds`` where the table says ``modeled`` [s]; ``drafted``: it drafted (``kind``: which
+        of the drafter's cost tables sized it, e.g. eagle-lookup's copying rounds apart from its head's); ``step``:
+        the table's one-row forward at its context [s]."""
+        if not seconds > 0.0 or not modeled > 0.0:
+            return
+        if not drafted:
+            self.ar_rounds, self.since_ar = self.ar_rounds + 1, 0
+            ratio = seconds / modeled
+            if self.speed is None:
+                self.speed = ratio
+            else:                                   # a preempted round moves the pace by at most its double
+                ratio = min(max(ratio, 0.5 * self.speed), 2.0 * self.speed)
+                self.speed += max(1.0 / self.ar_rounds, self.smoothing) * (ratio - self.speed)
+        else:
+            self.since_ar += 1
+        if drafted and self.speed is not None:
+            mean = self.excess.setdefault(kind, [0.0, 0])
+            mean[1] += 1
+            x = min(max(seconds / self.speed - modeled, -step), 2.0 * step)
+            mean[0] += max(1.0 / mean[1], self.smoothing) * (x - mean[0])
+
+    @property
+    def wants_reference(self) -> bool:
+        """Whether the next round should be an ``ar`` round, to be timed: none was in the last
+        :data:`TIMING_REFERENCE` rounds (the machine's pace drifts; each such round costs what drafting would have
+        saved in it, about ``1 / TIMING_REFERENCE`` of the gain)."""
+        return self.since_ar >= TIMING_REFERENCE
+
+    def correction(self, step: float, kind=None) -> float:
+        """Seconds to add to a drafting round's modeled cost [s]: the running excess of ``kind``'s rounds in steps
+        of :data:`TIMING_QUANTUM` of ``step`` (the one-row forward [s]), 0 before :attr:`rounds` of them were
+        timed."""
+        mean = self.excess.get(kind)
+        if mean is None or mean[1] < self.rounds or not step > 0.0:
+            return 0.0
+        quantum = TIMING_QUANTUM * step
+        return round(mean[0] / quantum) * quantum
+
+
 class RoundSizer:
     """One generation's round sizing: a :class:`~speculant.engine.goodput.SequenceSpeculation` from ``costs`` and
     the builder's tree shape per round context (the drafter's :meth:`~speculant.drafters.base.Drafter.round_context`,
@@ -458,8 +538,10 @@ class RoundSizer:
     :meth:`observe` after its acceptance."""
 
     def __init__(self, costs: CostTable, builder: TreeBuilder, confidence: bool, costs_of=None, extra_of=None,
-                 history: dict | None = None):
+                 history: dict | None = None, timing: RoundTiming | None = None):
         self.history = history                                  # {context: DepthAcceptance} of earlier generations
+        self.timing = timing                                    # greedy rounds' times against the table, or None
+        self.modeled: tuple | None = None   # the last observed round's (seconds, drafted, step, kind)
         self.context = None                                     # the last depth()'s round context
         self.costs_of = costs_of or (lambda context: costs)     # a context's own table (Drafter.round_costs)
         self.extra_of = extra_of                                # the round's extra seconds (round_extra_seconds)
@@ -493,9 +575,16 @@ class RoundSizer:
         ``state.draft_stop``.  ``free``: the drafter's chain is known without drafting (its acceptance is learnt
         from :meth:`shadow` chains).  ``horizon``: tokens the sequence may still emit."""
         self.speculation, self.context = self._of(context), context
-        self.speculation.at_context(len(state.tokens) - 1)
+        timing = self.timing
+        if timing is not None:
+            step = self.speculation.policy.cost(1)                 # at the last round's context: a scale only
+            self.speculation.at_context(len(state.tokens) - 1, timing.correction(step, self._kind()))
+        else:
+            self.speculation.at_context(len(state.tokens) - 1)
         self.extra = self.extra_of(context) if self.extra_of is not None else 0.0
-        d = self.speculation.depth(max_depth, self.nodes, free, horizon) if max_depth > 0 else 0
+        if timing is not None and timing.wants_reference:
+            max_depth = 0                           # an ar round to time, as the reference (no sizing asked)
+        d = self.speculation.depth(max_depth, self.nodes, free, horizon)       # 0 at once for max_depth 0
         state.draft_stop = self.speculation.stop_rule(self.nodes) if d and self.confidence else None
         return d
 
@@ -536,10 +625,28 @@ class RoundSizer:
         """The round (sized by the last :meth:`depth`) had ``drafted_depth`` depths and ``nodes`` nodes, drafted in
         ``calls`` draft calls, and ``accepted`` tokens of it were accepted."""
         self.speculation.observe(drafted_depth, accepted, nodes, calls, self.extra if calls else 0.0)
+        if self.timing is not None:
+            spec = self.speculation
+            cost = spec.policy.cost
+            drafted = bool(calls or nodes)
+            modeled = cost(1 + nodes) + spec.costs.drafting_seconds(calls) - (spec.correction if calls else 0.0)
+            self.modeled = (modeled + (self.extra if calls else 0.0), drafted, cost(1), self._kind())
         if drafted_depth:
             self.pooled.observe(1, accepted)
             if (past := self._past(self.context)) is not None:
                 past.observe(drafted_depth, accepted)
+
+    def _kind(self):
+        """Which draft figures size this round (:class:`RoundTiming` keeps each kind's excess apart)."""
+        table = self.speculation.table_costs
+        return table.first_draft_seconds, table.draft_seconds
+
+    def timed(self, seconds: float) -> None:
+        """The round last observed took ``seconds`` [s] (:class:`RoundTiming`; nothing without one)."""
+        if self.timing is not None and self.modeled is not None:
+            modeled, drafted, step, kind = self.modeled
+            self.timing.observe(seconds, modeled, drafted, step, kind)
+            self.modeled = None
 
 
 def timed(fn, *args):

@@ -92,6 +92,9 @@ class KVCache:
         accepted path only.
         """
         start = self.length if start is None else start
+        if isinstance(slots, list) and not slots:       # nothing accepted (an ar round): no tensor made
+            self.length = start
+            return
         slots = torch.as_tensor(slots, dtype=torch.long, device=self.keys.device)
         n = int(slots.numel())
         if n and int(slots[0]) < start:

@@ -40,10 +40,18 @@ class DraftTree:
         self._draft_vocab: dict[int, tuple[torch.Tensor, int]] = {}            # entry -> (vocab_ids [V'], V)
         self._chain = True
         self._width = 1                                                          # most children of an entry
-        self._anc = torch.zeros(capacity + 1, capacity + 1, dtype=torch.bool)   # [entry, entry] ancestor-or-self
-        self._anc[0, 0] = True
-        self._depth = torch.zeros(capacity + 1, dtype=torch.long)              # [entry] depth
-        self._kids = torch.full((capacity + 1, 1), -1, dtype=torch.long)       # [entry, C] children table
+        self._capacity = capacity
+        self._anc = self._depth = self._kids = None          # made at the first node (an ar round's tree has none)
+
+    def _buffers(self) -> None:
+        """The tables' buffers for :attr:`_capacity` nodes, made once (a tree that stays empty needs none: an
+        ``ar`` round of a speculative generator pays no tensor allocations for it)."""
+        if self._anc is None:
+            cap = self._capacity + 1
+            self._anc = torch.zeros(cap, cap, dtype=torch.bool)         # [entry, entry] ancestor-or-self
+            self._anc[0, 0] = True
+            self._depth = torch.zeros(cap, dtype=torch.long)            # [entry] depth
+            self._kids = torch.full((cap, 1), -1, dtype=torch.long)     # [entry, C] children table
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -59,6 +67,7 @@ class DraftTree:
 
     def _grow(self, entries: int, width: int) -> None:
         """Buffers for at least ``entries`` block entries and ``width`` children per entry."""
+        self._buffers()
         cap = self._anc.shape[0]
         if entries > cap:
             new = max(entries, 2 * cap)
@@ -124,11 +133,14 @@ class DraftTree:
 
     def block_positions(self, prefix_length: int) -> torch.Tensor:
         """RoPE positions ``[N + 1]``: ``prefix_length + depth`` (root depth 0)."""
+        if not self.tokens:
+            return torch.tensor([prefix_length], dtype=torch.long)
         return self._depth[:len(self.tokens) + 1] + prefix_length
 
     def ancestor_mask(self) -> torch.Tensor:
         """Bool ``[N + 1, N + 1]``: entry (i, j) is True when block entry j is i itself or an ancestor of i.
         A view of the tree's own buffer: read it, do not write to it."""
+        self._buffers()
         n = len(self.tokens) + 1
         return self._anc[:n, :n]
 
@@ -145,6 +157,7 @@ class DraftTree:
 
     def children_table(self) -> torch.Tensor:
         """Children of every block entry in sampling order, ``[N + 1, C]`` int64, -1 padded (a view)."""
+        self._buffers()
         return self._kids[:len(self.children), :self._width]
 
     def path_to(self, node: int) -> list[int]:

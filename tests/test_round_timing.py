@@ -1,0 +1,156 @@
+"""Greedy rounds corrected by their own timing (speculant/engine/speculation.py, ``RoundTiming``), and the sizing kept
+between rounds (``SequenceSpeculation``'s memo).
+
+Checked here: the correction is what drafting rounds took beyond the table at the machine's pace of ``ar`` rounds,
+per kind of draft figures, only after enough rounds, with a preempted round clipped; a drafter that drafts every round
+is given an ``ar`` round to time; a drafter slower than its table stops drafting under greedy decoding (and drafts
+every round without the correction: the test can fail), with ``ar``'s output; a sampled generation's output does not
+depend on the timing; a kept sizing follows the acceptance and the correction.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from helpers import tiny_model
+
+from speculant import GenerationConfig, SamplingConfig, build_generator
+from speculant.engine.generator import SpeculativeGenerator
+from speculant.engine.goodput import CostTable, DepthAcceptance, SequenceSpeculation
+from speculant.engine.speculation import TIMING_REFERENCE, TIMING_ROUNDS, RoundTiming
+from speculant.engine.stats import GenerationStats
+from speculant.trees.builders import ChainBuilder
+from speculant.trees.tree import DraftTree
+
+PROMPT = [3, 17, 42, 8, 25, 60, 1]
+CHEAP = CostTable({1: 0.010, 2: 0.0102, 4: 0.0106, 8: 0.0114, 16: 0.013}, 0.0001)
+"""Extra rows and draft calls nearly free: a drafter that is always right pays at any depth, by the table."""
+SWITCHING = CostTable({1: 1.0, 2: 1.3, 4: 1.9, 8: 3.0, 16: 5.0}, 0.3)
+
+
+def test_the_correction_is_what_drafting_rounds_took_beyond_the_table_at_the_machines_pace():
+    t, step = RoundTiming(), 0.010
+    for _ in range(20):                                  # the machine runs at half the table's speed
+        t.observe(2 * step, step, False, step)
+    assert t.speed == pytest.approx(2.0)
+    for i in range(TIMING_ROUNDS):
+        assert t.correction(step) == 0.0                 # not before enough drafting rounds were timed
+        t.observe(2 * (0.0125 + 0.003), 0.0125, True, step)       # 0.3 of a step beyond the table
+    assert t.correction(step) == pytest.approx(0.003)
+    assert t.correction(step, kind="other") == 0.0       # another kind's figures: its own rounds only
+    before = t.excess[None][0]
+    t.observe(100.0, 0.0125, True, step)                 # a preempted round: at most 2 steps beyond
+    weight = max(1 / (TIMING_ROUNDS + 1), t.smoothing)  # the plain mean's weight, then the exponential one's
+    assert t.excess[None][0] == pytest.approx(before + weight * (2 * step - before))
+    quantum = 0.01 * step
+    assert abs(t.correction(step) / quantum - round(t.correction(step) / quantum)) < 1e-9
+
+
+def test_a_drafter_that_drafts_every_round_is_given_an_ar_round_to_time():
+    t = RoundTiming()
+    for _ in range(TIMING_REFERENCE - 1):
+        t.observe(0.02, 0.0102, True, 0.01)
+    assert not t.wants_reference and not t.excess       # no ar round timed yet: no excess either
+    t.observe(0.02, 0.0102, True, 0.01)
+    assert t.wants_reference
+    t.observe(0.01, 0.01, False, 0.01)
+    assert not t.wants_reference and t.speed == pytest.approx(1.0)
+
+
+class SlowOracle:
+    """Drafts ``ar``'s own next token (always accepted), sleeping ``delay`` seconds per draft: a drafter whose
+    rounds cost far more than its cost table says."""
+
+    def __new__(cls, prompt, output, delay):
+        from speculant.drafters.base import Drafter
+
+        class _Slow(Drafter):
+            name = "slow-oracle"
+
+            def draft(self, state, builder, generator, max_nodes, max_depth):
+                tree, n = DraftTree(), len(state.tokens)
+                parent = -1
+                for tok in reference[n:n + min(max_depth, max_nodes)]:
+                    parent = tree.add(parent, tok)
+                if len(tree):
+                    time.sleep(delay)
+                return tree
+        reference = list(prompt) + list(output)
+        return _Slow()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=3, scale=2.5, vocab=96, hidden=64, heads=4, kv_heads=2, inter=128)
+
+
+def _run(gen, n, sampling=None):
+    stats = GenerationStats()
+    cfg = GenerationConfig(max_new_tokens=n, chat=False, sampling=sampling or SamplingConfig())
+    return [t for block in gen.generate_blocks(PROMPT, cfg, stats) for t in block], stats
+
+
+def test_a_drafter_slower_than_its_table_stops_drafting_under_greedy_decoding(model):
+    n = 150
+    ar, _ = _run(build_generator(model, method="ar"), n)
+    untimed = SpeculativeGenerator(model, SlowOracle(PROMPT, ar, 0.01), ChainBuilder(1), costs=CHEAP)
+    toks, stats = _run(untimed, n)
+    assert toks == ar and stats.ar_rounds <= 1           # by its table it pays every round (the test can fail)
+    timed = SpeculativeGenerator(model, SlowOracle(PROMPT, ar, 0.01), ChainBuilder(1), costs=CHEAP,
+                                 round_timing=True)
+    toks, stats = _run(timed, n)
+    assert toks == ar
+    # drafting rounds until an ar round was timed and TIMING_ROUNDS more, then (its 2 tokens for more than 3 steps)
+    # ar rounds only: a depth-1 round could not pay even were it always accepted, so no probe either
+    assert stats.speculated_rounds <= TIMING_REFERENCE + TIMING_ROUNDS + 2
+    assert stats.ar_rounds >= n - 2 * (TIMING_REFERENCE + TIMING_ROUNDS + 2) - 2
+    kind = (CHEAP.first_draft_seconds, CHEAP.draft_seconds)       # the correction is kept per draft figures
+    assert timed.round_timing.correction(CHEAP.forward_seconds[1], kind) >= 1.5 * CHEAP.forward_seconds[1]
+    again, stats = _run(timed, n)                        # the next greedy generation starts from the correction
+    assert again == ar and stats.speculated_rounds <= 2
+
+
+def test_a_sampled_output_does_not_depend_on_the_timing(model):
+    sampling = SamplingConfig(temperature=1.0, seed=11)
+    plain = build_generator(model, costs=SWITCHING, method="early-exit", exit_layer=2, num_speculations=3)
+    reference, _ = _run(plain, 60, sampling)
+    timed = build_generator(model, costs=SWITCHING, method="early-exit", exit_layer=2, num_speculations=3)
+    timed.round_timing = RoundTiming()
+    timed.round_timing.speed, timed.round_timing.since_ar = 1.0, TIMING_REFERENCE
+    timed.round_timing.excess[(None, 0.3)] = [5.0, 100]          # drafting would never pay, were it applied
+    greedy_plain, s_plain = _run(plain, 60)
+    greedy_timed, s_timed = _run(timed, 60)
+    assert greedy_timed == greedy_plain and s_timed.speculated_rounds < s_plain.speculated_rounds   # it applies
+    assert _run(timed, 60, sampling)[0] == reference
+
+
+def test_a_kept_sizing_follows_the_acceptance_and_the_correction():
+    s = SequenceSpeculation(SWITCHING, acceptance=DepthAcceptance(prior=0.95))
+    def nodes(d):
+        return d
+    s.at_context(0)
+    deep = s.depth(8, nodes)
+    assert deep > 1 and s.depth(8, nodes) == deep                 # kept: the same inputs, the same depth
+    version = s.acceptance.version
+    for _ in range(30):
+        s.observe(deep, 0, deep, deep)
+    assert s.acceptance.version > version
+    assert s.depth(8, nodes) < deep                               # recomputed from the new acceptance
+    s2 = SequenceSpeculation(SWITCHING, acceptance=DepthAcceptance(prior=0.95))
+    s2.at_context(0)
+    assert s2.depth(8, nodes) == deep
+    s2.at_context(0, correction=10.0)                             # a drafting round 10 steps dearer
+    assert s2.depth(8, nodes) == 0 and s2.costs.first_draft_seconds == pytest.approx(10.3)
+    s2.at_context(0, correction=-1.0)                             # never below 0
+    assert s2.costs.first_draft_seconds == 0.0
+
+
+def test_an_empty_tree_needs_no_buffers():
+    tree = DraftTree()
+    assert tree._anc is None
+    assert tree.block_positions(9).tolist() == [9]
+    assert tree.attention_mask(4).tolist() == [[True] * 5]
+    assert tree.children_table().tolist() == [[-1]]
+    tree.add(-1, 5)
+    assert tree.block_positions(9).tolist() == [9, 10]
