@@ -18,7 +18,7 @@ from helpers import tiny_model
 from speculant import GenerationConfig, SamplingConfig, build_generator
 from speculant.engine.generator import SpeculativeGenerator
 from speculant.engine.goodput import CostTable, DepthAcceptance, SequenceSpeculation
-from speculant.engine.speculation import TIMING_REFERENCE, TIMING_ROUNDS, RoundTiming
+from speculant.engine.speculation import TIMING_REFERENCE, TIMING_ROUNDS, TIMING_START, RoundTiming
 from speculant.engine.stats import GenerationStats
 from speculant.trees.builders import ChainBuilder
 from speculant.trees.tree import DraftTree
@@ -43,8 +43,8 @@ def test_the_correction_is_what_drafting_rounds_took_beyond_the_table_at_the_mac
     t.observe(100.0, 0.0125, True, step)                 # a preempted round: at most 2 steps beyond
     weight = max(1 / (TIMING_ROUNDS + 1), t.smoothing)  # the plain mean's weight, then the exponential one's
     assert t.excess[None][0] == pytest.approx(before + weight * (2 * step - before))
-    quantum = 0.01 * step
-    assert abs(t.correction(step) / quantum - round(t.correction(step) / quantum)) < 1e-9
+    t.excess[None][0] = 0.001234                          # in steps of 1 % of a step: 0.0001 s here
+    assert t.correction(step) == pytest.approx(0.0012)
 
 
 def test_a_drafter_that_drafts_every_round_is_given_an_ar_round_to_time():
@@ -101,14 +101,18 @@ def test_a_drafter_slower_than_its_table_stops_drafting_under_greedy_decoding(mo
                                  round_timing=True)
     toks, stats = _run(timed, n)
     assert toks == ar
-    # drafting rounds until an ar round was timed and TIMING_ROUNDS more, then (its 2 tokens for more than 3 steps)
-    # ar rounds only: a depth-1 round could not pay even were it always accepted, so no probe either
-    assert stats.speculated_rounds <= TIMING_REFERENCE + TIMING_ROUNDS + 2
-    assert stats.ar_rounds >= n - 2 * (TIMING_REFERENCE + TIMING_ROUNDS + 2) - 2
+    # drafting rounds until an ar round was timed and TIMING_ROUNDS more (the generation's first is not timed), then
+    # ar rounds (its 2 tokens for more than 3 steps) but for probes at the back-off's intervals (16 rounds and more:
+    # by the table without the correction a depth-1 round could pay, so the correction is kept measured)
+    learning = TIMING_REFERENCE + TIMING_ROUNDS + 3
+    assert stats.speculated_rounds <= learning + (n - 2 * learning) // 16 + 1
+    assert stats.ar_rounds >= n - 2 * learning - (n - 2 * learning) // 16 - 3
     kind = (CHEAP.first_draft_seconds, CHEAP.draft_seconds)       # the correction is kept per draft figures
     assert timed.round_timing.correction(CHEAP.forward_seconds[1], kind) >= 1.5 * CHEAP.forward_seconds[1]
+    probes = timed.round_timing.excess[kind][1]
     again, stats = _run(timed, n)                        # the next greedy generation starts from the correction
-    assert again == ar and stats.speculated_rounds <= 2
+    assert again == ar and 1 <= stats.speculated_rounds <= n // 16 + 1
+    assert timed.round_timing.excess[kind][1] > probes   # its probes are timed too
 
 
 def test_a_sampled_output_does_not_depend_on_the_timing(model):
@@ -154,3 +158,65 @@ def test_an_empty_tree_needs_no_buffers():
     assert tree.children_table().tolist() == [[-1]]
     tree.add(-1, 5)
     assert tree.block_positions(9).tolist() == [9, 10]
+
+
+def test_an_ar_round_in_a_run_of_them_reads_the_kept_sizing(monkeypatch):
+    """The goodput of every depth is valued again only when the acceptance, the context step, the depth bound or the
+    correction changed: counted on the policy's calls."""
+    s = SequenceSpeculation(SWITCHING, acceptance=DepthAcceptance(prior=0.2))
+    calls = []
+    real = s.policy.draft_depth
+    monkeypatch.setattr(s.policy, "draft_depth", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def nodes(d):
+        return d
+    s.at_context(0)
+    assert s.depth(4, nodes) == 0
+    first = len(calls)
+    assert first >= 1
+    for _ in range(5):
+        s.depth(4, nodes)
+    assert len(calls) == first                                     # kept
+    s.depth(5, nodes)
+    assert len(calls) > first                                      # another depth bound
+    for change in (lambda: s.at_context(64), lambda: s.at_context(64, 0.05), lambda: s.observe(1, 0, 1, 1)):
+        before = len(calls)
+        change()
+        s.depth(5, nodes)
+        assert len(calls) > before                                 # a new context, correction or acceptance
+
+
+def test_a_timed_round_is_valued_at_its_model_without_the_applied_correction():
+    """``RoundSizer.observe`` then ``timed``: the excess is ``measured / speed - modeled`` with the round's model
+    taken without the correction the sizing added (so a correction does not feed on itself), the clamp at 0 included."""
+    from types import SimpleNamespace
+
+    from speculant.engine.speculation import RoundSizer
+    costs = CostTable({1: 0.010, 2: 0.012, 4: 0.016}, 0.002, 0.003)
+    timing = RoundTiming()
+    sizer = RoundSizer(costs, ChainBuilder(1), False, timing=timing)
+    state = SimpleNamespace(tokens=list(range(50)), draft_stop=None)
+    for _ in range(TIMING_START + 3):                            # ar rounds at twice the table's time
+        sizer.depth(state, 1)
+        sizer.observe(0, 0, 0, 0)
+        sizer.timed(0.020)
+    assert timing.speed == pytest.approx(2.0)
+    kind = (0.003, 0.002)
+    for _ in range(TIMING_ROUNDS):                                  # depth-1 rounds: model 0.012 + 0.003
+        sizer.depth(state, 1)
+        sizer.observe(1, 1, 1, 1)
+        sizer.timed(2 * (0.015 + 0.004))
+    assert timing.excess[kind][0] == pytest.approx(0.004)
+    assert timing.correction(0.010, kind) == pytest.approx(0.004)
+    sizer.depth(state, 1)                                           # now sized with the correction ...
+    assert sizer.speculation.applied == pytest.approx(0.004)
+    sizer.observe(1, 1, 1, 1)
+    sizer.timed(2 * (0.015 + 0.004))                                # ... and valued without it: unchanged
+    assert timing.excess[kind][0] == pytest.approx(0.004)
+    timing.excess[kind][0] = -0.008                                 # a correction below -first is clamped:
+    sizer.depth(state, 1)                                           # applied -0.003, not -0.008
+    assert sizer.speculation.applied == pytest.approx(-0.003)
+    sizer.observe(1, 1, 1, 1)
+    sizer.timed(2 * 0.012)                                          # the round took its forward alone
+    weight = max(1 / (TIMING_ROUNDS + 2), timing.smoothing)         # its tenth drafting round (plain mean)
+    assert timing.excess[kind][0] == pytest.approx(-0.008 + weight * (-0.003 + 0.008))

@@ -224,6 +224,12 @@ class Drafter(Generic[S]):
         (:class:`~speculant.engine.goodput.SequenceSpeculation`), not in the depth it chooses.  Default 0."""
         return 0.0
 
+    def one_off_work(self, state: DecodingState[S]) -> bool:
+        """Whether the next round, if it drafts, also does work done once a generation (a draft head's catch-up over
+        the prompt): a timing of rounds leaves such a round out (:class:`~speculant.engine.speculation.RoundTiming`).
+        Default ``False``."""
+        return False
+
     def verification_input(self, state: DecodingState[S], tree: DraftTree) -> VerificationInput:
         """The block to verify ``tree``: by default the embedded ``[root] + tree`` tokens from layer 0.
         A description only: no layer runs, no cache changes."""

@@ -111,6 +111,10 @@ class DraftHeadDrafter(ModelDrafterBase[HeadState]):
         extra = max(0, st.pending_count - st.prompt_pending - 1)
         return extra * self.catchup_seconds
 
+    def one_off_work(self, state: DecodingState[HeadState]) -> bool:
+        """The prompt's entries are still to be caught up (the generation's first drafting round runs them)."""
+        return state.drafter_state.prompt_pending > 0
+
     # ---------------------------------------------------------------- target forwards
     def begin(self, state: DecodingState[HeadState]) -> HeadState:
         return HeadState(cache=self.head.new_cache(state.cache.max_length))

@@ -117,7 +117,8 @@ def _logprobs(controls, text) -> list[TokenLogprob] | None:
 class SpeculativeGenerator:
     """Generates with a target model, a drafter and a tree builder.
 
-    The generator holds configuration only (plus :attr:`last_result`, and ``acceptance_history``: the long-run
+    The generator holds configuration only (plus :attr:`last_result`, :attr:`round_timing` and
+    ``acceptance_history``: the long-run
     acceptance per round context of its greedy generations, from which the next greedy generation's cost-aware rounds
     start, :class:`~speculant.engine.speculation.RoundSizer`); each call makes its own state, so a call's output
     depends on its prompt, config and seed alone, whatever ran before or in between (the history changes how many
@@ -285,18 +286,19 @@ class SpeculativeGenerator:
                stats: GenerationStats, sizer: RoundSizer | None = None) -> list[int]:
         """One draft -> verify -> accept -> commit round; returns the emitted tokens (at most ``remaining``,
         ending at an EOS).  With a ``sizer`` the round drafts the depth it chooses (0: an ``ar`` round)."""
+        start = time.perf_counter()                  # the round whole, its sizing included (RoundTiming)
         max_nodes, max_depth = draft_limits(state, builder, budget, remaining)
         context = self.drafter.round_context(state) if max_depth else None
         name = self.drafter.context_name(context) if max_depth else None
         if sizer is not None:
+            one_off = self.drafter.one_off_work(state)
             sizer.resolve_shadow(state.tokens)
             free = self.drafter.free_draft(state, context, max_depth) if max_depth else None
             asked, max_depth = max_depth, sizer.depth(state, max_depth, context, free is not None,
                                                           remaining)
             if asked and not max_depth:          # the chain a free draft gives, checked against what is emitted
                 sizer.shadow(context, free, len(state.tokens))
-        t0 = start = time.perf_counter()
-        forwards = state.draft_forwards
+        t0, forwards = time.perf_counter(), state.draft_forwards
         tree = self.drafter.draft(state, builder, generator, max_nodes, max_depth)
         if sizer is not None and len(tree):
             sizer.drop_shadow()
@@ -313,7 +315,7 @@ class SpeculativeGenerator:
         if sizer is not None:
             calls = max(state.draft_forwards - forwards, tree.max_depth)    # prompt lookup: no forwards
             sizer.observe(tree.max_depth, stats.accepted_tokens - accepted, len(tree), calls)
-            sizer.timed(time.perf_counter() - start)
+            sizer.timed(time.perf_counter() - start, one_off)
         return block
 
     # ---------------------------------------------------------------- text layer

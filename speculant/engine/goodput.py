@@ -218,8 +218,8 @@ class DepthAcceptance:
     needs); the slow one does not drop below the break-even on a run of rejections (a draft head's fast estimate
     spread so far around an acceptance that pays that it stopped drafting in most rounds: BENCHMARKS.md BJ).
     Updated from accepted lengths only (no timing), so a choice made from it is the same whenever the tokens are;
-    :meth:`observe_at` is its one update after construction (:attr:`version` counts them: a sizing computed from
-    the estimate is kept until it changes).
+    :meth:`observe_at` is its one update once in use (construction and :meth:`from_history` set the means first;
+    :attr:`version` counts the updates: a sizing computed from the estimate is kept until it changes).
     (The bias-corrected mean without the floor, weight ``1 / (n + 1)`` all along, stopped prompt lookup's drafting
     after short runs of misses: τ 1.70 -> 1.57 on Spec-Bench, BENCHMARKS.md AJ.)
 
@@ -296,7 +296,8 @@ class DepthAcceptance:
 @dataclass(frozen=True)
 class CostTable:
     """The costs a one-sequence cost-aware policy decides from, measured once (:func:`measure_costs`) and then
-    fixed, so that its choices, and with them a seeded sampled output, never depend on timing noise.
+    fixed, so that its choices, and with them a seeded sampled output, never depend on timing noise (a greedy
+    generation's may be corrected by its rounds' timing: :meth:`SequenceSpeculation.at_context`).
 
     Attributes:
         forward_seconds: ``{rows: seconds}`` of one target forward over ``rows`` new tokens (rows >= 1) after
@@ -400,7 +401,8 @@ class SequenceSpeculation:
     of all rounds so far: a drafter whose probes keep failing costs the generation about that share beyond what its
     rounds drafted by choice lost, and one that pays earns room to explore.  Rounds that draft by choice are not held
     back (gating them too stopped prompt lookup between its bursts of matches: τ 1.40 -> 1.22 on Spec-Bench).
-    Counts and fixed costs only: deterministic given the tokens.
+    Counts and fixed costs only (plus, for a greedy generation, the timing correction given to :meth:`at_context`):
+    deterministic given the tokens and the correction.
 
     ``prior``: the acceptance per depth assumed before any is observed (:class:`DepthAcceptance`'s);
     ``acceptance``: the estimate to start from instead (e.g. :meth:`DepthAcceptance.from_history`): the rounds are
@@ -422,7 +424,9 @@ class SequenceSpeculation:
         self.costs, self.explore_every, self.max_explore_every = costs, explore_every, max_explore_every
         self.table_costs = costs             # the table as given; :attr:`costs` is it at the sequence's context
         self._context = None                 # the cached tokens :attr:`costs` is at, in steps of CONTEXT_STEP
-        self.correction = 0.0                # seconds :attr:`costs` adds to a drafting round's first call [s]
+        self.correction = 0.0                # seconds asked to add to a drafting round's first call [s]
+        self.applied = 0.0                   # ... and added (the call's figure stays >= 0) [s]
+        self.uncorrected = costs             # :attr:`costs` without the correction
         self.policy = GoodputPolicy(costs.forward_seconds, warmup=0, explore_every=explore_every)
         self.acceptance = acceptance if acceptance is not None else DepthAcceptance(smoothing, prior)
         self.interval = explore_every        # rounds without drafts before the next probe [count]
@@ -441,14 +445,17 @@ class SequenceSpeculation:
         share, so what a round saves or loses against ``ar`` rounds moves with the context.  ``correction``: seconds
         added to a drafting round's first call beyond the table (:class:`~speculant.engine.speculation.RoundTiming`,
         greedy generations only; the call's figure stays >= 0) [s].  Without a correction, a function of the token
-        count: deterministic."""
+        count: deterministic.  :attr:`applied` is the correction as applied (after that floor) [s]; whether
+        exploring could pay (:meth:`could_pay`) is judged on the table without it, so that a correction that stopped
+        drafting is measured again by the probes."""
         step = tokens - tokens % CONTEXT_STEP
         if step != self._context or correction != self.correction:
             self._context, self.correction = step, correction
-            costs = self.table_costs.at(step)
-            if correction:
-                first = costs.draft_seconds if costs.first_draft_seconds is None else costs.first_draft_seconds
-                costs = replace(costs, first_draft_seconds=max(0.0, first + correction))
+            costs = self.uncorrected = self.table_costs.at(step)
+            first = costs.draft_seconds if costs.first_draft_seconds is None else costs.first_draft_seconds
+            self.applied = max(0.0, first + correction) - first
+            if self.applied:
+                costs = replace(costs, first_draft_seconds=first + self.applied)
             self.costs = costs
             self.policy.table = sorted(self.costs.forward_seconds.items())
 
@@ -462,8 +469,8 @@ class SequenceSpeculation:
             self._memo_key, self._memo_values = key, {}
         return self._memo_values
 
-    def _depth(self, max_depth: int, nodes_at_depth, acceptance) -> int:
-        c = self.costs
+    def _depth(self, max_depth: int, nodes_at_depth, acceptance, costs: CostTable | None = None) -> int:
+        c = costs or self.costs
         return self.policy.draft_depth(1, acceptance, max_depth, nodes_at_depth, c.draft_seconds,
                                        first_draft_seconds=c.first_draft_seconds)
 
@@ -555,10 +562,12 @@ class SequenceSpeculation:
 
     def could_pay(self, max_depth: int, nodes_at_depth) -> bool:
         """Whether some depth would pay if every drafted token were accepted (else exploring is useless: drafts
-        that cost more than the target's rows they replace never pay, whatever their acceptance)."""
+        that cost more than the target's rows they replace never pay, whatever their acceptance), by the table
+        without a timing correction (:meth:`at_context`): a drafter whose timed rounds made drafting look hopeless
+        is still probed, at the back-off's intervals and within the loss budget, so the correction follows it."""
         memo = self._memo(max_depth, nodes_at_depth)
         if "could_pay" not in memo:
-            memo["could_pay"] = self._depth(max_depth, nodes_at_depth, _ALWAYS) > 0
+            memo["could_pay"] = self._depth(max_depth, nodes_at_depth, _ALWAYS, self.uncorrected) > 0
         return memo["could_pay"]
 
     def stop_rule(self, nodes_at_depth):

@@ -242,7 +242,8 @@ def build_generator(model: LoadedModel, spec: MethodSpec | None = None, costs: C
     """A :class:`SpeculativeGenerator` for ``spec`` (or ``MethodSpec(**kwargs)``).  Under ``speculation="cost"``
     its rounds are sized by ``costs``, by default the model's measured ones
     (:func:`speculant.engine.speculation.cost_table`, greedy and, measured at the first sampled generation, sampled;
-    a model without a tune drafts every round).
+    a model without a tune drafts every round); with the model's measured costs, greedy rounds are also corrected by
+    what they took (``round_timing``, :class:`~speculant.engine.speculation.RoundTiming`).
 
     Raises:
         SpeculantError: unknown method or bad parameters (the message names the value).

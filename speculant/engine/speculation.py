@@ -28,8 +28,11 @@ policy calls the same function with its batch size), through
   ``--draft-p-min``).
 
 A round with zero drafts is an ``ar`` round: the target's token from one row, so greedy outputs are token-identical
-and sampled outputs keep the target's law (a zero-draft round samples from the target itself).  Every input is
-fixed before the generation or a count of its own tokens, so a seeded output does not depend on timing noise.
+and sampled outputs keep the target's law (a zero-draft round samples from the target itself).  A sampled
+generation's every input is fixed before it or a count of its own tokens, so a seeded output does not depend on
+timing noise; a greedy generation's (whose output no round size changes) also takes what its generator's rounds
+took beside its ``ar`` rounds (:class:`RoundTiming`: the one-off calibration of ``c`` moved by a tenth of a step
+from one minute to the next on a shared VM, and real rounds cost more than it said).
 A model without a tune (built in memory, or loaded in a dtype other than float32) has no measured costs: its
 generator drafts as ``always`` does unless given a :class:`~speculant.engine.goodput.CostTable`.
 """
@@ -376,7 +379,7 @@ class CyclingDepth:
     def drop_shadow(self) -> None:
         """Nothing to learn."""
 
-    def timed(self, seconds: float) -> None:
+    def timed(self, seconds: float, one_off: bool = False) -> None:
         """Nothing to learn."""
 
 
@@ -447,6 +450,8 @@ TIMING_SMOOTHING = 0.05
 """Weight of a new round in :class:`RoundTiming`'s running means (after its first rounds: a plain mean until then)."""
 TIMING_ROUNDS = 8
 """Drafting rounds :class:`RoundTiming` times before its correction applies [count]."""
+TIMING_START = 5
+"""``ar`` rounds whose median starts :class:`RoundTiming`'s pace [count]."""
 TIMING_REFERENCE = 32
 """Drafting rounds in a row after which :class:`RoundTiming` asks for an ``ar`` round to time [count]: a drafter that
 drafts every round would otherwise never show what its rounds cost beside one without drafts."""
@@ -459,16 +464,19 @@ class RoundTiming:
     """What a generator's greedy rounds took against what the cost table says they take, and the correction of a
     drafting round's cost that follows (kept across the generator's greedy generations, as its acceptance history).
 
-    The cost table is measured once, in a couple of seconds, on a random prompt whose rounds draft in a fixed cycle;
-    inside real generations the rounds that draft took more than it says: on SmolLM2 (2 cores, greedy, Spec-Bench,
-    rounds of each method interleaved one by one with `ar`'s) an early-exit depth-1 round 1.64 steps where the table
-    said 1.54, an RSD-C one 1.65 against 1.50, a draft head's 1.36 against 1.18, and calibrations of one drafter a few
-    minutes apart moved by a tenth of a step (BENCHMARKS.md BM).  Each round is timed whole (drafting, the forward,
-    acceptance): ``speed``, the running mean of ``measured / modeled`` over ``ar`` rounds, is the machine's pace
-    against the table now, and ``excess``, the running mean over drafting rounds of ``measured / speed - modeled``
-    (each clipped to ``[-1, 2]`` one-row forwards: a preempted round is not a cost), what a drafting round costs
-    beyond its model in the table's seconds; the correction adds it to the round's first draft call
-    (:meth:`~speculant.engine.goodput.SequenceSpeculation.at_context`).  Timing moves the rounds of greedy
+    The draft figures of the cost table are measured once, in a couple of seconds, on a random prompt whose rounds
+    draft in a fixed cycle; inside real generations drafting rounds took more than they say: on SmolLM2 (2 cores,
+    greedy, Spec-Bench, each method's rounds interleaved one by one with `ar`'s) an early-exit depth-1 round 1.58-1.74
+    `ar` rounds where the table said 1.52-1.58, an RSD-C one 1.61-1.95 against 1.50, a draft head's 1.30-1.36 against
+    1.18, and one drafter's calibration gave 1.16-1.36 `ar` rounds a few minutes apart (BENCHMARKS.md BM).  Each
+    round is timed whole, its sizing included: ``speed``, the running mean of ``measured / modeled`` over ``ar``
+    rounds (the median of the first :data:`TIMING_START`, then each round clipped to half or double the mean), is the
+    machine's pace against the table now; ``excess``, per kind of draft figures, the running mean over drafting
+    rounds of ``measured / speed - modeled`` (each clipped to ``[-1, 2]`` one-row forwards: a preempted round is not
+    a cost; a round with one-off work, a head's catch-up over the prompt, left out), what a drafting round costs
+    beyond its model in the table's seconds.  The correction adds it to the round's first draft call
+    (:meth:`~speculant.engine.goodput.SequenceSpeculation.at_context`); a drafter it stopped is still probed (whether
+    drafting could pay is judged without it), so the excess stays measured.  Timing moves the rounds of greedy
     generations only, whose output does not depend on them (verification decides every token); a sampled
     generation's rounds stay a function of its tokens, so that a seeded output does not depend on timing noise.
     """
@@ -476,6 +484,7 @@ class RoundTiming:
     def __init__(self, smoothing: float = TIMING_SMOOTHING, rounds: int = TIMING_ROUNDS):
         self.smoothing, self.rounds = smoothing, rounds
         self.speed: float | None = None      # measured / modeled seconds of ar rounds (running mean)
+        self.first_ratios: list[float] = []  # the first TIMING_START of them, whose median starts the mean
         self.ar_rounds = 0
         self.since_ar = 0                    # drafting rounds since the last timed ar round
         self.excess: dict = {}               # kind -> [unmodeled seconds of its drafting rounds (table s), rounds]
@@ -489,11 +498,12 @@ class RoundTiming:
         if not drafted:
             self.ar_rounds, self.since_ar = self.ar_rounds + 1, 0
             ratio = seconds / modeled
-            if self.speed is None:
-                self.speed = ratio
-            else:                                   # a preempted round moves the pace by at most its double
+            if len(self.first_ratios) < TIMING_START:    # a median first: one slow round does not set the pace
+                self.first_ratios.append(ratio)
+                self.speed = statistics.median(self.first_ratios)
+            else:                                        # then a preempted round moves it by at most its double
                 ratio = min(max(ratio, 0.5 * self.speed), 2.0 * self.speed)
-                self.speed += max(1.0 / self.ar_rounds, self.smoothing) * (ratio - self.speed)
+                self.speed += self.smoothing * (ratio - self.speed)
         else:
             self.since_ar += 1
         if drafted and self.speed is not None:
@@ -532,7 +542,8 @@ class RoundSizer:
     history_for`: for greedy generations the generator's, seeded from the greedy acceptance prior; for a sampled one
     a fresh copy of the sampled prior): each context's long-run acceptance (exponential, weight
     :data:`HISTORY_SMOOTHING`), which a context starts from, counted as :data:`HISTORY_WEIGHT` observations, and
-    which this generation's observations update.  Counts of tokens only: deterministic given them (and, with a
+    which this generation's observations update.  Counts of tokens only (and, with ``timing``, a greedy
+generation's :class:`RoundTiming` correction): deterministic given them (and, with a
     greedy history, the earlier greedy generations').
     :meth:`depth` before a round's drafting (and, for a drafter with draft confidence, ``state.draft_stop`` set),
     :meth:`observe` after its acceptance."""
@@ -629,7 +640,7 @@ class RoundSizer:
             spec = self.speculation
             cost = spec.policy.cost
             drafted = bool(calls or nodes)
-            modeled = cost(1 + nodes) + spec.costs.drafting_seconds(calls) - (spec.correction if calls else 0.0)
+            modeled = cost(1 + nodes) + spec.costs.drafting_seconds(calls) - (spec.applied if calls else 0.0)
             self.modeled = (modeled + (self.extra if calls else 0.0), drafted, cost(1), self._kind())
         if drafted_depth:
             self.pooled.observe(1, accepted)
@@ -641,11 +652,15 @@ class RoundSizer:
         table = self.speculation.table_costs
         return table.first_draft_seconds, table.draft_seconds
 
-    def timed(self, seconds: float) -> None:
-        """The round last observed took ``seconds`` [s] (:class:`RoundTiming`; nothing without one)."""
+    def timed(self, seconds: float, one_off: bool = False) -> None:
+        """The round last observed took ``seconds`` [s] (:class:`RoundTiming`; nothing without one).  ``one_off``:
+        had the round drafted, it also did work done once a generation
+        (:meth:`~speculant.drafters.base.Drafter.one_off_work`), not what a drafting round costs: a round that
+        drafted is then not counted."""
         if self.timing is not None and self.modeled is not None:
             modeled, drafted, step, kind = self.modeled
-            self.timing.observe(seconds, modeled, drafted, step, kind)
+            if not (one_off and drafted):
+                self.timing.observe(seconds, modeled, drafted, step, kind)
             self.modeled = None
 
 

@@ -92,7 +92,7 @@ class KVCache:
         accepted path only.
         """
         start = self.length if start is None else start
-        if isinstance(slots, list) and not slots:       # nothing accepted (an ar round): no tensor made
+        if isinstance(slots, list) and not slots:       # nothing accepted (an ar round, or no draft kept): no tensor
             self.length = start
             return
         slots = torch.as_tensor(slots, dtype=torch.long, device=self.keys.device)
