@@ -10,7 +10,7 @@ they took in neighbouring `ar` rounds (median) and what the policy's cost table 
 the round's context, with the round-timing correction where it applies).
 
     python benchmarks/interleaved_rounds.py --dataset ../shared/data/spec_bench/dev.jsonl --limit 1 \
-        --methods early-exit,rsd-c,eagle,prompt-lookup [--temperature 0] [--no-timing]
+        --methods early-exit,rsd-c,eagle,prompt-lookup [--temperature 0] [--timing]
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--no-timing", action="store_true", help="greedy rounds without the round-timing correction")
+    ap.add_argument("--timing", action="store_true", help="greedy rounds with the round-timing correction")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model = load_model(a.model)
@@ -95,11 +95,9 @@ def main() -> int:
           "(calls, nodes): count, × `ar` round measured (median) / modeled (mean) |")
     print("|---|---|---|---|")
     for method in parse_methods(a.methods):
-        gen = build_generator(model, method.spec)
+        gen = build_generator(model, method.spec, round_timing=a.timing)
         for _ in gen.generate_blocks(ids[0], config, GenerationStats()):      # untimed: the one-off measurements
             pass
-        if a.no_timing:
-            gen.round_timing = None
         groups: dict = defaultdict(list)
         spent = [0.0, 0.0]
         for x in ids:
@@ -116,7 +114,7 @@ def main() -> int:
                              f"{statistics.fmean(m for _, m in v):.2f}" for (c, n), v in sorted(groups.items()))
         print(f"| `{method.label}` | **{spent[1] / spent[0]:.3f}** | {statistics.median(r for r, _ in plain):.3f}, "
               f"{statistics.fmean(r for r, _ in plain):.3f} ({len(plain)}) | {drafting or '-'} |", flush=True)
-    print(f"(prompts: {len(ids)}; temperature {a.temperature}; round timing {'off' if a.no_timing else 'on'})",
+    print(f"(prompts: {len(ids)}; temperature {a.temperature}; round timing {'on' if a.timing else 'off'})",
           file=sys.stderr)
     return 0
 

@@ -144,11 +144,9 @@ def main() -> int:
     ar_gen = build_generator(model, parse_methods("ar")[0].spec) if a.measure else None
     for method in parse_methods(a.methods):
         gen = build_generator(model, method.spec)
-        gen.round_timing = None         # rounds from the tables alone (no greedy timing correction): deterministic
         if ar_gen is not None:          # untimed: the one-off calibrations and acceptance prior (kept with the tune)
             modeled(gen, ids[0], config, a.loop_ms / 1e3, value)
             gen = build_generator(model, method.spec)            # ... and a generator without that history
-            gen.round_timing = None
         by_cat: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
         rounds = speculated = 0
         timed = [0.0, 0.0]

@@ -18,7 +18,7 @@ from helpers import tiny_model
 from speculant import GenerationConfig, SamplingConfig, build_generator
 from speculant.engine.generator import SpeculativeGenerator
 from speculant.engine.goodput import CostTable, DepthAcceptance, SequenceSpeculation
-from speculant.engine.speculation import TIMING_REFERENCE, TIMING_ROUNDS, TIMING_START, RoundTiming
+from speculant.engine.speculation import TIMING_REFERENCE, TIMING_ROUNDS, RoundTiming
 from speculant.engine.stats import GenerationStats
 from speculant.trees.builders import ChainBuilder
 from speculant.trees.tree import DraftTree
@@ -33,18 +33,19 @@ def test_the_correction_is_what_drafting_rounds_took_beyond_the_table_at_the_mac
     t, step = RoundTiming(), 0.010
     for _ in range(20):                                  # the machine runs at half the table's speed
         t.observe(2 * step, step, False, step)
+    t.observe(20 * step, step, False, step)              # a preempted ar round does not move the pace
     assert t.speed == pytest.approx(2.0)
     for i in range(TIMING_ROUNDS):
         assert t.correction(step) == 0.0                 # not before enough drafting rounds were timed
         t.observe(2 * (0.0125 + 0.003), 0.0125, True, step)       # 0.3 of a step beyond the table
     assert t.correction(step) == pytest.approx(0.003)
     assert t.correction(step, kind="other") == 0.0       # another kind's figures: its own rounds only
-    before = t.excess[None][0]
-    t.observe(100.0, 0.0125, True, step)                 # a preempted round: at most 2 steps beyond
-    weight = max(1 / (TIMING_ROUNDS + 1), t.smoothing)  # the plain mean's weight, then the exponential one's
-    assert t.excess[None][0] == pytest.approx(before + weight * (2 * step - before))
-    t.excess[None][0] = 0.001234                          # in steps of 1 % of a step: 0.0001 s here
-    assert t.correction(step) == pytest.approx(0.0012)
+    for _ in range(3):
+        t.observe(100.0, 0.0125, True, step)             # preempted drafting rounds: the median does not move
+    assert t.correction(step) == pytest.approx(0.003)
+    for _ in range(TIMING_ROUNDS + 4):                   # the rounds got dearer: the median follows
+        t.observe(2 * (0.0125 + 0.001234), 0.0125, True, step)
+    assert t.correction(step) == pytest.approx(0.0012)   # in steps of 1 % of a step: 0.0001 s here
 
 
 def test_a_drafter_that_drafts_every_round_is_given_an_ar_round_to_time():
@@ -109,10 +110,10 @@ def test_a_drafter_slower_than_its_table_stops_drafting_under_greedy_decoding(mo
     assert stats.ar_rounds >= n - 2 * learning - (n - 2 * learning) // 16 - 3
     kind = (CHEAP.first_draft_seconds, CHEAP.draft_seconds)       # the correction is kept per draft figures
     assert timed.round_timing.correction(CHEAP.forward_seconds[1], kind) >= 1.5 * CHEAP.forward_seconds[1]
-    probes = timed.round_timing.excess[kind][1]
+    probes = timed.round_timing.counts[kind]
     again, stats = _run(timed, n)                        # the next greedy generation starts from the correction
     assert again == ar and 1 <= stats.speculated_rounds <= n // 16 + 1
-    assert timed.round_timing.excess[kind][1] > probes   # its probes are timed too
+    assert timed.round_timing.counts[kind] > probes      # its probes are timed too
 
 
 def test_a_sampled_output_does_not_depend_on_the_timing(model):
@@ -122,7 +123,8 @@ def test_a_sampled_output_does_not_depend_on_the_timing(model):
     timed = build_generator(model, costs=SWITCHING, method="early-exit", exit_layer=2, num_speculations=3)
     timed.round_timing = RoundTiming()
     timed.round_timing.speed, timed.round_timing.since_ar = 1.0, TIMING_REFERENCE
-    timed.round_timing.excess[(None, 0.3)] = [5.0, 100]          # drafting would never pay, were it applied
+    kind = (None, 0.3)                                             # drafting would never pay, were it applied
+    timed.round_timing.median[kind], timed.round_timing.counts[kind] = 5.0, 100
     greedy_plain, s_plain = _run(plain, 60)
     greedy_timed, s_timed = _run(timed, 60)
     assert greedy_timed == greedy_plain and s_timed.speculated_rounds < s_plain.speculated_rounds   # it applies
@@ -196,7 +198,7 @@ def test_a_timed_round_is_valued_at_its_model_without_the_applied_correction():
     timing = RoundTiming()
     sizer = RoundSizer(costs, ChainBuilder(1), False, timing=timing)
     state = SimpleNamespace(tokens=list(range(50)), draft_stop=None)
-    for _ in range(TIMING_START + 3):                            # ar rounds at twice the table's time
+    for _ in range(8):                                              # ar rounds at twice the table's time
         sizer.depth(state, 1)
         sizer.observe(0, 0, 0, 0)
         sizer.timed(0.020)
@@ -206,17 +208,16 @@ def test_a_timed_round_is_valued_at_its_model_without_the_applied_correction():
         sizer.depth(state, 1)
         sizer.observe(1, 1, 1, 1)
         sizer.timed(2 * (0.015 + 0.004))
-    assert timing.excess[kind][0] == pytest.approx(0.004)
+    assert timing.median[kind] == pytest.approx(0.004)
     assert timing.correction(0.010, kind) == pytest.approx(0.004)
     sizer.depth(state, 1)                                           # now sized with the correction ...
     assert sizer.speculation.applied == pytest.approx(0.004)
     sizer.observe(1, 1, 1, 1)
     sizer.timed(2 * (0.015 + 0.004))                                # ... and valued without it: unchanged
-    assert timing.excess[kind][0] == pytest.approx(0.004)
-    timing.excess[kind][0] = -0.008                                 # a correction below -first is clamped:
+    assert list(timing.excess[kind]) == pytest.approx([0.004] * (TIMING_ROUNDS + 1))
+    timing.median[kind] = -0.008                                    # a correction below -first is clamped:
     sizer.depth(state, 1)                                           # applied -0.003, not -0.008
     assert sizer.speculation.applied == pytest.approx(-0.003)
     sizer.observe(1, 1, 1, 1)
     sizer.timed(2 * 0.012)                                          # the round took its forward alone
-    weight = max(1 / (TIMING_ROUNDS + 2), timing.smoothing)         # its tenth drafting round (plain mean)
-    assert timing.excess[kind][0] == pytest.approx(-0.008 + weight * (-0.003 + 0.008))
+    assert timing.excess[kind][-1] == pytest.approx(-0.003)        # valued without the -0.003 applied

@@ -238,12 +238,14 @@ def lookup_costs(model: LoadedModel, spec: MethodSpec):
 
 
 def build_generator(model: LoadedModel, spec: MethodSpec | None = None, costs: CostTable | None = None,
-                    **kwargs) -> SpeculativeGenerator:
+                    round_timing: bool = False, **kwargs) -> SpeculativeGenerator:
     """A :class:`SpeculativeGenerator` for ``spec`` (or ``MethodSpec(**kwargs)``).  Under ``speculation="cost"``
     its rounds are sized by ``costs``, by default the model's measured ones
     (:func:`speculant.engine.speculation.cost_table`, greedy and, measured at the first sampled generation, sampled;
-    a model without a tune drafts every round); with the model's measured costs, greedy rounds are also corrected by
-    what they took (``round_timing``, :class:`~speculant.engine.speculation.RoundTiming`).
+    a model without a tune drafts every round).  ``round_timing``: greedy rounds also corrected by what they took
+    (:class:`~speculant.engine.speculation.RoundTiming`; off by default: measured end to end it cut `eagle`'s
+    drafting and its speed, 1.07x `ar` -> 1.02 over four alternated pairs, and moved the others within the noise,
+    BENCHMARKS.md BM).
 
     Raises:
         SpeculantError: unknown method or bad parameters (the message names the value).
@@ -278,4 +280,5 @@ def build_generator(model: LoadedModel, spec: MethodSpec | None = None, costs: C
                 return acceptance_prior(model, drafter, builder, drafter_signature(spec), sampled,
                                         spec.verification)
     return SpeculativeGenerator(model, drafter, builder, verification=spec.verification, costs=costs,
-                                sampled_costs=sampled_costs, acceptance_prior=prior, round_timing=prior is not None)
+                                sampled_costs=sampled_costs, acceptance_prior=prior,
+                                round_timing=round_timing and costs is not None)

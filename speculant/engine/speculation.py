@@ -30,9 +30,10 @@ policy calls the same function with its batch size), through
 A round with zero drafts is an ``ar`` round: the target's token from one row, so greedy outputs are token-identical
 and sampled outputs keep the target's law (a zero-draft round samples from the target itself).  A sampled
 generation's every input is fixed before it or a count of its own tokens, so a seeded output does not depend on
-timing noise; a greedy generation's (whose output no round size changes) also takes what its generator's rounds
-took beside its ``ar`` rounds (:class:`RoundTiming`: the one-off calibration of ``c`` moved by a tenth of a step
-from one minute to the next on a shared VM, and real rounds cost more than it said).
+timing noise; with ``round_timing``, a greedy generation's (whose output no round size changes) also takes what its
+generator's rounds took beside its ``ar`` rounds (:class:`RoundTiming`, off by default: the one-off calibration of
+``c`` moved by a tenth of a step from one minute to the next on a shared VM, but correcting it did not pay end to
+end, BENCHMARKS.md BM).
 A model without a tune (built in memory, or loaded in a dtype other than float32) has no measured costs: its
 generator drafts as ``always`` does unless given a :class:`~speculant.engine.goodput.CostTable`.
 """
@@ -43,6 +44,7 @@ import math
 import statistics
 import sys
 import time
+from collections import deque
 
 import torch
 
@@ -446,12 +448,12 @@ def cost_table(model, drafter, builder: TreeBuilder | None, signature: str, samp
     return CostTable(forward, further, first, context, per_token, share * per_token.get(1, 0.0))
 
 
-TIMING_SMOOTHING = 0.05
-"""Weight of a new round in :class:`RoundTiming`'s running means (after its first rounds: a plain mean until then)."""
+TIMING_WINDOW = 64
+"""Rounds of each kind whose median :class:`RoundTiming` takes [count]: medians, not means (a mean of excesses clipped
+at two steps above and one below still rose with every preempted round, and a correction that high stopped a draft
+head that paid: `eagle` 1.01-1.02x `ar` with it, 1.08-1.09 without, BENCHMARKS.md BM)."""
 TIMING_ROUNDS = 8
 """Drafting rounds :class:`RoundTiming` times before its correction applies [count]."""
-TIMING_START = 5
-"""``ar`` rounds whose median starts :class:`RoundTiming`'s pace [count]."""
 TIMING_REFERENCE = 32
 """Drafting rounds in a row after which :class:`RoundTiming` asks for an ``ar`` round to time [count]: a drafter that
 drafts every round would otherwise never show what its rounds cost beside one without drafts."""
@@ -469,25 +471,26 @@ class RoundTiming:
     greedy, Spec-Bench, each method's rounds interleaved one by one with `ar`'s) an early-exit depth-1 round 1.58-1.74
     `ar` rounds where the table said 1.52-1.58, an RSD-C one 1.61-1.95 against 1.50, a draft head's 1.30-1.36 against
     1.18, and one drafter's calibration gave 1.16-1.36 `ar` rounds a few minutes apart (BENCHMARKS.md BM).  Each
-    round is timed whole, its sizing included: ``speed``, the running mean of ``measured / modeled`` over ``ar``
-    rounds (the median of the first :data:`TIMING_START`, then each round clipped to half or double the mean), is the
-    machine's pace against the table now; ``excess``, per kind of draft figures, the running mean over drafting
-    rounds of ``measured / speed - modeled`` (each clipped to ``[-1, 2]`` one-row forwards: a preempted round is not
-    a cost; a round with one-off work, a head's catch-up over the prompt, left out), what a drafting round costs
-    beyond its model in the table's seconds.  The correction adds it to the round's first draft call
+    round is timed whole, its sizing included: ``speed``, the median of ``measured / modeled`` over the last
+    :data:`TIMING_WINDOW` ``ar`` rounds, is the machine's pace against the table now; the excess, per kind of draft
+    figures, the median over its last :data:`TIMING_WINDOW` drafting rounds of ``measured / speed - modeled`` (a
+    round with one-off work, a head's catch-up over the prompt, left out), what a drafting round costs beyond its
+    model in the table's seconds (medians: a preempted round is not a cost).  The correction adds it to the round's first draft call
     (:meth:`~speculant.engine.goodput.SequenceSpeculation.at_context`); a drafter it stopped is still probed (whether
     drafting could pay is judged without it), so the excess stays measured.  Timing moves the rounds of greedy
     generations only, whose output does not depend on them (verification decides every token); a sampled
     generation's rounds stay a function of its tokens, so that a seeded output does not depend on timing noise.
     """
 
-    def __init__(self, smoothing: float = TIMING_SMOOTHING, rounds: int = TIMING_ROUNDS):
-        self.smoothing, self.rounds = smoothing, rounds
-        self.speed: float | None = None      # measured / modeled seconds of ar rounds (running mean)
-        self.first_ratios: list[float] = []  # the first TIMING_START of them, whose median starts the mean
+    def __init__(self, window: int = TIMING_WINDOW, rounds: int = TIMING_ROUNDS):
+        self.window, self.rounds = window, rounds
+        self.ratios: deque[float] = deque(maxlen=window)     # measured / modeled seconds of the last ar rounds
+        self.speed: float | None = None      # their median
         self.ar_rounds = 0
         self.since_ar = 0                    # drafting rounds since the last timed ar round
-        self.excess: dict = {}               # kind -> [unmodeled seconds of its drafting rounds (table s), rounds]
+        self.excess: dict = {}               # kind -> the last drafting rounds' unmodeled seconds (table s)
+        self.median: dict = {}               # kind -> their median [s]
+        self.counts: dict = {}               # kind -> drafting rounds timed
 
     def observe(self, seconds: float, modeled: float, drafted: bool, step: float, kind=None) -> None:
         """A round took ``seconds`` where the table says ``modeled`` [s]; ``drafted``: it drafted (``kind``: which
@@ -497,20 +500,15 @@ class RoundTiming:
             return
         if not drafted:
             self.ar_rounds, self.since_ar = self.ar_rounds + 1, 0
-            ratio = seconds / modeled
-            if len(self.first_ratios) < TIMING_START:    # a median first: one slow round does not set the pace
-                self.first_ratios.append(ratio)
-                self.speed = statistics.median(self.first_ratios)
-            else:                                        # then a preempted round moves it by at most its double
-                ratio = min(max(ratio, 0.5 * self.speed), 2.0 * self.speed)
-                self.speed += self.smoothing * (ratio - self.speed)
-        else:
-            self.since_ar += 1
-        if drafted and self.speed is not None:
-            mean = self.excess.setdefault(kind, [0.0, 0])
-            mean[1] += 1
-            x = min(max(seconds / self.speed - modeled, -step), 2.0 * step)
-            mean[0] += max(1.0 / mean[1], self.smoothing) * (x - mean[0])
+            self.ratios.append(seconds / modeled)
+            self.speed = statistics.median(self.ratios)
+            return
+        self.since_ar += 1
+        if self.speed is not None:
+            values = self.excess.setdefault(kind, deque(maxlen=self.window))
+            values.append(min(max(seconds / self.speed - modeled, -step), 2.0 * step))
+            self.median[kind] = statistics.median(values)
+            self.counts[kind] = self.counts.get(kind, 0) + 1
 
     @property
     def wants_reference(self) -> bool:
@@ -520,14 +518,13 @@ class RoundTiming:
         return self.since_ar >= TIMING_REFERENCE
 
     def correction(self, step: float, kind=None) -> float:
-        """Seconds to add to a drafting round's modeled cost [s]: the running excess of ``kind``'s rounds in steps
+        """Seconds to add to a drafting round's modeled cost [s]: the median excess of ``kind``'s last rounds in steps
         of :data:`TIMING_QUANTUM` of ``step`` (the one-row forward [s]), 0 before :attr:`rounds` of them were
         timed."""
-        mean = self.excess.get(kind)
-        if mean is None or mean[1] < self.rounds or not step > 0.0:
+        if self.counts.get(kind, 0) < self.rounds or not step > 0.0:
             return 0.0
         quantum = TIMING_QUANTUM * step
-        return round(mean[0] / quantum) * quantum
+        return round(self.median[kind] / quantum) * quantum
 
 
 class RoundSizer:
