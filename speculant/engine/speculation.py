@@ -475,11 +475,12 @@ class RoundTiming:
     :data:`TIMING_WINDOW` ``ar`` rounds, is the machine's pace against the table now; the excess, per kind of draft
     figures, the median over its last :data:`TIMING_WINDOW` drafting rounds of ``measured / speed - modeled`` (a
     round with one-off work, a head's catch-up over the prompt, left out), what a drafting round costs beyond its
-    model in the table's seconds (medians: a preempted round is not a cost).  The correction adds it to the round's first draft call
-    (:meth:`~speculant.engine.goodput.SequenceSpeculation.at_context`); a drafter it stopped is still probed (whether
-    drafting could pay is judged without it), so the excess stays measured.  Timing moves the rounds of greedy
-    generations only, whose output does not depend on them (verification decides every token); a sampled
-    generation's rounds stay a function of its tokens, so that a seeded output does not depend on timing noise.
+    model in the table's seconds (medians: a preempted round is not a cost).  The correction adds it to the round's
+    first draft call (:meth:`~speculant.engine.goodput.SequenceSpeculation.at_context`); a drafter it stopped is
+    still probed (whether drafting could pay is judged without it), so the excess stays measured.  Timing moves the
+    rounds of greedy generations only, whose output does not depend on them (verification decides every token); a
+    sampled generation's rounds stay a function of its tokens, so that a seeded output does not depend on timing
+    noise.
     """
 
     def __init__(self, window: int = TIMING_WINDOW, rounds: int = TIMING_ROUNDS):
@@ -540,8 +541,8 @@ class RoundSizer:
     a fresh copy of the sampled prior): each context's long-run acceptance (exponential, weight
     :data:`HISTORY_SMOOTHING`), which a context starts from, counted as :data:`HISTORY_WEIGHT` observations, and
     which this generation's observations update.  Counts of tokens only (and, with ``timing``, a greedy
-generation's :class:`RoundTiming` correction): deterministic given them (and, with a
-    greedy history, the earlier greedy generations').
+    generation's :class:`RoundTiming` correction): deterministic given them (and, with a greedy history, the earlier
+    greedy generations').
     :meth:`depth` before a round's drafting (and, for a drafter with draft confidence, ``state.draft_stop`` set),
     :meth:`observe` after its acceptance."""
 
