@@ -246,7 +246,8 @@ class SpeculativeGenerator:
                           lambda context: self.drafter.round_costs(state, context, costs),
                           lambda context: self.drafter.round_extra_seconds(state, context),
                           self.history_for(state.sampling.greedy),
-                          self.round_timing if state.sampling.greedy else None)
+                          self.round_timing if state.sampling.greedy else None,
+                          lambda: self.drafter.one_off_work(state))
 
     def history_for(self, greedy: bool) -> dict | None:
         """What a cost-aware generation's rounds start from and update (:class:`RoundSizer`'s ``history``): greedy,
@@ -291,7 +292,6 @@ class SpeculativeGenerator:
         context = self.drafter.round_context(state) if max_depth else None
         name = self.drafter.context_name(context) if max_depth else None
         if sizer is not None:
-            one_off = self.drafter.one_off_work(state)
             sizer.resolve_shadow(state.tokens)
             free = self.drafter.free_draft(state, context, max_depth) if max_depth else None
             asked, max_depth = max_depth, sizer.depth(state, max_depth, context, free is not None,
@@ -315,7 +315,7 @@ class SpeculativeGenerator:
         if sizer is not None:
             calls = max(state.draft_forwards - forwards, tree.max_depth)    # prompt lookup: no forwards
             sizer.observe(tree.max_depth, stats.accepted_tokens - accepted, len(tree), calls)
-            sizer.timed(time.perf_counter() - start, one_off)
+            sizer.timed(time.perf_counter() - start)
         return block
 
     # ---------------------------------------------------------------- text layer

@@ -381,7 +381,7 @@ class CyclingDepth:
     def drop_shadow(self) -> None:
         """Nothing to learn."""
 
-    def timed(self, seconds: float, one_off: bool = False) -> None:
+    def timed(self, seconds: float) -> None:
         """Nothing to learn."""
 
 
@@ -487,7 +487,6 @@ class RoundTiming:
         self.window, self.rounds = window, rounds
         self.ratios: deque[float] = deque(maxlen=window)     # measured / modeled seconds of the last ar rounds
         self.speed: float | None = None      # their median
-        self.ar_rounds = 0
         self.since_ar = 0                    # drafting rounds since the last timed ar round
         self.excess: dict = {}               # kind -> the last drafting rounds' unmodeled seconds (table s)
         self.median: dict = {}               # kind -> their median [s]
@@ -500,7 +499,7 @@ class RoundTiming:
         if not seconds > 0.0 or not modeled > 0.0:
             return
         if not drafted:
-            self.ar_rounds, self.since_ar = self.ar_rounds + 1, 0
+            self.since_ar = 0
             self.ratios.append(seconds / modeled)
             self.speed = statistics.median(self.ratios)
             return
@@ -547,9 +546,11 @@ class RoundSizer:
     :meth:`observe` after its acceptance."""
 
     def __init__(self, costs: CostTable, builder: TreeBuilder, confidence: bool, costs_of=None, extra_of=None,
-                 history: dict | None = None, timing: RoundTiming | None = None):
+                 history: dict | None = None, timing: RoundTiming | None = None, one_off_of=None):
         self.history = history                                  # {context: DepthAcceptance} of earlier generations
         self.timing = timing                                    # greedy rounds' times against the table, or None
+        self.one_off_of = one_off_of                            # () -> the round has one-off work (Drafter.one_off_work)
+        self.one_off = False
         self.modeled: tuple | None = None   # the last observed round's (seconds, drafted, step, kind)
         self.context = None                                     # the last depth()'s round context
         self.costs_of = costs_of or (lambda context: costs)     # a context's own table (Drafter.round_costs)
@@ -586,6 +587,7 @@ class RoundSizer:
         self.speculation, self.context = self._of(context), context
         timing = self.timing
         if timing is not None:
+            self.one_off = self.one_off_of is not None and self.one_off_of()
             step = self.speculation.policy.cost(1)                 # at the last round's context: a scale only
             self.speculation.at_context(len(state.tokens) - 1, timing.correction(step, self._kind()))
         else:
@@ -650,14 +652,14 @@ class RoundSizer:
         table = self.speculation.table_costs
         return table.first_draft_seconds, table.draft_seconds
 
-    def timed(self, seconds: float, one_off: bool = False) -> None:
-        """The round last observed took ``seconds`` [s] (:class:`RoundTiming`; nothing without one).  ``one_off``:
-        had the round drafted, it also did work done once a generation
-        (:meth:`~speculant.drafters.base.Drafter.one_off_work`), not what a drafting round costs: a round that
-        drafted is then not counted."""
+    def timed(self, seconds: float) -> None:
+        """The round last observed took ``seconds`` [s] (:class:`RoundTiming`; nothing without one).  A round that
+        drafted and, as ``one_off_of`` said when it was sized, also did work done once a generation
+        (:meth:`~speculant.drafters.base.Drafter.one_off_work`) is not counted: that is not what a drafting round
+        costs."""
         if self.timing is not None and self.modeled is not None:
             modeled, drafted, step, kind = self.modeled
-            if not (one_off and drafted):
+            if not (self.one_off and drafted):
                 self.timing.observe(seconds, modeled, drafted, step, kind)
             self.modeled = None
 
