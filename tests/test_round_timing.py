@@ -11,6 +11,7 @@ depend on the timing; a kept sizing follows the acceptance and the correction.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import pytest
 from helpers import tiny_model
@@ -18,7 +19,7 @@ from helpers import tiny_model
 from speculant import GenerationConfig, SamplingConfig, build_generator
 from speculant.engine.generator import SpeculativeGenerator
 from speculant.engine.goodput import CostTable, DepthAcceptance, SequenceSpeculation
-from speculant.engine.speculation import TIMING_REFERENCE, TIMING_ROUNDS, RoundTiming
+from speculant.engine.speculation import TIMING_REFERENCE, TIMING_ROUNDS, TIMING_WINDOW, RoundTiming
 from speculant.engine.stats import GenerationStats
 from speculant.trees.builders import ChainBuilder
 from speculant.trees.tree import DraftTree
@@ -123,8 +124,10 @@ def test_a_sampled_output_does_not_depend_on_the_timing(model):
     timed = build_generator(model, costs=SWITCHING, method="early-exit", exit_layer=2, num_speculations=3)
     timed.round_timing = RoundTiming()
     timed.round_timing.speed, timed.round_timing.since_ar = 1.0, TIMING_REFERENCE
-    kind = (None, 0.3)                                             # drafting would never pay, were it applied
-    timed.round_timing.median[kind], timed.round_timing.counts[kind] = 5.0, 100
+    kind = (None, 0.3)                                             # drafting would never pay, were it applied,
+    t = timed.round_timing                                         # and a few timed probes do not move the median
+    t.excess[kind] = deque([5.0] * TIMING_WINDOW, maxlen=TIMING_WINDOW)
+    t.median[kind], t.counts[kind] = 5.0, TIMING_WINDOW
     greedy_plain, s_plain = _run(plain, 60)
     greedy_timed, s_timed = _run(timed, 60)
     assert greedy_timed == greedy_plain and s_timed.speculated_rounds < s_plain.speculated_rounds   # it applies
