@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Generic, TypeVar
 
+import numpy as np
 import torch
 
 from ..errors import SpeculantError
@@ -162,6 +163,9 @@ class Drafter(Generic[S]):
 
     name = "none"
     capabilities: ClassVar[DrafterCapabilities] = DrafterCapabilities()
+    cost_signature = ""
+    """What the cost of a draft call depends on beyond the method's parameters (appended to the key its measured
+    cost is kept under: a choice the tune made for this drafter, e.g. a draft head's LM-head rows)."""
     feature_layers: tuple[int, ...] = ()
     """Hidden-state boundaries (``k``: the residual stream entering target layer ``k``; ``L``: leaving the last)
     whose rows of the verified block :meth:`verification_hidden` also receives (``aux``), for a drafter declaring
@@ -334,6 +338,20 @@ def allowed_children(q: torch.Tensor, kids: list[list[int]]) -> list[list[int]]:
     return [[t for t in toks if float(q[f, t]) > 0.0] for f, toks in enumerate(kids)]
 
 
+def top_tokens(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Each row's top index and its softmax probability, ``(top [F], probs [F])``, of float32 logits ``[F, V]``:
+    the first largest logit (:func:`~speculant.sampling.argmax.rows_argmax`) and ``1 / sum_j exp(l_j - l_top)``,
+    in numpy on the calling thread (no ``[F, V]`` softmax, no wake-up of torch's thread pool).  The probability
+    is the softmax's largest entry within float32 rounding (summed in another order); a row with a NaN has
+    probability NaN."""
+    a = logits.detach().float().numpy()
+    top = a.argmax(-1)
+    best = a[np.arange(a.shape[0]), top]
+    with np.errstate(invalid="ignore", over="ignore"):
+        probs = 1.0 / np.exp(a - best[:, None]).sum(-1, dtype=np.float64)
+    return top.tolist(), probs.tolist()
+
+
 def vocabulary_tokens(kids: list[list[int]], vocab_ids: torch.Tensor | None) -> list[list[int]]:
     """Children given as columns of a reduced draft vocabulary -> token ids ``vocab_ids[column]`` (identity when
     ``vocab_ids`` is ``None``); one indexing call for the whole frontier."""
@@ -416,6 +434,7 @@ class ModelDrafterBase(Drafter[MS]):
         t0 = time.perf_counter()
         vocab = state.target.config.vocab_size
         stop = state.draft_stop
+        top_only = state.sampling.greedy and not controlled     # children from each row's top token, if the builder can
         for depth in range(1, max_depth + 1):
             if (depth > 1 and stop is not None and getattr(stop, "refuses", None) is not None
                     and stop.refuses(depth, max(confidence[node] for node in frontier))):
@@ -423,30 +442,52 @@ class ModelDrafterBase(Drafter[MS]):
             logits, ids = self.frontier_draft_logits(state, tree, frontier[0] + 1, depth - 1)
             state.draft_forwards += 1
             ds.processed = len(tree) + 1
-            if controlled and ids is not None:             # the controls process full-vocabulary rows
-                logits, ids = full_vocab_logits(logits, ids, vocab), None
-            q = draft_distribution(logits, state.sampling, state.controls,
-                                   frontier_paths(tree, frontier) if controlled else None)
-            if not state.sampling.greedy:
-                for node, row in zip(frontier, q):
-                    tree.set_draft_probs(node, row, ids, vocab)
-            kids = builder.expand(depth, q, state.sampling.greedy, generator)
-            if controlled:
-                kids = allowed_children(q, kids)
+            kids = None
+            if top_only:                # greedy: a chain's child is the row's top token, no [F, V] softmax needed
+                top, top_probs = top_tokens(logits)
+                kids = builder.expand_top(depth, top, top_probs)
+            if kids is None:
+                top_only = False
+                if controlled and ids is not None:             # the controls process full-vocabulary rows
+                    logits, ids = full_vocab_logits(logits, ids, vocab), None
+                q = draft_distribution(logits, state.sampling, state.controls,
+                                       frontier_paths(tree, frontier) if controlled else None)
+                if not state.sampling.greedy:
+                    for node, row in zip(frontier, q):
+                        tree.set_draft_probs(node, row, ids, vocab)
+                kids = builder.expand(depth, q, state.sampling.greedy, generator)
+                if controlled:
+                    kids = allowed_children(q, kids)
             if depth == 1:                                      # the cost policy's first-call figure (calibration)
                 state.first_draft_seconds += time.perf_counter() - t0
             if stop is not None:
-                if stop(depth, depth_confidence(confidence, frontier, q, kids)):
+                value = (max((confidence[node] * p for node, p in zip(frontier, top_probs)), default=0.0) if top_only
+                         else depth_confidence(confidence, frontier, q, kids))
+                if stop(depth, value):
                     break
             rows = [f for f, toks in enumerate(kids) for _ in toks]
             parents = [frontier[f] for f in rows]
             room = max_nodes - len(tree)
-            tokens = [t for toks in vocabulary_tokens(kids, ids) for t in toks][:room]
+            tokens = [t for toks in self._vocabulary_tokens(kids, ids) for t in toks][:room]
             new = [tree.add(p, t) for p, t in zip(parents, tokens)]     # per node: cheaper than batched writes here
             if stop is not None and new:                        # a path's confidence: its parent's times q(child)
-                cols = [t for toks in kids for t in toks][:room]
-                confidence.update(zip(new, (confidence[p] * c for p, c in zip(parents, q[rows[:room], cols].tolist()))))
+                if top_only:                                    # the child is its row's top token
+                    probs = [top_probs[f] for f in rows[:room]]
+                else:
+                    probs = q[rows[:room], [t for toks in kids for t in toks][:room]].tolist()
+                confidence.update(zip(new, (confidence[p] * c for p, c in zip(parents, probs))))
             if not new or len(parents) > room:
                 break
             frontier = new
         return tree
+
+    def _vocabulary_tokens(self, kids: list[list[int]], ids: torch.Tensor | None) -> list[list[int]]:
+        """:func:`vocabulary_tokens` through a list copy of the draft vocabulary ``ids`` kept from the last call
+        (the same tensor every round): no tensor indexing per depth."""
+        if ids is None:
+            return kids
+        kept = getattr(self, "_vocab_list", None)
+        if kept is None or kept[0] is not ids:
+            kept = self._vocab_list = (ids, ids.tolist())
+        table = kept[1]
+        return [[table[t] for t in toks] for toks in kids]

@@ -72,6 +72,10 @@ def _layer_config(conf: dict) -> ModelConfig:
                        rope_theta=conf["rope_theta"], head_dim=conf["head_dim"])
 
 
+LM_ROW_FORMATS = ("target", "w4a8")
+"""What a draft head's LM-head rows can be read in (:meth:`DraftHead.pack_lm_rows`)."""
+
+
 class DraftHead(nn.Module):
     """The EAGLE draft head (module docstring).
 
@@ -100,6 +104,8 @@ class DraftHead(nn.Module):
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         # not a registered submodule: not stored, and .to(dtype) must not touch a packed format's scales
         self._lm_head_rows = (lm_head_rows,)
+        self._target_lm_rows = (lm_head_rows,)          # the target's own rows, whatever :meth:`pack_lm_rows` chose
+        self.lm_rows_format = "target"
         self.register_buffer("vocab_ids", None if vocab_ids is None else vocab_ids.long().clone(), persistent=False)
         self.weight_format = "fp32"                         # of fc and the layer's projections (:meth:`pack`)
         self.use_fused = True           # :meth:`step` through the fused C forward where it applies (:meth:`fused`)
@@ -138,6 +144,30 @@ class DraftHead(nn.Module):
         self.fc = pack_linear(fmt, self.fc.weight, self.fc.bias)
         pack_projections(self.layer, fmt)
         self.weight_format = fmt
+        return self
+
+    def pack_lm_rows(self, fmt: str) -> "DraftHead":
+        """Read the draft vocabulary's LM-head rows in ``fmt``: ``target`` (the target's own rows, in its format) or
+        ``w4a8`` (those rows requantized to 4 bits a weight by llama.cpp's Q4_1 reference quantizer, on int8
+        activations: about two thirds of an 8-bit head's 16384 x 576 bytes, which a draft call reads from memory
+        after each target forward).  Exactness does not depend on it; the draft's logits move by the rounding
+        (:func:`~speculant.drafters.weights.tune_head_lm_rows` measures how often its top token moves).
+
+        Raises:
+            SpeculantError: another ``fmt``, or ``w4a8`` where our kernels do not run.
+        """
+        from ..kernels import qgemm
+        from ..runtime.formats import PackedLinear, pack_linear
+        if fmt not in LM_ROW_FORMATS:
+            raise SpeculantError(f"draft head LM rows {fmt!r}; allowed: {', '.join(LM_ROW_FORMATS)}")
+        rows = self._target_lm_rows[0]
+        if fmt == "w4a8":
+            if not qgemm.available():
+                raise SpeculantError(f"draft head LM rows 'w4a8' {qgemm.unavailable_reason()}; allowed here: target")
+            weight = rows.dequantized_weight() if isinstance(rows, PackedLinear) else rows.weight.detach().float()
+            rows = pack_linear("w4a8", weight)
+        self._lm_head_rows = (rows,)
+        self.lm_rows_format = fmt
         return self
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,

@@ -111,6 +111,13 @@ class DraftHeadDrafter(ModelDrafterBase[HeadState]):
         extra = max(0, st.pending_count - st.prompt_pending - 1)
         return extra * self.catchup_seconds
 
+    @property
+    def cost_signature(self) -> str:
+        """The head's LM-head rows where they are not the target's (:meth:`DraftHead.pack_lm_rows`): 4-bit rows
+        make a draft call cheaper, so their calls are measured apart."""
+        fmt = getattr(self.head, "lm_rows_format", "target")          # (an EAGLE-3 head has its own head)
+        return "" if fmt == "target" else f",lm_rows={fmt}"
+
     def one_off_work(self, state: DecodingState[HeadState]) -> bool:
         """The prompt's entries are still to be caught up (the generation's first drafting round runs them)."""
         return state.drafter_state.prompt_pending > 0

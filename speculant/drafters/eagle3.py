@@ -57,7 +57,7 @@ def head_drafter(name: str, model) -> DraftHeadDrafter:
     from .artifacts import resolve_dir
     from .draft_head import KIND, load_head
     from .eagle3_head import is_eagle3_dir, load_eagle3
-    from .weights import tune_drafter, tune_head_route
+    from .weights import tune_drafter, tune_head_lm_rows, tune_head_route
     path = resolve_dir(KIND, "draft head", str(name), model.name)
     if is_eagle3_dir(path):
         head = load_eagle3(path, model)
@@ -66,6 +66,7 @@ def head_drafter(name: str, model) -> DraftHeadDrafter:
     head = load_head(path, model)
     tune_drafter(model, "draft-head", head)
     tune_head_route(model, head)             # one C call or the torch modules, as measured here
+    tune_head_lm_rows(model, head)           # the target's LM-head rows or 4-bit ones, as measured here
     drafter = DraftHeadDrafter(head)
     drafter.catchup_seconds = catchup_seconds(model, head, str(name))
     return drafter

@@ -128,3 +128,123 @@ def tune_head_route(model, head) -> bool:
         tune.save(result)
     head.use_fused = bool(result.drafter_weights[key]["fused"])
     return head.use_fused
+
+
+LM_ROWS_TOKENS = 48
+"""Greedy tokens the target writes after each fixed prompt for :func:`head_lm_rows_accuracy`."""
+LM_ROWS_TOLERANCE = 0.01
+"""Most the head's top-1 accuracy may drop with 4-bit LM-head rows for :func:`tune_head_lm_rows` to take them
+(absolute, over ~300 drafts): a draft call with them costs ~20 % less of its ~0.13 of a step on SmolLM2, a gain of
+~2-3 % of a drafting round, which a drop of one draft in a hundred (of a head accepted ~0.6) does not undo."""
+
+
+def greedy_features(model, head, tokens: int = LM_ROWS_TOKENS) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """For each of the acceptance prior's fixed prompts (:data:`~speculant.engine.speculation.PRIOR_PROMPTS`, chat
+    template), the prompt followed by ``tokens`` greedy tokens of the target: ``(ids [T], features [T, D] as
+    ``head`` reads them, index of the first generated token)``."""
+    from ..engine.prompts import encode_prompt
+    from ..engine.speculation import PRIOR_PROMPTS
+    from .eagle import target_features
+    dec, out = model.decoder, []
+    with torch.inference_mode():
+        for prompt in PRIOR_PROMPTS:
+            ids = encode_prompt(model.tokenizer, prompt)
+            n0 = len(ids)
+            cache = dec.new_cache(n0 + tokens)
+            h = dec.run_layers(dec.embed(torch.tensor([ids])), 0, dec.num_layers, torch.arange(n0), None, cache, 0)
+            hidden = [h[0]]
+            for _ in range(tokens):
+                ids.append(int(dec.lm_head(dec.final_norm(hidden[-1][-1:])).argmax()))
+                n = len(ids) - 1
+                hidden.append(dec.run_layers(dec.embed(torch.tensor([ids[-1:]])), 0, dec.num_layers,
+                                             torch.tensor([n]), None, cache, n)[0])
+            out.append((torch.tensor(ids), target_features(dec, torch.cat(hidden), head.feature).float(), n0))
+    return out
+
+
+def head_lm_rows_accuracy(head, sequences) -> dict[str, float]:
+    """The head's teacher-forced top-1 accuracy on the generated tokens of ``sequences`` (:func:`greedy_features`)
+    with its LM-head rows in each format (:meth:`DraftHead.pack_lm_rows`): row ``i`` reads the target's feature
+    at ``i`` and token ``i + 1`` and drafts token ``i + 2`` (EAGLE's training objective, Li et al. 2024), counted
+    where that token was generated.  The rows' format changes the logits only (the head's features and KV cache
+    are the same), so both formats draft the same rows: a paired comparison.  ``head`` is left reading the rows
+    it read."""
+    before, hits, total = head.lm_rows_format, {fmt: 0 for fmt in ("target", "w4a8")}, 0
+    try:
+        with torch.inference_mode():
+            for ids, feats, n0 in sequences:
+                rows = len(ids) - 2
+                want = ids[2:]
+                counted = torch.arange(rows) + 2 >= n0
+                total += int(counted.sum())
+                for fmt in hits:
+                    head.pack_lm_rows(fmt)
+                    cache = head.new_cache(rows)
+                    _, logits = head.step(feats[:rows].to(head.dtype), ids[1:rows + 1], torch.arange(rows), None,
+                                          cache, 0)
+                    top = logits.argmax(-1)
+                    drafted = top if head.vocab_ids is None else head.vocab_ids[top]
+                    hits[fmt] += int(((drafted == want) & counted).sum())
+    finally:
+        head.pack_lm_rows(before)
+    return {fmt: h / max(total, 1) for fmt, h in hits.items()}
+
+
+def measure_head_lm_rows(head, evict, repeats: int = ROUTE_REPEATS) -> dict[str, float]:
+    """Milliseconds of one draft call of ``head`` (one row after 16 cached entries, logits of that row; its route
+    as set) with its LM-head rows in each of ``target`` and ``w4a8`` (:meth:`DraftHead.pack_lm_rows`), each call
+    after ``evict()``, formats alternated, best of ``repeats``.  ``head`` is left reading the rows it read."""
+    import time
+    d, vocab = head.config["hidden_size"], head.embed_weight.shape[0]
+    g = torch.Generator().manual_seed(3)
+    before, best = head.lm_rows_format, {"target": float("inf"), "w4a8": float("inf")}
+    feature, token, position = torch.randn(1, d, generator=g), torch.randint(vocab, (1,), generator=g), torch.tensor([16])
+    rows = {}
+    try:
+        for fmt in best:
+            rows[fmt] = head.pack_lm_rows(fmt)._lm_head_rows[0]
+        with torch.inference_mode():
+            cache = head.new_cache(32)
+            head.step(torch.randn(16, d, generator=g), torch.randint(vocab, (16,), generator=g), torch.arange(16), None,
+                      cache, 0)
+            for rep in range(repeats + 1):
+                for fmt in best if rep % 2 == 0 else tuple(best)[::-1]:
+                    head._lm_head_rows, head.lm_rows_format = (rows[fmt],), fmt
+                    evict()
+                    t = time.perf_counter()
+                    head.step(feature.to(head.dtype), token, position, None, cache, 16, 1)
+                    if rep:
+                        best[fmt] = min(best[fmt], time.perf_counter() - t)
+    finally:
+        head.pack_lm_rows(before)
+    return {fmt: round(s * 1e3, 4) for fmt, s in best.items()}
+
+
+def tune_head_lm_rows(model, head) -> str:
+    """The tune step of an EAGLE draft head's LM-head rows (:meth:`DraftHead.pack_lm_rows`): where the target is
+    quantized and our kernels run, time a draft call with the target's rows and with 4-bit ones once per machine
+    and head shape (:func:`measure_head_lm_rows`, the target's LM head as the eviction between calls) and compare
+    the head's top-1 accuracy with each (:func:`head_lm_rows_accuracy` on :func:`greedy_features`); keep the result
+    in ``model.tune`` (``drafter_weights["draft-head-lm-rows:..."]``, saved) and pack ``head``'s rows: ``w4a8`` only
+    if faster by more than the tuner's noise (:data:`speculant.runtime.tune.CHOICE_NOISE`) and at most
+    :data:`LM_ROWS_TOLERANCE` less accurate; later loads read the kept choice.  Without
+    a tune (a model built in memory) the target's rows are kept, measuring nothing.  Returns the rows' format."""
+    from ..kernels import qgemm
+    from ..runtime import tune
+    result = getattr(model, "tune", None)
+    if (result is None or head.weight_format == "fp32" or not qgemm.available()
+            or getattr(model.decoder, "weight_format", "fp32") == "fp32"):
+        return head.lm_rows_format
+    rows = head._target_lm_rows[0]
+    key = f"draft-head-lm-rows:{rows.in_features}x{rows.out_features}"
+    if key not in result.drafter_weights:
+        row = torch.zeros(1, model.decoder.config.hidden_size)
+        ms = measure_head_lm_rows(head, lambda: model.decoder.lm_head(row))
+        accuracy = head_lm_rows_accuracy(head, greedy_features(model, head))
+        faster = ms["w4a8"] < ms["target"] * (1 - tune.CHOICE_NOISE)
+        choice = "w4a8" if faster and accuracy["w4a8"] >= accuracy["target"] - LM_ROWS_TOLERANCE else "target"
+        result.drafter_weights[key] = {"format": choice, "ms": ms,
+                                       "top1": {fmt: round(a, 4) for fmt, a in accuracy.items()}}
+        tune.save(result)
+    head.pack_lm_rows(result.drafter_weights[key]["format"])
+    return head.lm_rows_format

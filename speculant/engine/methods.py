@@ -266,6 +266,7 @@ def build_generator(model: LoadedModel, spec: MethodSpec | None = None, costs: C
             # eagle: a calibration of the mixed drafter times mostly copies), copying rounds prompt lookup's
             head, lookup = drafter.head_drafter, lookup_costs(model, spec)
             signature = drafter_signature(replace(spec, method="eagle", max_ngram=None, min_ngram=None))
+        signature += getattr(head, "cost_signature", "")     # the tune's choices that change a call's cost
         costs = cost_table(model, head, builder, signature)
         if costs is not None:
             if lookup is not None:

@@ -76,6 +76,13 @@ class TreeBuilder:
     def observe(self, accepted_length: int, drafted_depth: int) -> None:
         """Feedback after verification (used by adaptive builders)."""
 
+    def expand_top(self, depth: int, top: list[int], top_probs: list[float]) -> list[list[int]] | None:
+        """Greedy decoding's children from each frontier row's top token ``top`` (its index in the row) and that
+        token's draft probability ``top_probs``, without the rows: what :meth:`expand` gives on those rows
+        where a builder's greedy children are the top token at most (a chain's); ``None`` where it needs the
+        whole rows (the default)."""
+        return None
+
 
 @dataclass
 class ChainBuilder(TreeBuilder):
@@ -113,6 +120,11 @@ class ChainBuilder(TreeBuilder):
             keep = (q.amax(-1) >= self.current_threshold).tolist()
             return [[t] if k else [] for t, k in zip(toks.tolist(), keep)]
         return [[t] for t in toks.tolist()]
+
+    def expand_top(self, depth, top, top_probs):
+        if self.adaptive and depth > 1:
+            return [[t] if p >= self.current_threshold else [] for t, p in zip(top, top_probs)]
+        return [[t] for t in top]
 
     def observe(self, accepted_length, drafted_depth):
         if not self.adaptive or drafted_depth == 0:

@@ -19,7 +19,9 @@ class DraftTree:
 
     The ancestor mask, the depths (RoPE positions), the children table and whether the tree is a chain are
     kept up to date by :meth:`add` (one row each per node, in buffers that double when full), so the
-    drafters' per-depth masks and the verification's tables are slices, not rebuilt from the parents.
+    drafters' per-depth masks and the verification's tables are slices, not rebuilt from the parents.  A chain
+    (every node the child of the one before) writes no table until one is asked for or a node branches: its
+    tables are then written at once from its length (a chain's verification reads none of them).
 
     Attributes:
         tokens: drafted token ids, ``N`` ints.
@@ -41,17 +43,26 @@ class DraftTree:
         self._chain = True
         self._width = 1                                                          # most children of an entry
         self._capacity = capacity
-        self._anc = self._depth = self._kids = None          # made at the first node (an ar round's tree has none)
+        self._anc = self._depth = self._kids = None          # made when first needed (a chain's may never be)
+        self._written = 0                                    # nodes whose rows the tables hold
 
     def _buffers(self) -> None:
-        """The tables' buffers for :attr:`_capacity` nodes, made once (a tree that stays empty needs none: an
-        ``ar`` round of a speculative generator pays no tensor allocations for it)."""
+        """The tables for every node added so far (a tree that stays empty, or a chain whose tables nobody reads,
+        needs none: an ``ar`` round or a chain round of a speculative generator pays no tensor writes for them).
+        The nodes a chain added without tables get their rows here in one write each."""
         if self._anc is None:
-            cap = self._capacity + 1
+            cap = max(self._capacity, len(self.tokens)) + 1
             self._anc = torch.zeros(cap, cap, dtype=torch.bool)         # [entry, entry] ancestor-or-self
             self._anc[0, 0] = True
             self._depth = torch.zeros(cap, dtype=torch.long)            # [entry] depth
             self._kids = torch.full((cap, 1), -1, dtype=torch.long)     # [entry, C] children table
+        n = len(self.tokens)
+        if self._written < n:                      # a chain's nodes: entry i + 1 is node i, child of entry i
+            lo, hi = self._written + 1, n + 1
+            self._anc[lo:hi, :hi] = torch.ones(hi, hi, dtype=torch.bool).tril()[lo:hi]
+            self._depth[lo:hi] = torch.arange(lo, hi)
+            self._kids[lo - 1:hi - 1, 0] = torch.arange(lo - 1, hi - 1)
+            self._written = n
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -84,11 +95,18 @@ class DraftTree:
         """Append a child of ``parent`` (-1 = root); returns the new node index."""
         idx = len(self.tokens)
         depth = 1 if parent < 0 else self.depths[parent] + 1
+        siblings = self.children[parent + 1]
+        if self._chain and parent == idx - 1 and self._anc is None:     # still a chain, no table asked for
+            self.tokens.append(int(token))
+            self.parents.append(parent)
+            self.depths.append(depth)
+            siblings.append(idx)
+            self.children.append([])
+            return idx
+        self._grow(idx + 2, len(siblings) + 1)          # writes the rows of the chain's nodes before this one
         self.tokens.append(int(token))
         self.parents.append(parent)
         self.depths.append(depth)
-        siblings = self.children[parent + 1]
-        self._grow(idx + 2, len(siblings) + 1)
         self._kids[parent + 1, len(siblings)] = idx
         siblings.append(idx)
         self._width = max(self._width, len(siblings))
@@ -98,6 +116,7 @@ class DraftTree:
         self._anc[row] = self._anc[parent + 1]
         self._anc[row, row] = True
         self._depth[row] = depth
+        self._written = len(self.tokens)
         return idx
 
     def set_draft_probs(self, node: int, q: torch.Tensor, vocab_ids: torch.Tensor | None = None,
@@ -133,8 +152,8 @@ class DraftTree:
 
     def block_positions(self, prefix_length: int) -> torch.Tensor:
         """RoPE positions ``[N + 1]``: ``prefix_length + depth`` (root depth 0)."""
-        if not self.tokens:
-            return torch.tensor([prefix_length], dtype=torch.long)
+        if self._anc is None:                               # empty, or a chain: the depths are 0 .. N
+            return torch.arange(prefix_length, prefix_length + len(self.tokens) + 1)
         return self._depth[:len(self.tokens) + 1] + prefix_length
 
     def ancestor_mask(self) -> torch.Tensor:
