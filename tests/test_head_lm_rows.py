@@ -93,7 +93,9 @@ def test_the_choice_needs_speed_and_accuracy_and_is_kept(model, monkeypatch):
     tuned.tune = tune.TuneResult(key=tune.tune_key(model.decoder.config, 1), weights="w4a8", fp32_route="linear",
                                  threads=1)
     monkeypatch.setattr(tune, "save", lambda result: None)
-    monkeypatch.setattr(weights, "greedy_features", lambda m, h: [])
+    monkeypatch.setattr(weights, "measure_head_lm_rows", lambda *a: pytest.fail("timed without prompts"))
+    assert weights.tune_head_lm_rows(tuned, head) == "target" and not tuned.tune.drafter_weights   # nothing kept
+    monkeypatch.setattr(weights, "greedy_features", lambda m, h, p: [])
     cases = [((1.0, 0.7), (0.50, 0.495), "w4a8"),      # faster, within the tolerance
              ((1.0, 0.7), (0.50, 0.48), "target"),     # faster, but drafts worse
              ((1.0, 0.97), (0.50, 0.50), "target")]    # within the timing noise
@@ -101,12 +103,12 @@ def test_the_choice_needs_speed_and_accuracy_and_is_kept(model, monkeypatch):
         tuned.tune.drafter_weights.clear()
         monkeypatch.setattr(weights, "measure_head_lm_rows", lambda h, evict, a=t_ms, b=w_ms: {"target": a, "w4a8": b})
         monkeypatch.setattr(weights, "head_lm_rows_accuracy", lambda h, s, a=t_acc, b=w_acc: {"target": a, "w4a8": b})
-        assert weights.tune_head_lm_rows(tuned, head) == want == head.lm_rows_format
+        assert weights.tune_head_lm_rows(tuned, head, list) == want == head.lm_rows_format
     head.pack_lm_rows("target")
     tuned.tune.drafter_weights.clear()
     monkeypatch.setattr(weights, "measure_head_lm_rows", lambda h, evict: {"target": 1.0, "w4a8": 0.6})
     monkeypatch.setattr(weights, "head_lm_rows_accuracy", lambda h, s: {"target": 0.5, "w4a8": 0.5})
-    assert weights.tune_head_lm_rows(tuned, head) == "w4a8"
+    assert weights.tune_head_lm_rows(tuned, head, list) == "w4a8"
     (entry,) = tuned.tune.drafter_weights.values()
     assert entry == {"format": "w4a8", "ms": {"target": 1.0, "w4a8": 0.6}, "top1": {"target": 0.5, "w4a8": 0.5}}
     monkeypatch.setattr(weights, "measure_head_lm_rows", lambda *a: pytest.fail("timed again"))

@@ -46,10 +46,11 @@ class Eagle3Drafter(DraftHeadDrafter):
         state.drafter_state.block_features = torch.cat(aux, dim=-1)
 
 
-def head_drafter(name: str, model) -> DraftHeadDrafter:
+def head_drafter(name: str, model, prompts=None) -> DraftHeadDrafter:
     """The drafter of draft head ``name`` (a shipped name or a directory) for ``model``: an EAGLE-3 head
     (``config.json`` architecture ``LlamaForCausalLMEagle3``) or our EAGLE-1/2-style head, loaded in the drafter
-    format tuned for it on this machine (the tune step runs once per machine and head shape).
+    format tuned for it on this machine (the tune step runs once per machine and head shape; ``prompts()``: token
+    ids of fixed prompts that step may generate from, :func:`~speculant.drafters.weights.tune_head_lm_rows`).
 
     Raises:
         SpeculantError: unknown name, or a head that does not fit ``model`` (see the loaders).
@@ -66,7 +67,7 @@ def head_drafter(name: str, model) -> DraftHeadDrafter:
     head = load_head(path, model)
     tune_drafter(model, "draft-head", head)
     tune_head_route(model, head)             # one C call or the torch modules, as measured here
-    tune_head_lm_rows(model, head)           # the target's LM-head rows or 4-bit ones, as measured here
+    tune_head_lm_rows(model, head, prompts)  # the target's LM-head rows or 4-bit ones, as measured here
     drafter = DraftHeadDrafter(head)
     drafter.catchup_seconds = catchup_seconds(model, head, str(name))
     return drafter

@@ -138,17 +138,15 @@ LM_ROWS_TOLERANCE = 0.01
 ~2-3 % of a drafting round, which a drop of one draft in a hundred (of a head accepted ~0.6) does not undo."""
 
 
-def greedy_features(model, head, tokens: int = LM_ROWS_TOKENS) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    """For each of the acceptance prior's fixed prompts (:data:`~speculant.engine.speculation.PRIOR_PROMPTS`, chat
-    template), the prompt followed by ``tokens`` greedy tokens of the target: ``(ids [T], features [T, D] as
-    ``head`` reads them, index of the first generated token)``."""
-    from ..engine.prompts import encode_prompt
-    from ..engine.speculation import PRIOR_PROMPTS
+def greedy_features(model, head, prompts: list[list[int]], tokens: int = LM_ROWS_TOKENS
+                    ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """For each prompt of ``prompts`` (token ids), the prompt followed by ``tokens`` greedy tokens of the target:
+    ``(ids [T], features [T, D] as ``head`` reads them, index of the first generated token)``."""
     from .eagle import target_features
     dec, out = model.decoder, []
     with torch.inference_mode():
-        for prompt in PRIOR_PROMPTS:
-            ids = encode_prompt(model.tokenizer, prompt)
+        for prompt in prompts:
+            ids = list(prompt)
             n0 = len(ids)
             cache = dec.new_cache(n0 + tokens)
             h = dec.run_layers(dec.embed(torch.tensor([ids])), 0, dec.num_layers, torch.arange(n0), None, cache, 0)
@@ -220,15 +218,17 @@ def measure_head_lm_rows(head, evict, repeats: int = ROUTE_REPEATS) -> dict[str,
     return {fmt: round(s * 1e3, 4) for fmt, s in best.items()}
 
 
-def tune_head_lm_rows(model, head) -> str:
+def tune_head_lm_rows(model, head, prompts=None) -> str:
     """The tune step of an EAGLE draft head's LM-head rows (:meth:`DraftHead.pack_lm_rows`): where the target is
     quantized and our kernels run, time a draft call with the target's rows and with 4-bit ones once per machine
     and head shape (:func:`measure_head_lm_rows`, the target's LM head as the eviction between calls) and compare
-    the head's top-1 accuracy with each (:func:`head_lm_rows_accuracy` on :func:`greedy_features`); keep the result
+    the head's top-1 accuracy with each (:func:`head_lm_rows_accuracy` on :func:`greedy_features` of the token ids
+    ``prompts()`` gives: the engine passes the acceptance prior's fixed prompts); keep the result
     in ``model.tune`` (``drafter_weights["draft-head-lm-rows:..."]``, saved) and pack ``head``'s rows: ``w4a8`` only
     if faster by more than the tuner's noise (:data:`speculant.runtime.tune.CHOICE_NOISE`) and at most
-    :data:`LM_ROWS_TOLERANCE` less accurate; later loads read the kept choice.  Without
-    a tune (a model built in memory) the target's rows are kept, measuring nothing.  Returns the rows' format."""
+    :data:`LM_ROWS_TOLERANCE` less accurate; later loads read the kept choice.  Without a tune (a model built in
+    memory) or, where nothing is kept, without ``prompts``, the target's rows are kept, measuring nothing.  Returns
+    the rows' format."""
     from ..kernels import qgemm
     from ..runtime import tune
     result = getattr(model, "tune", None)
@@ -238,9 +238,11 @@ def tune_head_lm_rows(model, head) -> str:
     rows = head._target_lm_rows[0]
     key = f"draft-head-lm-rows:{rows.in_features}x{rows.out_features}"
     if key not in result.drafter_weights:
+        if prompts is None:
+            return head.lm_rows_format
         row = torch.zeros(1, model.decoder.config.hidden_size)
         ms = measure_head_lm_rows(head, lambda: model.decoder.lm_head(row))
-        accuracy = head_lm_rows_accuracy(head, greedy_features(model, head))
+        accuracy = head_lm_rows_accuracy(head, greedy_features(model, head, prompts()))
         faster = ms["w4a8"] < ms["target"] * (1 - tune.CHOICE_NOISE)
         choice = "w4a8" if faster and accuracy["w4a8"] >= accuracy["target"] - LM_ROWS_TOLERANCE else "target"
         result.drafter_weights[key] = {"format": choice, "ms": ms,

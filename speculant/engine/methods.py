@@ -180,6 +180,14 @@ def draft_head_name(method: str, draft_head: str | None, model_name: str) -> str
     return name
 
 
+def fixed_prompts(model: LoadedModel) -> list[list[int]]:
+    """Token ids of the acceptance prior's fixed prompts (:data:`~speculant.engine.speculation.PRIOR_PROMPTS`, chat
+    template): what a drafter's tune step may generate from."""
+    from .prompts import encode_prompt
+    from .speculation import PRIOR_PROMPTS
+    return [encode_prompt(model.tokenizer, prompt) for prompt in PRIOR_PROMPTS]
+
+
 def _drafter(spec: MethodSpec, model: LoadedModel) -> Drafter | None:
     target = executor_of(model)
     if spec.method == "ar":
@@ -188,7 +196,7 @@ def _drafter(spec: MethodSpec, model: LoadedModel) -> Drafter | None:
         return PromptLookupDrafter(spec.max_ngram, spec.min_ngram)
     if spec.method in ("eagle", "eagle-lookup") or spec.draft_head is not None:
         name = draft_head_name(spec.method, spec.draft_head, model.name)
-        drafter = head_drafter(name, model)       # EAGLE-3 or our EAGLE-1/2-style head, in its tuned format
+        drafter = head_drafter(name, model, lambda: fixed_prompts(model))   # EAGLE-3 or ours, in its tuned format
         if spec.method == "eagle-lookup":
             drafter = with_lookup(drafter, spec.max_ngram, spec.min_ngram)
         return drafter
