@@ -151,25 +151,39 @@ class GoodputPolicy:
 
     def draft_depth(self, batch: int, acceptance: "DepthAcceptance", max_depth: int, nodes_at_depth,
                     draft_seconds_per_call: float, overhead_seconds: float = 0.0,
-                    first_draft_seconds: float | None = None) -> int:
+                    first_draft_seconds: float | None = None, seconds: list[float] | None = None) -> int:
         """The depth ``d`` in ``0 .. max_depth`` (0: an ``ar`` round) whose round of ``batch`` sequences has the most
         expected tokens per second: ``batch * E(d) / (cost(batch * (1 + nodes_at_depth(d))) + batch * (D(d) +
         overhead_seconds))``, ``E(d) = 1 + sum_j prod_{i<=j} alpha_i`` from the running acceptance per depth
         (Leviathan et al. 2023, Sec. 3.1, with a measured cost per row count instead of a constant ratio;
         SmartSpec's goodput), ``D(d) = first_draft_seconds + (d - 1) * draft_seconds_per_call`` the drafting
-        (``first_draft_seconds`` defaults to ``draft_seconds_per_call``).  Deterministic given its inputs."""
-        best, best_rate = 0, batch / (self.cost(batch) + batch * overhead_seconds)
-        first = draft_seconds_per_call if first_draft_seconds is None else first_draft_seconds
+        (``first_draft_seconds`` defaults to ``draft_seconds_per_call``).  ``seconds``: the rounds' seconds
+        :meth:`round_seconds` gives for these arguments, where the caller kept them (they do not depend on the
+        acceptance).  Deterministic given its inputs."""
+        if seconds is None:
+            seconds = self.round_seconds(batch, max_depth, nodes_at_depth, draft_seconds_per_call, overhead_seconds,
+                                         first_draft_seconds)
+        best, best_rate = 0, batch / seconds[0]
         reach = 1.0
         expected = 1.0
         for d in range(1, max_depth + 1):
             reach *= acceptance.alpha(d)
             expected += reach
-            drafting = first + (d - 1) * draft_seconds_per_call
-            seconds = self.cost(batch * (1 + nodes_at_depth(d))) + batch * (drafting + overhead_seconds)
-            if batch * expected / seconds > best_rate:
-                best, best_rate = d, batch * expected / seconds
+            if batch * expected / seconds[d] > best_rate:
+                best, best_rate = d, batch * expected / seconds[d]
         return best
+
+    def round_seconds(self, batch: int, max_depth: int, nodes_at_depth, draft_seconds_per_call: float,
+                      overhead_seconds: float = 0.0, first_draft_seconds: float | None = None) -> list[float]:
+        """Seconds of a round of ``batch`` sequences drafting depth ``d``, for ``d = 0 .. max_depth``:
+        ``cost(batch * (1 + nodes_at_depth(d))) + batch * (D(d) + overhead_seconds)`` (:meth:`draft_depth`'s
+        denominators, ``D(0) = 0``) [s]."""
+        first = draft_seconds_per_call if first_draft_seconds is None else first_draft_seconds
+        out = [self.cost(batch) + batch * overhead_seconds]
+        for d in range(1, max_depth + 1):
+            drafting = first + (d - 1) * draft_seconds_per_call
+            out.append(self.cost(batch * (1 + nodes_at_depth(d))) + batch * (drafting + overhead_seconds))
+        return out
 
     def observe(self, sequences: int, rows: int, emitted: int, draft_seconds: float) -> None:
         """A round's ``sequences`` drafting sequences added ``rows`` rows [tokens], emitted ``emitted`` tokens and
@@ -437,6 +451,7 @@ class SequenceSpeculation:
         self._first = acceptance is None     # no round sized yet (an estimate given: sized from it)
         self._sizing = None                  # the last depth()'s (max_depth, nodes_at_depth)
         self._memo_key, self._memo_values = None, {}
+        self._seconds: dict = {}             # round seconds per depth at this context (_depth), per table and shape
 
     def at_context(self, tokens: int, correction: float = 0.0) -> None:
         """Size and value the next rounds after ``tokens`` cached tokens (the table's :meth:`CostTable.at`, taken
@@ -458,6 +473,7 @@ class SequenceSpeculation:
                 costs = replace(costs, first_draft_seconds=first + self.applied)
             self.costs = costs
             self.policy.table = sorted(self.costs.forward_seconds.items())
+            self._seconds = {}
 
     def _memo(self, max_depth: int, nodes_at_depth) -> dict:
         """The sizing's figures that depend only on the costs at this context, the depth bound, the tree shape and
@@ -471,8 +487,13 @@ class SequenceSpeculation:
 
     def _depth(self, max_depth: int, nodes_at_depth, acceptance, costs: CostTable | None = None) -> int:
         c = costs or self.costs
+        key = (id(c), max_depth, nodes_at_depth)        # the tables are replaced (and this cleared) at a new context
+        seconds = self._seconds.get(key)
+        if seconds is None:
+            seconds = self._seconds[key] = self.policy.round_seconds(1, max_depth, nodes_at_depth, c.draft_seconds,
+                                                                     first_draft_seconds=c.first_draft_seconds)
         return self.policy.draft_depth(1, acceptance, max_depth, nodes_at_depth, c.draft_seconds,
-                                       first_draft_seconds=c.first_draft_seconds)
+                                       first_draft_seconds=c.first_draft_seconds, seconds=seconds)
 
     def within_budget(self) -> bool:
         """Whether the probes have lost less than ``loss_budget`` of the rounds' time so far plus what the rounds
