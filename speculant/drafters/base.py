@@ -352,19 +352,6 @@ def top_tokens(logits: torch.Tensor) -> tuple[list[int], list[float]]:
     return top.tolist(), probs.tolist()
 
 
-def vocabulary_tokens(kids: list[list[int]], vocab_ids: torch.Tensor | None) -> list[list[int]]:
-    """Children given as columns of a reduced draft vocabulary -> token ids ``vocab_ids[column]`` (identity when
-    ``vocab_ids`` is ``None``); one indexing call for the whole frontier."""
-    if vocab_ids is None:
-        return kids
-    flat = vocab_ids[[t for toks in kids for t in toks]].tolist()
-    out, i = [], 0
-    for toks in kids:
-        out.append(flat[i:i + len(toks)])
-        i += len(toks)
-    return out
-
-
 def frontier_paths(tree: DraftTree, frontier: list[int]) -> list[tuple[int, ...]]:
     """The drafted tokens from the root down to each frontier node (``-1`` = the root: ``()``)."""
     return [tuple(tree.tokens[i] for i in tree.path_to(node)) if node >= 0 else () for node in frontier]
@@ -482,8 +469,9 @@ class ModelDrafterBase(Drafter[MS]):
         return tree
 
     def _vocabulary_tokens(self, kids: list[list[int]], ids: torch.Tensor | None) -> list[list[int]]:
-        """:func:`vocabulary_tokens` through a list copy of the draft vocabulary ``ids`` kept from the last call
-        (the same tensor every round): no tensor indexing per depth."""
+        """Children given as columns of a reduced draft vocabulary -> token ids ``ids[column]`` (identity when
+        ``ids`` is ``None``), through a list copy of ``ids`` kept from the last call (the same tensor every round):
+        no tensor indexing per depth."""
         if ids is None:
             return kids
         kept = getattr(self, "_vocab_list", None)

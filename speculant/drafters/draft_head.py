@@ -104,7 +104,7 @@ class DraftHead(nn.Module):
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         # not a registered submodule: not stored, and .to(dtype) must not touch a packed format's scales
         self._lm_head_rows = (lm_head_rows,)
-        self._target_lm_rows = (lm_head_rows,)          # the target's own rows, whatever :meth:`pack_lm_rows` chose
+        self._lm_rows_by_format = {"target": lm_head_rows}     # the rows in each format made (:meth:`pack_lm_rows`)
         self.lm_rows_format = "target"
         self.register_buffer("vocab_ids", None if vocab_ids is None else vocab_ids.long().clone(), persistent=False)
         self.weight_format = "fp32"                         # of fc and the layer's projections (:meth:`pack`)
@@ -160,12 +160,13 @@ class DraftHead(nn.Module):
         from ..runtime.formats import PackedLinear, pack_linear
         if fmt not in LM_ROW_FORMATS:
             raise SpeculantError(f"draft head LM rows {fmt!r}; allowed: {', '.join(LM_ROW_FORMATS)}")
-        rows = self._target_lm_rows[0]
-        if fmt == "w4a8":
+        rows = self._lm_rows_by_format.get(fmt)
+        if rows is None:                                    # w4a8, made once from the target's rows
             if not qgemm.available():
                 raise SpeculantError(f"draft head LM rows 'w4a8' {qgemm.unavailable_reason()}; allowed here: target")
-            weight = rows.dequantized_weight() if isinstance(rows, PackedLinear) else rows.weight.detach().float()
-            rows = pack_linear("w4a8", weight)
+            target = self._lm_rows_by_format["target"]
+            weight = target.dequantized_weight() if isinstance(target, PackedLinear) else target.weight.detach().float()
+            rows = self._lm_rows_by_format[fmt] = pack_linear("w4a8", weight)
         self._lm_head_rows = (rows,)
         self.lm_rows_format = fmt
         return self

@@ -78,33 +78,45 @@ ROUTE_REPEATS = 15
 """Timed head draft calls per route in :func:`measure_head_routes` (after one warm-up each)."""
 
 
-def measure_head_routes(head, evict, repeats: int = ROUTE_REPEATS) -> dict[str, float]:
-    """Milliseconds of one draft call of an EAGLE draft head (:class:`~speculant.drafters.draft_head.DraftHead`,
-    one row after 16 cached entries, logits of that row) through each route: ``fused`` (one C call,
-    :mod:`speculant.kernels.draft_head_step`) and ``torch`` (its modules), each call after ``evict()`` (the target's
-    LM head on one row: in decoding a target step runs between draft calls), routes alternated, best of ``repeats``.
-    ``head.use_fused`` is restored."""
+def time_head_variants(head, evict, variants: dict, repeats: int = ROUTE_REPEATS) -> dict[str, float]:
+    """Milliseconds of one draft call of an EAGLE draft head (:class:`~speculant.drafters.draft_head.DraftHead`, one
+    row after 16 cached entries, logits of that row) in each variant of ``variants`` (name -> a function that puts
+    ``head`` in it), each call after ``evict()`` (the target's LM head on one row: in decoding a target step runs
+    between draft calls), variants alternated, best of ``repeats`` (after one warm-up each)."""
     import time
     d, vocab = head.config["hidden_size"], head.embed_weight.shape[0]
     g = torch.Generator().manual_seed(3)
-    before, best = head.use_fused, {"fused": float("inf"), "torch": float("inf")}
+    best = {name: float("inf") for name in variants}
     feature, token, position = torch.randn(1, d, generator=g), torch.randint(vocab, (1,), generator=g), torch.tensor([16])
+    with torch.inference_mode():
+        cache = head.new_cache(32)
+        head.step(torch.randn(16, d, generator=g), torch.randint(vocab, (16,), generator=g), torch.arange(16), None,
+                  cache, 0)
+        for rep in range(repeats + 1):
+            for name in best if rep % 2 == 0 else tuple(best)[::-1]:
+                variants[name]()
+                evict()
+                t = time.perf_counter()
+                head.step(feature.to(head.dtype), token, position, None, cache, 16, 1)
+                if rep:
+                    best[name] = min(best[name], time.perf_counter() - t)
+    return {name: round(s * 1e3, 4) for name, s in best.items()}
+
+
+def measure_head_routes(head, evict, repeats: int = ROUTE_REPEATS) -> dict[str, float]:
+    """Milliseconds of one draft call of an EAGLE draft head through each route (:func:`time_head_variants`):
+    ``fused`` (one C call, :mod:`speculant.kernels.draft_head_step`) and ``torch`` (its modules).
+    ``head.use_fused`` is restored."""
+    before = head.use_fused
+
+    def route(fused: bool):
+        def put():
+            head.use_fused = fused
+        return put
     try:
-        with torch.inference_mode():
-            cache = head.new_cache(32)
-            head.step(torch.randn(16, d, generator=g), torch.randint(vocab, (16,), generator=g), torch.arange(16), None,
-                      cache, 0)
-            for rep in range(repeats + 1):
-                for route in ("fused", "torch") if rep % 2 == 0 else ("torch", "fused"):
-                    head.use_fused = route == "fused"
-                    evict()
-                    t = time.perf_counter()
-                    head.step(feature.to(head.dtype), token, position, None, cache, 16, 1)
-                    if rep:
-                        best[route] = min(best[route], time.perf_counter() - t)
+        return time_head_variants(head, evict, {"fused": route(True), "torch": route(False)}, repeats)
     finally:
         head.use_fused = before
-    return {route: round(s * 1e3, 4) for route, s in best.items()}
 
 
 def tune_head_route(model, head) -> bool:
@@ -134,8 +146,8 @@ LM_ROWS_TOKENS = 48
 """Greedy tokens the target writes after each fixed prompt for :func:`head_lm_rows_accuracy`."""
 LM_ROWS_TOLERANCE = 0.01
 """Most the head's top-1 accuracy may drop with 4-bit LM-head rows for :func:`tune_head_lm_rows` to take them
-(absolute, over ~300 drafts): a draft call with them costs ~20 % less of its ~0.13 of a step on SmolLM2, a gain of
-~2-3 % of a drafting round, which a drop of one draft in a hundred (of a head accepted ~0.6) does not undo."""
+(absolute, over ~300 drafts): a draft call with them cost ~30 % less of its ~0.13 of a step on SmolLM2 (BENCHMARKS.md
+BN), ~3 % of a drafting round, which a drop of one accepted draft in a hundred does not undo."""
 
 
 def greedy_features(model, head, prompts: list[list[int]], tokens: int = LM_ROWS_TOKENS
@@ -189,33 +201,15 @@ def head_lm_rows_accuracy(head, sequences) -> dict[str, float]:
 
 
 def measure_head_lm_rows(head, evict, repeats: int = ROUTE_REPEATS) -> dict[str, float]:
-    """Milliseconds of one draft call of ``head`` (one row after 16 cached entries, logits of that row; its route
-    as set) with its LM-head rows in each of ``target`` and ``w4a8`` (:meth:`DraftHead.pack_lm_rows`), each call
-    after ``evict()``, formats alternated, best of ``repeats``.  ``head`` is left reading the rows it read."""
-    import time
-    d, vocab = head.config["hidden_size"], head.embed_weight.shape[0]
-    g = torch.Generator().manual_seed(3)
-    before, best = head.lm_rows_format, {"target": float("inf"), "w4a8": float("inf")}
-    feature, token, position = torch.randn(1, d, generator=g), torch.randint(vocab, (1,), generator=g), torch.tensor([16])
-    rows = {}
+    """Milliseconds of one draft call of ``head`` (its route as set; :func:`time_head_variants`) with its LM-head
+    rows in each of ``target`` and ``w4a8`` (:meth:`DraftHead.pack_lm_rows`).  ``head`` is left reading the rows
+    it read."""
+    before = head.lm_rows_format
     try:
-        for fmt in best:
-            rows[fmt] = head.pack_lm_rows(fmt)._lm_head_rows[0]
-        with torch.inference_mode():
-            cache = head.new_cache(32)
-            head.step(torch.randn(16, d, generator=g), torch.randint(vocab, (16,), generator=g), torch.arange(16), None,
-                      cache, 0)
-            for rep in range(repeats + 1):
-                for fmt in best if rep % 2 == 0 else tuple(best)[::-1]:
-                    head._lm_head_rows, head.lm_rows_format = (rows[fmt],), fmt
-                    evict()
-                    t = time.perf_counter()
-                    head.step(feature.to(head.dtype), token, position, None, cache, 16, 1)
-                    if rep:
-                        best[fmt] = min(best[fmt], time.perf_counter() - t)
+        return time_head_variants(head, evict, {fmt: (lambda f=fmt: head.pack_lm_rows(f)) for fmt in ("target", "w4a8")},
+                                  repeats)
     finally:
         head.pack_lm_rows(before)
-    return {fmt: round(s * 1e3, 4) for fmt, s in best.items()}
 
 
 def tune_head_lm_rows(model, head, prompts=None) -> str:
@@ -235,7 +229,7 @@ def tune_head_lm_rows(model, head, prompts=None) -> str:
     if (result is None or head.weight_format == "fp32" or not qgemm.available()
             or getattr(model.decoder, "weight_format", "fp32") == "fp32"):
         return head.lm_rows_format
-    rows = head._target_lm_rows[0]
+    rows = head._lm_rows_by_format["target"]
     key = f"draft-head-lm-rows:{rows.in_features}x{rows.out_features}"
     if key not in result.drafter_weights:
         if prompts is None:
