@@ -96,6 +96,8 @@ def test_the_choice_needs_speed_and_accuracy_and_is_kept(model, monkeypatch):
     monkeypatch.setattr(weights, "measure_head_lm_rows", lambda *a: pytest.fail("timed without prompts"))
     assert weights.tune_head_lm_rows(tuned, head) == "target" and not tuned.tune.drafter_weights   # nothing kept
     monkeypatch.setattr(weights, "greedy_features", lambda m, h, p: [])
+    assert weights.tune_head_lm_rows(tuned, head, list) == "target" and not tuned.tune.drafter_weights  # no prompts
+    monkeypatch.setattr(weights, "greedy_features", lambda m, h, p: [(torch.arange(4), torch.zeros(4, D), 2)])
     cases = [((1.0, 0.7), (0.50, 0.495), "w4a8"),      # faster, within the tolerance
              ((1.0, 0.7), (0.50, 0.48), "target"),     # faster, but drafts worse
              ((1.0, 0.97), (0.50, 0.50), "target")]    # within the timing noise

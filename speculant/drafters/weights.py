@@ -221,7 +221,7 @@ def tune_head_lm_rows(model, head, prompts=None) -> str:
     in ``model.tune`` (``drafter_weights["draft-head-lm-rows:..."]``, saved) and pack ``head``'s rows: ``w4a8`` only
     if faster by more than the tuner's noise (:data:`speculant.runtime.tune.CHOICE_NOISE`) and at most
     :data:`LM_ROWS_TOLERANCE` less accurate; later loads read the kept choice.  Without a tune (a model built in
-    memory) or, where nothing is kept, without ``prompts``, the target's rows are kept, measuring nothing.  Returns
+    memory) or, where nothing is kept, without ``prompts`` (or none), the target's rows are kept, measuring nothing.  Returns
     the rows' format."""
     from ..kernels import qgemm
     from ..runtime import tune
@@ -234,9 +234,15 @@ def tune_head_lm_rows(model, head, prompts=None) -> str:
     if key not in result.drafter_weights:
         if prompts is None:
             return head.lm_rows_format
+        import sys
+        print("speculant: timing the draft head's LM-head rows, the target's and in 4 bits, on this machine (once; kept "
+              "with the tune) ...", file=sys.stderr, flush=True)
+        sequences = greedy_features(model, head, prompts())
+        if not sequences:                                   # nothing to compare the drafts on: the target's rows
+            return head.lm_rows_format
         row = torch.zeros(1, model.decoder.config.hidden_size)
         ms = measure_head_lm_rows(head, lambda: model.decoder.lm_head(row))
-        accuracy = head_lm_rows_accuracy(head, greedy_features(model, head, prompts()))
+        accuracy = head_lm_rows_accuracy(head, sequences)
         faster = ms["w4a8"] < ms["target"] * (1 - tune.CHOICE_NOISE)
         choice = "w4a8" if faster and accuracy["w4a8"] >= accuracy["target"] - LM_ROWS_TOLERANCE else "target"
         result.drafter_weights[key] = {"format": choice, "ms": ms,

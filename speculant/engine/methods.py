@@ -182,9 +182,11 @@ def draft_head_name(method: str, draft_head: str | None, model_name: str) -> str
 
 def fixed_prompts(model: LoadedModel) -> list[list[int]]:
     """Token ids of the acceptance prior's fixed prompts (:data:`~speculant.engine.speculation.PRIOR_PROMPTS`, chat
-    template): what a drafter's tune step may generate from."""
+    template): what a drafter's tune step may generate from; none for a model without a tokenizer."""
     from .prompts import encode_prompt
     from .speculation import PRIOR_PROMPTS
+    if getattr(model, "tokenizer", None) is None:
+        return []
     return [encode_prompt(model.tokenizer, prompt) for prompt in PRIOR_PROMPTS]
 
 
