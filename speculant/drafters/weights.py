@@ -108,13 +108,9 @@ def measure_head_routes(head, evict, repeats: int = ROUTE_REPEATS) -> dict[str, 
     ``fused`` (one C call, :mod:`speculant.kernels.draft_head_step`) and ``torch`` (its modules).
     ``head.use_fused`` is restored."""
     before = head.use_fused
-
-    def route(fused: bool):
-        def put():
-            head.use_fused = fused
-        return put
+    routes = {"fused": lambda: setattr(head, "use_fused", True), "torch": lambda: setattr(head, "use_fused", False)}
     try:
-        return time_head_variants(head, evict, {"fused": route(True), "torch": route(False)}, repeats)
+        return time_head_variants(head, evict, routes, repeats)
     finally:
         head.use_fused = before
 
@@ -176,9 +172,9 @@ def head_lm_rows_accuracy(head, sequences) -> dict[str, float]:
     """The head's teacher-forced top-1 accuracy on the generated tokens of ``sequences`` (:func:`greedy_features`)
     with its LM-head rows in each format (:meth:`DraftHead.pack_lm_rows`): row ``i`` reads the target's feature
     at ``i`` and token ``i + 1`` and drafts token ``i + 2`` (EAGLE's training objective, Li et al. 2024), counted
-    where that token was generated.  The rows' format changes the logits only (the head's features and KV cache
-    are the same), so both formats draft the same rows: a paired comparison.  ``head`` is left reading the rows
-    it read."""
+    where that token was generated.  The rows' format changes the logits only: the head's predicted features are
+    computed once and both formats' rows read them (:meth:`DraftHead.logits`), a paired comparison.  ``head`` is
+    left reading the rows it read."""
     before, hits, total = head.lm_rows_format, {fmt: 0 for fmt in ("target", "w4a8")}, 0
     try:
         with torch.inference_mode():
@@ -187,12 +183,10 @@ def head_lm_rows_accuracy(head, sequences) -> dict[str, float]:
                 want = ids[2:]
                 counted = torch.arange(rows) + 2 >= n0
                 total += int(counted.sum())
+                out, _ = head.step(feats[:rows].to(head.dtype), ids[1:rows + 1], torch.arange(rows), None,
+                                   head.new_cache(rows), 0, 0)
                 for fmt in hits:
-                    head.pack_lm_rows(fmt)
-                    cache = head.new_cache(rows)
-                    _, logits = head.step(feats[:rows].to(head.dtype), ids[1:rows + 1], torch.arange(rows), None,
-                                          cache, 0)
-                    top = logits.argmax(-1)
+                    top = head.pack_lm_rows(fmt).logits(out).argmax(-1)
                     drafted = top if head.vocab_ids is None else head.vocab_ids[top]
                     hits[fmt] += int(((drafted == want) & counted).sum())
     finally:
@@ -221,8 +215,8 @@ def tune_head_lm_rows(model, head, prompts=None) -> str:
     in ``model.tune`` (``drafter_weights["draft-head-lm-rows:..."]``, saved) and pack ``head``'s rows: ``w4a8`` only
     if faster by more than the tuner's noise (:data:`speculant.runtime.tune.CHOICE_NOISE`) and at most
     :data:`LM_ROWS_TOLERANCE` less accurate; later loads read the kept choice.  Without a tune (a model built in
-    memory) or, where nothing is kept, without ``prompts`` (or none), the target's rows are kept, measuring nothing.  Returns
-    the rows' format."""
+    memory), or with nothing kept and no ``prompts`` (or none), the target's rows are kept, measuring nothing.
+    Returns the rows' format."""
     from ..kernels import qgemm
     from ..runtime import tune
     result = getattr(model, "tune", None)

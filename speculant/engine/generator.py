@@ -118,11 +118,11 @@ class SpeculativeGenerator:
     """Generates with a target model, a drafter and a tree builder.
 
     The generator holds configuration only (plus :attr:`last_result`, :attr:`round_timing` and
-    ``acceptance_history``: the long-run
-    acceptance per round context of its greedy generations, from which the next greedy generation's cost-aware rounds
-    start, :class:`~speculant.engine.speculation.RoundSizer`); each call makes its own state, so a call's output
-    depends on its prompt, config and seed alone, whatever ran before or in between (the history changes how many
-    rounds a greedy output takes, never the output; sampled generations neither read nor change it).
+    ``acceptance_history``: the long-run acceptance per round context of its greedy generations, from which the
+    next greedy generation's cost-aware rounds start, :class:`~speculant.engine.speculation.RoundSizer`); each call
+    makes its own state, so a call's output depends on its prompt, config and seed alone, whatever ran before or in
+    between (the history changes how many rounds a greedy output takes, never the output; sampled generations
+    neither read nor change it).
 
     Args:
         model: the target (:func:`speculant.load_model`).
