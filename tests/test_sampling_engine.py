@@ -74,8 +74,12 @@ def test_emitted_law_equals_target_law(model, law, name):
 
 
 def test_broken_rule_fails(model, law, monkeypatch):
-    """Resampling from the target after a rejection (ignoring the residual) is caught by the same test."""
+    """Resampling from the target after a rejection (ignoring the residual) is caught by the same test: in the
+    rule for trees (:func:`rules.residual`) and for a chain's nodes (:func:`rules.sample_residual`, the C kernels'
+    draw where they run)."""
     monkeypatch.setattr(rules, "residual", lambda r, q: r)
+    target_only = rules.sample_residual
+    monkeypatch.setattr(rules, "sample_residual", lambda p, q, ids, g: target_only(p, None, None, g))
     stat, threshold = chi_square(sample(model, METHODS["early-exit"]), law)
     assert stat > threshold, (stat, threshold)
 

@@ -13,10 +13,10 @@ import torch
 from ..drafters.base import DecodingState, Drafter, target_prefill
 from ..models.llama import LlamaDecoder
 from ..sampling.argmax import first_argmax, rows_argmax
-from ..sampling.processors import SamplingConfig, logits_to_probs, sample_categorical
+from ..sampling.processors import SamplingConfig, logits_to_probs
 from ..trees.builders import TreeBuilder
 from ..trees.tree import DraftTree
-from ..verification.rules import greedy_accept
+from ..verification.rules import greedy_accept, sample_residual
 from ..verification.sequence import sampling_accept
 from .controlled import block_rows, controlled_accept, controlled_pick
 from .stats import GenerationStats
@@ -26,7 +26,7 @@ def pick_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.
     """The target's token from fp32 logits ``[V]``: argmax under greedy decoding, else one draw."""
     if sampling.greedy:
         return first_argmax(logits)
-    return int(sample_categorical(logits_to_probs(logits, sampling), generator)[0])
+    return sample_residual(logits_to_probs(logits, sampling), None, None, generator)
 
 
 def prefill(target: LlamaDecoder, drafter: Drafter, prompt_ids: list[int], cache_length: int,

@@ -1,4 +1,4 @@
-"""Build and load our C kernels (``qgemm.c``, ``attention.c``, ``decode_step.c``) on the machine at hand, once per machine.
+"""Build and load our C kernels (``qgemm.c``, ``attention.c``, ``decode_step.c``, ``sampling.c``) on the machine at hand, once per machine.
 
 The sources are compiled with the C compiler inductor uses (``$CC``, ``cc``, ``gcc`` or ``clang``;
 ``-O3 -mavx2 -mfma -fopenmp -ffp-contract=off``, never ``-ffast-math``, which would let the compiler reorder sums;
@@ -44,7 +44,8 @@ from ..cpu import cpu_flags
 from ..errors import SpeculantError
 from ..paths import cache_root
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("qgemm.c", "attention.c", "decode_step.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("qgemm.c", "attention.c", "decode_step.c",
+                                                                 "sampling.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("simd.h", "kernels.h", "qgemm_pairs.h", "qgemm_amx.h"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mprefer-vector-width=256")
@@ -500,6 +501,12 @@ def load_variant(isa: str, cc: str | None = None) -> ctypes.CDLL:
     lib.spec_draft_head.restype = ctypes.c_int
     lib.spec_rms_norm.argtypes = [p, p, i, i, ctypes.c_float, p]
     lib.spec_rms_norm.restype = None
+    lib.spec_softmax_rows.argtypes = [p, i, i, ctypes.c_float, p]
+    lib.spec_softmax_rows.restype = None
+    lib.spec_draw.argtypes = [p, i, p, p, i, ctypes.c_double, p]
+    lib.spec_draw.restype = i
+    lib.spec_find.argtypes = [p, i, i]
+    lib.spec_find.restype = i
     lib.spec_set_pair_rows.argtypes = [i]
     lib.spec_set_pair_rows.restype = None
     lib.spec_pair_rows.restype = i

@@ -23,6 +23,29 @@ a smaller temperature overflows fp32 (1e-39 and 1e-45 are subnormal) and the lim
 the argmax anyway (up to exact ties)."""
 
 
+_ROW_KERNELS = None
+"""The installed row kernels (:func:`install_row_kernels`), or ``None``: torch's operations."""
+
+
+def install_row_kernels(kernels) -> None:
+    """Run the temperature softmax of :func:`logits_to_probs`, the draws of :func:`sample_categorical` and
+    :func:`speculant.verification.rules.sample_residual` with ``kernels`` wherever they take the row, from now on
+    in this process (``None``: torch's operations again).  The runtime installs its C ones
+    (:mod:`speculant.kernels.sampling`) when it is imported: the same laws, computed in one call per row (float
+    rounding may differ from torch's in the last bits).
+
+    ``kernels`` has ``usable(t) -> bool``, ``softmax_rows(logits [..., V], temperature) -> [..., V]`` and
+    ``draw(p [V], u, q=None, ids=None) -> int`` (one inverse-CDF draw of ``norm(max(0, p - q))``).
+    """
+    global _ROW_KERNELS
+    _ROW_KERNELS = kernels
+
+
+def row_kernels(t: torch.Tensor):
+    """The installed row kernels if they take ``t`` as it is (else ``None``)."""
+    return _ROW_KERNELS if _ROW_KERNELS is not None and t.dim() >= 1 and _ROW_KERNELS.usable(t) else None
+
+
 def is_greedy(temperature: float) -> bool:
     """True when ``temperature`` means greedy decoding (``< GREEDY_TEMPERATURE``, 0 included)."""
     return temperature < GREEDY_TEMPERATURE
@@ -109,13 +132,17 @@ def _checked_bias(bias) -> dict[int, float]:
 
 def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """Processed distribution ``[..., V]`` (fp32, rows sum to 1) from logits ``[..., V]``: temperature, then
-    min-p, top-k, top-p (vLLM's order).
+    min-p, top-k, top-p (vLLM's order).  Temperature alone is one call of the installed row kernels where they
+    take ``logits`` (:func:`install_row_kernels`).
 
     Greedy configs give the one-hot vector of the argmax.
     """
     logits = logits.float()
     if cfg.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    if cfg.min_p == 0.0 and not (cfg.top_k and cfg.top_k < logits.shape[-1]) and cfg.top_p >= 1.0 \
+            and row_kernels(logits) is not None:
+        return _ROW_KERNELS.softmax_rows(logits, cfg.temperature)  # temperature only: one C call
     logits = logits / cfg.temperature
     if cfg.min_p > 0.0:
         logits = _min_p(logits, cfg.min_p)
@@ -160,14 +187,24 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None, num_samples: int = 1) -> torch.Tensor:
-    """Token ids ``[..., num_samples]`` drawn *with replacement* from ``probs`` ``[..., V]`` (need not be normalised).
+    """Token ids ``[..., num_samples]`` (int64) drawn *with replacement* from ``probs`` ``[..., V]`` (need not be
+    normalised; a row of zeros gives ``V - 1``).
 
-    Inverse-CDF sampling with one uniform per draw and a float64 cumulative sum: token i is drawn when
-    ``u * total`` falls in ``[c_{i-1}, c_i)``, an interval of length ``p_i`` (zero-probability tokens have an
-    empty one).  ``torch.multinomial`` draws one exponential per vocabulary entry for a single sample
-    (measured ~50x slower for a 49k vocabulary).
+    Inverse-CDF sampling with one float64 uniform ``u`` per draw from ``generator``: token i is drawn when
+    ``u * total`` falls in ``[c_{i-1}, c_i)`` of the float64 cumulative sums, an interval of length ``p_i``
+    (zero-probability tokens have an empty one).  Rows the installed row kernels take (:func:`install_row_kernels`)
+    are one call per draw (block sums, then one block's entries); others a float64 ``cumsum`` and ``searchsorted``.  ``torch.multinomial`` would draw one exponential per vocabulary entry for a
+    single sample.
     """
-    cdf = probs.double().cumsum(-1)
     u = torch.rand(*probs.shape[:-1], num_samples, generator=generator, dtype=torch.float64, device=probs.device)
+    kernels = row_kernels(probs)
+    if kernels is not None:
+        if u.numel() == 1:
+            return torch.tensor(kernels.draw(probs.reshape(-1), float(u))).reshape(u.shape)
+        rows = probs.reshape(-1, probs.shape[-1])
+        draws = u.reshape(rows.shape[0], num_samples).tolist()
+        return torch.tensor([[kernels.draw(row, d) for d in ds] for row, ds in zip(rows, draws)],
+                            dtype=torch.long).reshape(u.shape)
+    cdf = probs.double().cumsum(-1)
     idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)
     return idx.clamp_max(probs.shape[-1] - 1)

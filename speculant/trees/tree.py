@@ -138,6 +138,25 @@ class DraftTree:
             self.draft_probs[entry] = q
         return q
 
+    def draft_entry(self, entry: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The draft distribution block entry ``entry``'s children were sampled from, as recorded, without expanding
+        it: ``(q [V], None)``, ``(q [V'], vocab_ids [V'])`` (zero outside ``vocab_ids``), or ``(None, None)``."""
+        q = self.draft_probs.get(entry)
+        sparse = self._draft_vocab.get(entry)
+        return q, (sparse[0] if sparse is not None and q is not None else None)
+
+    def draft_prob(self, entry: int, token: int) -> torch.Tensor:
+        """``q(token)`` in block entry ``entry``'s draft distribution, a 1-element tensor of ``q``'s dtype (0 where
+        nothing is recorded or ``token`` is outside a reduced vocabulary): :meth:`draft_row` ``[token]`` without
+        expanding a reduced row (its column through a token -> column map kept for the last ``vocab_ids``)."""
+        q, ids = self.draft_entry(entry)
+        if q is None:
+            return torch.zeros(1)
+        if ids is None:
+            return q[token:token + 1]
+        col = _columns(ids).get(token)
+        return q[col:col + 1] if col is not None else q.new_zeros(1)
+
     @property
     def draft_vocab_size(self) -> int | None:
         """``V`` of the recorded draft distributions (``None`` when none is recorded)."""
@@ -186,3 +205,14 @@ class DraftTree:
             path.append(node)
             node = self.parents[node]
         return path[::-1]
+
+
+_COLUMNS: tuple[torch.Tensor, dict[int, int]] | None = None
+
+
+def _columns(ids: torch.Tensor) -> dict[int, int]:
+    """Token id -> column of ``ids`` ``[V']`` (a drafter passes the same tensor every round: kept for the last one)."""
+    global _COLUMNS
+    if _COLUMNS is None or _COLUMNS[0] is not ids:
+        _COLUMNS = (ids, {t: c for c, t in enumerate(ids.tolist())})
+    return _COLUMNS[1]

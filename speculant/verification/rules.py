@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from ..sampling.processors import sample_categorical
+from ..sampling.processors import row_kernels, sample_categorical
 from ..trees.tree import DraftTree
 
 
@@ -63,6 +63,30 @@ def remove_token(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """
     q = q.scatter(-1, x.unsqueeze(-1), 0.0)
     return q / q.sum(-1, keepdim=True).clamp_min(1e-30)
+
+
+def sample_residual(p: torch.Tensor, q: torch.Tensor | None, vocab_ids: torch.Tensor | None,
+                    generator: torch.Generator | None) -> int:
+    """One token of the residual distribution ``norm(max(0, p - q))`` (Leviathan et al. 2023, Alg. 1; ``p`` where
+    it is zero everywhere, as :func:`residual`), or of ``p`` when ``q`` is ``None``, with one float64 uniform of
+    ``generator`` (as :func:`~speculant.sampling.processors.sample_categorical`).
+
+    Args:
+        p: the target's distribution ``[V]`` (need not be normalised).
+        q: the draft distribution ``[V]``, or ``[V']`` over the token ids ``vocab_ids`` ``[V']`` (zero elsewhere).
+    Returns:
+        the token id.  Rows the installed row kernels take are one call, with no ``[V]`` residual written
+        (:func:`~speculant.sampling.processors.install_row_kernels`); others :func:`residual` then the draw.
+    """
+    kernels = row_kernels(p)
+    if kernels is not None and (q is None or row_kernels(q) is not None):
+        u = float(torch.rand(1, generator=generator, dtype=torch.float64))
+        return kernels.draw(p, u, q, vocab_ids)
+    if q is not None:
+        if vocab_ids is not None:
+            q = q.new_zeros(p.shape[-1]).index_copy_(0, vocab_ids, q)
+        p = residual(p[None], q[None])[0]
+    return int(sample_categorical(p, generator)[0])
 
 
 RowSource = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
@@ -153,10 +177,22 @@ def recursive_rejection_sampling(tree: DraftTree, p: torch.Tensor | Callable[[in
     vocab = tree.draft_vocab_size
     entry, path = 0, []
     while True:
+        kids = tree.children[entry]
+        if len(kids) <= 1:                      # a leaf or a chain's node: no sibling proposal, no [V] draft row
+            r = p(entry) if callable(p) else p[entry]
+            if not kids:
+                return path, sample_residual(r, None, None, generator)
+            x = tree.tokens[kids[0]]
+            qx, rx = tree.draft_prob(entry, x), r[x:x + 1]                  # 1-d: the batch rule's dtypes
+            u = torch.rand(1, generator=generator)
+            if bool((qx > 0) & (u * qx < rx)):
+                path.append(kids[0])
+                entry = kids[0] + 1
+                continue
+            return path, sample_residual(r, *tree.draft_entry(entry), generator)
         r = (p(entry) if callable(p) else p[entry])[None]                  # [1, V]: the batch rule's row
         big_q = tree.draft_row(entry)
         big_q = big_q[None] if big_q is not None else torch.zeros(1, vocab or 1)
-        kids = tree.children[entry]
         accepted = -1
         for j, child in enumerate(kids):
             x = tree.tokens[child]
