@@ -240,3 +240,18 @@ def test_the_one_tree_rule_draws_what_the_batch_rule_draws(without_replacement):
             assert (path, token) == (path_b[0].tolist(), int(token_b[0])), case
             outcomes.add((len(path), len(tree) > 0))
     assert {(0, True), (1, True), (2, True)} <= outcomes, outcomes    # rejections and accepted depths both seen
+
+
+def test_chain_accept_test_through_numpy_equals_torch():
+    """The chain node's accept test on float32 rows (numpy float32 scalars) decides as the batch rule's 1-element
+    torch operations do, ties ``u * q(x) == p(x)`` and ``q(x) = 0`` included; float64 rows keep torch's."""
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.float64):
+        for case in range(3000):
+            u = torch.rand(1, generator=g)
+            qx = torch.rand(1, generator=g) * (case % 7 != 0)
+            r = torch.rand(5, generator=g, dtype=dtype)
+            if case % 5 == 0:
+                r[2] = (u * qx).to(dtype)[0]                                    # an exact tie
+            want = bool((qx > 0) & (u * qx < r[2:3]))
+            assert rules._accepts(u, qx.to(torch.float32), r, 2) == want, (dtype, case)

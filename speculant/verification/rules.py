@@ -161,6 +161,16 @@ def recursive_rejection_sampling_batch(tokens: torch.Tensor, children: torch.Ten
     return path_t, token
 
 
+def _accepts(u: torch.Tensor, qx: torch.Tensor, r: torch.Tensor, x: int) -> bool:
+    """``q(x) > 0 and u * q(x) < r(x)`` for 1-element ``u`` and ``qx`` and a row ``r`` ``[V]``, in the batch rule's
+    dtypes; float32 CPU tensors through numpy float32 scalars (the same IEEE operations, without four small torch
+    calls)."""
+    if u.dtype == qx.dtype == r.dtype == torch.float32 and r.device.type == "cpu" and not r.requires_grad:
+        qv = qx.numpy()[0]
+        return bool(qv > 0 and u.numpy()[0] * qv < r.numpy()[x])
+    return bool((qx > 0) & (u * qx < r[x:x + 1]))
+
+
 def recursive_rejection_sampling(tree: DraftTree, p: torch.Tensor | Callable[[int], torch.Tensor],
                                  generator: torch.Generator | None,
                                  without_replacement: bool = True) -> tuple[list[int], int]:
@@ -183,9 +193,7 @@ def recursive_rejection_sampling(tree: DraftTree, p: torch.Tensor | Callable[[in
             if not kids:
                 return path, sample_residual(r, None, None, generator)
             x = tree.tokens[kids[0]]
-            qx, rx = tree.draft_prob(entry, x), r[x:x + 1]                  # 1-d: the batch rule's dtypes
-            u = torch.rand(1, generator=generator)
-            if bool((qx > 0) & (u * qx < rx)):
+            if _accepts(torch.rand(1, generator=generator), tree.draft_prob(entry, x), r, x):
                 path.append(kids[0])
                 entry = kids[0] + 1
                 continue
