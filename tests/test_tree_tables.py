@@ -1,5 +1,5 @@
 """DraftTree's tables (ancestor mask, depths, children) against a reference made from its parents, for chains whose
-tables are written only when read or when a node branches."""
+tables are written only when read or when a node branches; and a draft row's entry read without expanding it."""
 
 import torch
 
@@ -65,3 +65,28 @@ def test_a_chain_grown_after_a_read_keeps_its_tables():
         tree.add(i - 1, i)
         check(tree)
     assert tree.is_chain
+
+
+def test_draft_prob_equals_the_expanded_row():
+    """``DraftTree.draft_prob(entry, token)`` is ``draft_row(entry)[token]`` for full rows, reduced rows (small ids
+    searched, large ones mapped, the two kinds alternating as in ``eagle-lookup``), tokens outside the reduced
+    vocabulary and entries with no row — and reading it expands nothing."""
+    g = torch.Generator().manual_seed(0)
+    vocab = 300
+    large = torch.randperm(vocab, generator=g)[:40]
+    for case in range(60):
+        tree = DraftTree()
+        kind = case % 3
+        if kind == 0:
+            q = torch.rand(vocab, generator=g)
+            tree.set_draft_probs(-1, q / q.sum())
+        else:
+            ids = large if kind == 1 else torch.randperm(vocab, generator=g)[:3]
+            q = torch.rand(ids.shape[0], generator=g)
+            tree.set_draft_probs(-1, q / q.sum(), ids, vocab)
+        tree.add(-1, 5)
+        tokens = torch.randint(0, vocab, (20,), generator=g).tolist() + (ids.tolist() if kind else [])
+        got = [float(tree.draft_prob(0, t)) for t in tokens] + [float(tree.draft_prob(1, 7))]
+        assert kind == 0 or 0 in tree._draft_vocab                       # nothing expanded
+        row = tree.draft_row(0)
+        assert got == [float(row[t]) for t in tokens] + [0.0], case

@@ -62,7 +62,7 @@ def draw(p: torch.Tensor, u: float, q: torch.Tensor | None = None, ids: torch.Te
     q = q.contiguous()
     if ids is None:
         return lib.spec_draw(p.data_ptr(), v, q.data_ptr(), None, v, u, None)
-    ids = ids.contiguous()
+    ids = ids.to(torch.int64).contiguous()
     scratch = torch.empty(v)
     return lib.spec_draw(p.data_ptr(), v, q.data_ptr(), ids.data_ptr(), ids.shape[0], u, scratch.data_ptr())
 

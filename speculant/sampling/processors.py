@@ -193,8 +193,8 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None, n
     Inverse-CDF sampling with one float64 uniform ``u`` per draw from ``generator``: token i is drawn when
     ``u * total`` falls in ``[c_{i-1}, c_i)`` of the float64 cumulative sums, an interval of length ``p_i``
     (zero-probability tokens have an empty one).  Rows the installed row kernels take (:func:`install_row_kernels`)
-    are one call per draw (block sums, then one block's entries); others a float64 ``cumsum`` and ``searchsorted``.  ``torch.multinomial`` would draw one exponential per vocabulary entry for a
-    single sample.
+    are one call per draw (block sums, then one block's entries); others a float64 ``cumsum`` and
+    ``searchsorted``.  ``torch.multinomial`` would draw one exponential per vocabulary entry for a single sample.
     """
     u = torch.rand(*probs.shape[:-1], num_samples, generator=generator, dtype=torch.float64, device=probs.device)
     kernels = row_kernels(probs)

@@ -148,13 +148,17 @@ class DraftTree:
     def draft_prob(self, entry: int, token: int) -> torch.Tensor:
         """``q(token)`` in block entry ``entry``'s draft distribution, a 1-element tensor of ``q``'s dtype (0 where
         nothing is recorded or ``token`` is outside a reduced vocabulary): :meth:`draft_row` ``[token]`` without
-        expanding a reduced row (its column through a token -> column map kept for the last ``vocab_ids``)."""
+        expanding a reduced row (its column through a token -> column map kept for the last large ``vocab_ids``)."""
         q, ids = self.draft_entry(entry)
         if q is None:
             return torch.zeros(1)
         if ids is None:
             return q[token:token + 1]
-        col = _columns(ids).get(token)
+        if ids.shape[0] <= _SCANNED:                    # a point mass (prompt lookup's [1] over its token), say
+            listed = ids.tolist()
+            col = listed.index(token) if token in listed else None
+        else:
+            col = _columns(ids).get(token)
         return q[col:col + 1] if col is not None else q.new_zeros(1)
 
     @property
@@ -207,6 +211,9 @@ class DraftTree:
         return path[::-1]
 
 
+_SCANNED = 16
+"""Reduced vocabularies up to this many ids are searched in a list, not mapped: a drafter that makes a new small one
+per node (prompt lookup) does not evict the map of a head's one large one (``eagle-lookup`` alternates them)."""
 _COLUMNS: tuple[torch.Tensor, dict[int, int]] | None = None
 
 

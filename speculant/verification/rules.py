@@ -176,7 +176,10 @@ def recursive_rejection_sampling(tree: DraftTree, p: torch.Tensor | Callable[[in
                                  without_replacement: bool = True) -> tuple[list[int], int]:
     """:func:`recursive_rejection_sampling_batch` for one tree: the same rule, the same random draws and the same
     float operations on the rows it visits, without the batch's masks and full-vocabulary selects (a
-    sequence's rounds take this one; ``tests/test_sampling_rules.py`` holds the two equal).
+    sequence's rounds take this one; ``tests/test_sampling_rules.py`` holds the two equal).  A node with one child
+    (a chain's) reads ``q(x)`` without expanding a reduced draft row, and on a rejection draws from the residual
+    at once (:func:`sample_residual`: in one call of the installed row kernels where they take the rows, the
+    same law with another float rounding).
 
     Args:
         p: the target's processed distributions ``[N + 1, V]``, or a callable mapping a block entry to
