@@ -45,6 +45,8 @@ def test_softmax_equals_torch(v, temperature):
     # (x down to -87, where exp underflows), i.e. ~5e-6
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-12)
     assert got.shape == logits.shape and (got[0, 1] == 0 if v > 2 else True)
+    forbidden = torch.full((1, v), float("-inf"))                       # every token forbidden: NaNs, as torch's
+    assert torch.isnan(kernels.softmax_rows(forbidden, temperature)).all()
 
 
 def rows(v: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

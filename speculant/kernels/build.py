@@ -1,4 +1,5 @@
-"""Build and load our C kernels (``qgemm.c``, ``attention.c``, ``decode_step.c``, ``sampling.c``) on the machine at hand, once per machine.
+"""Build and load our C kernels (``qgemm.c``, ``attention.c``, ``decode_step.c``, ``sampling.c``) on the machine at
+hand, once per machine.
 
 The sources are compiled with the C compiler inductor uses (``$CC``, ``cc``, ``gcc`` or ``clang``;
 ``-O3 -mavx2 -mfma -fopenmp -ffp-contract=off``, never ``-ffast-math``, which would let the compiler reorder sums;
@@ -505,8 +506,6 @@ def load_variant(isa: str, cc: str | None = None) -> ctypes.CDLL:
     lib.spec_softmax_rows.restype = None
     lib.spec_draw.argtypes = [p, i, p, p, i, ctypes.c_double, p]
     lib.spec_draw.restype = i
-    lib.spec_find.argtypes = [p, i, i]
-    lib.spec_find.restype = i
     lib.spec_set_pair_rows.argtypes = [i]
     lib.spec_set_pair_rows.restype = None
     lib.spec_pair_rows.restype = i

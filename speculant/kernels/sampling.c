@@ -10,7 +10,6 @@
  *                       with the uniform u: token i when u * total falls in [c_{i-1}, c_i) (Leviathan et al. 2023,
  *                       Alg. 1's residual; a row of zeros after the subtraction draws from p itself, as
  *                       speculant.verification.rules.residual keeps r where r == q)
- *   spec_find:          the index of a token in an id list (-1 if absent)
  */
 #include <immintrin.h>
 #include <math.h>
@@ -34,7 +33,8 @@ static inline double hsum4d(__m256d v) {
 }
 
 /* out [rows, V] = softmax(logits [rows, V] * inv_temp), row by row: max, exp(x - max) (simd.h's polynomial), a
- * float64 sum, a multiply by 1 / sum.  inv_temp > 0.  Logits of -inf give 0; a row of -inf (or a NaN) gives NaNs. */
+ * float64 sum, a multiply by 1 / sum.  inv_temp > 0.  Logits of -inf give 0; a row of -inf gives NaNs (torch's
+ * softmax does; a drafter reads such a row as proposing nothing).  Logits must not be NaN. */
 void spec_softmax_rows(const float *logits, int64_t rows, int64_t V, float inv_temp, float *out) {
     const __m256 it = _mm256_set1_ps(inv_temp);
     for (int64_t r = 0; r < rows; r++) {
@@ -48,6 +48,10 @@ void spec_softmax_rows(const float *logits, int64_t rows, int64_t V, float inv_t
         _mm256_storeu_ps(lanes, vmax);
         for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
         for (; i < V; i++) m = l[i] > m ? l[i] : m;
+        if (!(m > -INFINITY)) {                       /* every logit -inf: NaNs, as torch.softmax gives */
+            for (i = 0; i < V; i++) o[i] = NAN;
+            continue;
+        }
         const __m256 vm = _mm256_set1_ps(m);
         __m256d acc = _mm256_setzero_pd();
         double tail = 0.0;
@@ -67,13 +71,6 @@ void spec_softmax_rows(const float *logits, int64_t rows, int64_t V, float inv_t
         for (i = 0; i + 8 <= V; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), vi));
         for (; i < V; i++) o[i] *= inv;
     }
-}
-
-/* Index of x in ids [n] (the first), or -1. */
-int64_t spec_find(const int64_t *ids, int64_t n, int64_t x) {
-    for (int64_t i = 0; i < n; i++)
-        if (ids[i] == x) return i;
-    return -1;
 }
 
 /* The residual's entry i: max(0, p_i - q_i) where q is dense (qd != NULL), p_i where it is absent. */

@@ -3,10 +3,11 @@
 A sampled decoding round reads a few vocabulary rows between two target forwards: the processed distribution of
 each row the acceptance rule visits, a draw from it or from a residual distribution.  As torch operations these
 are several passes and allocations per row, each slow right after a forward has streamed the weights through the
-caches; here each is one call on the calling thread.  What runs them: :func:`speculant.sampling.processors.logits_to_probs`
-(temperature only), :func:`~speculant.sampling.processors.sample_categorical` and the chain rule
-:func:`speculant.verification.rules.chain_rejection_sampling`.  Where the kernels cannot run (:func:`available`),
-those keep their torch code.
+caches; here each is one call on the calling thread.  The runtime installs them under
+:func:`speculant.sampling.processors.logits_to_probs` (temperature only),
+:func:`~speculant.sampling.processors.sample_categorical` and :func:`speculant.verification.rules.sample_residual`
+(the target's token of every sampled round, a chain node's residual); where the kernels cannot run
+(:func:`available`), those keep their torch code.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def usable(t: torch.Tensor) -> bool:
 
 def softmax_rows(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """``softmax(logits / temperature)`` over the last dimension: float32 logits ``[..., V]`` (CPU) -> a new float32
-    tensor of the same shape, rows summing to 1 (float64 sum; exp by a polynomial of relative error ~2e-7).
+    tensor of the same shape, rows summing to 1 (float64 sum; exp by a polynomial of relative error ~2e-7); a row
+    of ``-inf`` gives NaNs, as ``torch.softmax`` does.
 
     Raises:
         ValueError: ``temperature`` is not positive.
@@ -66,7 +68,3 @@ def draw(p: torch.Tensor, u: float, q: torch.Tensor | None = None, ids: torch.Te
     scratch = torch.empty(v)
     return lib.spec_draw(p.data_ptr(), v, q.data_ptr(), ids.data_ptr(), ids.shape[0], u, scratch.data_ptr())
 
-
-def find(ids: torch.Tensor, token: int) -> int:
-    """Position of ``token`` in the int64 ids ``[V']`` (CPU, contiguous; the first), or -1."""
-    return build.load().spec_find(ids.data_ptr(), ids.shape[0], token)
