@@ -220,6 +220,7 @@ _COLUMNS: tuple[torch.Tensor, dict[int, int]] | None = None
 def _columns(ids: torch.Tensor) -> dict[int, int]:
     """Token id -> column of ``ids`` ``[V']`` (a drafter passes the same tensor every round: kept for the last one)."""
     global _COLUMNS
-    if _COLUMNS is None or _COLUMNS[0] is not ids:
-        _COLUMNS = (ids, {t: c for c, t in enumerate(ids.tolist())})
-    return _COLUMNS[1]
+    kept = _COLUMNS                     # read once: another thread may replace it with another vocabulary's map
+    if kept is None or kept[0] is not ids:
+        kept = _COLUMNS = (ids, {t: c for c, t in enumerate(ids.tolist())})
+    return kept[1]
